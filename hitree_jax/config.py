@@ -1,0 +1,136 @@
+"""ModelConfig: the static description of a Llama-family model.
+
+Frozen and hashable so it can be a static argument of `jax.jit`: one compiled
+program per configuration, never a retrace because a dict changed identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+SUPPORTED_ROPE_SCALING = ("linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  rms_norm_eps: float = 1e-5
+  max_position_embeddings: int = 2048
+  tie_word_embeddings: bool = False
+  # HF `rope_scaling`, frozen as sorted (key, value) pairs so the config hashes.
+  rope_scaling: tuple[tuple[str, Any], ...] | None = None
+  bos_token_id: int | None = 1
+  eos_token_id: int | None = 2
+  dtype: str = "float32"  # parameter / activation dtype: "float32" or "bfloat16"
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"dtype={self.dtype!r}: expected 'float32' or 'bfloat16'")
+    if self.rope_scaling is not None:
+      kind = self.rope_scaling_dict.get("rope_type", self.rope_scaling_dict.get("type"))
+      if kind not in SUPPORTED_ROPE_SCALING and kind != "default":
+        raise ValueError(
+            f"rope_scaling type {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}")
+
+  @property
+  def rope_scaling_dict(self) -> dict[str, Any]:
+    return dict(self.rope_scaling or ())
+
+  @property
+  def queries_per_kv(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d["rope_scaling"] = self.rope_scaling_dict or None
+    return d
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+    d = dict(d)
+    d["rope_scaling"] = _freeze_rope_scaling(d.get("rope_scaling"))
+    return cls(**d)
+
+  @classmethod
+  def from_hf(cls, hf: Mapping[str, Any], dtype: str = "float32") -> "ModelConfig":
+    """Builds a config from an HF `config.json` dict (LlamaForCausalLM)."""
+    num_heads = hf["num_attention_heads"]
+    # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older
+    # config.json files write `rope_theta` and `rope_scaling`.
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    if rope.get("rope_type", rope.get("type", "default")) == "default":
+      rope = {}
+    eos = hf.get("eos_token_id", 2)
+    if isinstance(eos, (list, tuple)):
+      eos = eos[0]
+    return cls(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        rope_theta=float(rope_theta),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_scaling=_freeze_rope_scaling(rope),
+        bos_token_id=hf.get("bos_token_id", 1),
+        eos_token_id=eos,
+        dtype=dtype,
+    )
+
+  @classmethod
+  def from_gguf_metadata(cls, meta: Mapping[str, Any], dtype: str = "float32",
+                         tied: bool = True) -> "ModelConfig":
+    """Builds a config from GGUF key/values (architecture `llama`)."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+      raise ValueError(f"GGUF architecture {arch!r} is not supported; expected 'llama'")
+    g = lambda key, default=None: meta.get(f"llama.{key}", default)
+    hidden = int(g("embedding_length"))
+    num_heads = int(g("attention.head_count"))
+    scaling = None
+    if g("rope.scaling.type") not in (None, "none"):
+      scaling = {"rope_type": g("rope.scaling.type"), "factor": float(g("rope.scaling.factor"))}
+    return cls(
+        vocab_size=int(g("vocab_size") or len(meta["tokenizer.ggml.tokens"])),
+        hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")),
+        num_layers=int(g("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(g("attention.head_count_kv", num_heads)),
+        head_dim=int(g("rope.dimension_count", hidden // num_heads)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(g("context_length", 2048)),
+        tie_word_embeddings=tied,
+        rope_scaling=_freeze_rope_scaling(scaling),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        dtype=dtype,
+    )
+
+
+def _freeze_rope_scaling(scaling: Mapping[str, Any] | None):
+  if not scaling:
+    return None
+  return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items()))

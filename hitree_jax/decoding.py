@@ -1,0 +1,233 @@
+"""Prompt batching, chunked prefill and the `ar` (autoregressive) decoder.
+
+Prefill is a host loop over fixed-size chunks (one compiled program whatever
+the prompt length; a long prompt never materialises a P x P score matrix).
+Decoding is one jitted `lax.while_loop`: the host launches it once and reads
+the finished tokens. Rows of a batch have their own prompt length and cache
+cursor, so prompts of different lengths decode side by side.
+
+Programs are compiled ahead of time (`jit(...).lower(...).compile()`) and
+memoised by shape, so compile time is measured apart from run time and a
+second generation of the same shape bucket compiles nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hitree_jax.config import ModelConfig
+from hitree_jax.kv_cache import KVCache, causal_attend
+from hitree_jax.model import forward, hidden_states, logits_from_hidden
+from hitree_jax.sampling import SamplingParams, sample
+
+CACHE_BUCKET = 256   # cache slots are rounded up to this, so nearby prompt lengths share programs
+MAX_PREFILL_CHUNK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+  tokens: np.ndarray   # [B, P] int32, right-padded
+  lengths: np.ndarray  # [B] int32
+
+  @property
+  def batch(self) -> int:
+    return self.tokens.shape[0]
+
+
+def make_batch(prompts: Sequence[Sequence[int]], config: ModelConfig,
+               max_new_tokens: int) -> PromptBatch:
+  """Validates prompts (lists of token ids, lengths may differ) and pads them."""
+  if isinstance(prompts, np.ndarray) and prompts.ndim != 2:
+    raise ValueError(f"prompts array must be [batch, length]; got shape {prompts.shape}")
+  if len(prompts) == 0:
+    raise ValueError("no prompts given")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+  rows = []
+  for i, p in enumerate(prompts):
+    p = np.asarray(p)
+    if p.ndim != 1:
+      raise ValueError(f"prompt {i} must be a flat list of token ids; got shape {p.shape}")
+    if p.size == 0:
+      raise ValueError(f"prompt {i} is empty")
+    if not np.issubdtype(p.dtype, np.integer):
+      raise ValueError(f"prompt {i} has dtype {p.dtype}; token ids must be integers")
+    bad = p[(p < 0) | (p >= config.vocab_size)]
+    if bad.size:
+      raise ValueError(f"prompt {i} has token id {int(bad[0])} outside the vocabulary "
+                       f"[0, {config.vocab_size})")
+    total = p.size + max_new_tokens
+    if total > config.max_position_embeddings:
+      raise ValueError(
+          f"prompt {i} has {p.size} tokens; with max_new_tokens={max_new_tokens} that is "
+          f"{total} > the model's context of {config.max_position_embeddings}")
+    rows.append(p.astype(np.int32))
+  lengths = np.array([r.size for r in rows], np.int32)
+  tokens = np.zeros((len(rows), lengths.max()), np.int32)
+  for i, r in enumerate(rows):
+    tokens[i, :r.size] = r
+  return PromptBatch(tokens, lengths)
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def prefill_chunk_size(prompt_len: int) -> int:
+  """Power of two >= 16 covering short prompts, capped at MAX_PREFILL_CHUNK."""
+  return min(MAX_PREFILL_CHUNK, max(16, 1 << math.ceil(math.log2(prompt_len))))
+
+
+def cache_slots(prompt_len: int, max_new_tokens: int, extra: int = 0) -> int:
+  return round_up(prompt_len + max_new_tokens + extra, CACHE_BUCKET)
+
+
+class _Compiled:
+  """Memo of AOT-compiled programs, with the time spent compiling."""
+
+  def __init__(self):
+    self._programs = {}
+    self.compile_s = 0.0
+    self.compiles = 0
+
+  def get(self, key, jitted, *example_args):
+    if key not in self._programs:
+      start = time.perf_counter()
+      self._programs[key] = jitted.lower(*example_args).compile()
+      self.compile_s += time.perf_counter() - start
+      self.compiles += 1
+    return self._programs[key]
+
+
+COMPILED = _Compiled()
+
+
+def _shape_key(tree) -> tuple:
+  return tuple((x.shape, str(x.dtype)) if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
+               for x in jax.tree.leaves(tree))
+
+
+@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(2,))
+def _prefill_chunk(params, config: ModelConfig, cache: KVCache, tokens, start, lengths,
+                   last_hidden):
+  """Runs prompt tokens [B, C] at slots start..start+C-1; keeps each row's last-token hidden."""
+  batch, chunk = tokens.shape
+  write_at = jnp.full((batch,), start, jnp.int32)
+  positions = write_at[:, None] + jnp.arange(chunk)[None, :]
+  attend = causal_attend(write_at, chunk, cache.max_len)
+  hidden, cache = hidden_states(params, config, tokens, positions, cache, attend, write_at)
+  index = lengths - 1 - start                                      # [B]
+  picked = jnp.take_along_axis(hidden, jnp.clip(index, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+  in_chunk = (index >= 0) & (index < chunk)
+  return cache, jnp.where(in_chunk[:, None], picked, last_hidden)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _last_logits(params, config: ModelConfig, last_hidden):
+  return logits_from_hidden(params, config, last_hidden)
+
+
+def prefill(params, config: ModelConfig, cache: KVCache, batch: PromptBatch):
+  """Fills the cache with the prompts; returns (logits [B, V] of each last prompt token, cache)."""
+  chunk = prefill_chunk_size(int(batch.lengths.max()))
+  padded = round_up(batch.tokens.shape[1], chunk)
+  tokens = np.zeros((batch.batch, padded), np.int32)
+  tokens[:, :batch.tokens.shape[1]] = batch.tokens
+  lengths = jnp.asarray(batch.lengths)
+  last_hidden = jnp.zeros((batch.batch, config.hidden_size), jnp.dtype(config.dtype))
+  args = (params, config, cache, tokens[:, :chunk], jnp.int32(0), lengths, last_hidden)
+  step = COMPILED.get(("prefill", config, _shape_key(args)), _prefill_chunk, *args)
+  for start in range(0, padded, chunk):
+    cache, last_hidden = step(params, cache, tokens[:, start:start + chunk], jnp.int32(start),
+                              lengths, last_hidden)
+  logits_fn = COMPILED.get(("logits", config, _shape_key((params, last_hidden))), _last_logits,
+                           params, config, last_hidden)
+  return logits_fn(params, last_hidden), cache.replace(lengths=lengths)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 5), donate_argnums=(2,))
+def _ar_loop(params, config: ModelConfig, cache: KVCache, first_logits, sampling: SamplingParams,
+             max_new_tokens: int, eos_id, key):
+  """The whole autoregressive decode as one while_loop.
+
+  Returns (tokens [B, N] (-1 after EOS), n_tokens [B], cache).
+  """
+  batch = first_logits.shape[0]
+  key, sub = jax.random.split(key)
+  first = sample(sub, first_logits, sampling)
+  out = jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
+  done = first == eos_id
+  n_tokens = jnp.ones((batch,), jnp.int32)
+
+  def cond(state):
+    step, _, _, _, done, _, _ = state
+    return (step < max_new_tokens) & ~jnp.all(done)
+
+  def body(state):
+    step, cache, last, out, done, n_tokens, key = state
+    key, sub = jax.random.split(key)
+    positions = cache.lengths[:, None]
+    logits, _, cache = forward(params, config, last[:, None], positions, cache,
+                               causal_attend(cache.lengths, 1, cache.max_len))
+    token = sample(sub, logits[:, 0], sampling)
+    token = jnp.where(done, -1, token)
+    out = out.at[:, step].set(token)
+    n_tokens = n_tokens + (~done).astype(jnp.int32)
+    done = done | (token == eos_id)
+    return step + 1, cache.advance(1), token, out, done, n_tokens, key
+
+  state = (jnp.int32(1), cache, first, out, done, n_tokens, key)
+  _, cache, _, out, _, n_tokens, _ = jax.lax.while_loop(cond, body, state)
+  return out, n_tokens, cache
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  tokens: list[list[int]]   # generated ids per row (up to and including EOS)
+  prefill_s: float
+  decode_s: float
+  compile_s: float          # compile time spent inside this call
+  compiles: int             # programs compiled inside this call
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    """Tokens produced by the decode loop (all but the first, which prefill yields) per second."""
+    n = sum(max(len(t) - 1, 0) for t in self.tokens)
+    return n / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
+             max_new_tokens: int, sampling: SamplingParams | None = None, seed: int = 0,
+             stop_at_eos: bool = True) -> GenerationResult:
+  """Autoregressive (`ar`) generation for a batch of prompts of any lengths."""
+  sampling = sampling or SamplingParams.create()
+  batch = make_batch(prompts, config, max_new_tokens)
+  compile_before, compiles_before = COMPILED.compile_s, COMPILED.compiles
+  cache = KVCache.init(config, batch.batch, cache_slots(batch.tokens.shape[1], max_new_tokens))
+
+  start = time.perf_counter()
+  first_logits, cache = prefill(params, config, cache, batch)
+  first_logits.block_until_ready()
+  prefill_s = time.perf_counter() - start - (COMPILED.compile_s - compile_before)
+
+  eos = jnp.int32(config.eos_token_id if stop_at_eos and config.eos_token_id is not None else -1)
+  key = jax.random.key(seed)
+  args = (params, config, cache, first_logits, sampling, max_new_tokens, eos, key)
+  loop = COMPILED.get(("ar", config, max_new_tokens, _shape_key(args)), _ar_loop, *args)
+  start = time.perf_counter()
+  out, n_tokens, _ = loop(params, cache, first_logits, sampling, eos, key)
+  out, n_tokens = np.asarray(out), np.asarray(n_tokens)
+  decode_s = time.perf_counter() - start
+  return GenerationResult(
+      tokens=[out[b, :n_tokens[b]].tolist() for b in range(batch.batch)],
+      prefill_s=prefill_s, decode_s=decode_s,
+      compile_s=COMPILED.compile_s - compile_before,
+      compiles=COMPILED.compiles - compiles_before)

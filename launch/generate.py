@@ -1,0 +1,87 @@
+"""Generate text with a Llama-family model.
+
+  python -m launch.generate --model=smollm2 --book=austen --prompt_tokens=512 \
+      --max_new_tokens=128 --temperature=0.6 --top_p=0.9
+  python -m launch.generate --prompt="Write a haiku about rain." --chat --json
+
+With --json the last line printed is one JSON object (ids, text, timings).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+from absl import app, flags
+
+from launch import common
+
+common.define_model_flags()
+common.define_sampling_flags()
+flags.DEFINE_string("prompt", None, "Prompt text.")
+flags.DEFINE_string("prompt_file", None, "File holding the prompt text.")
+flags.DEFINE_enum("book", None, ["austen", "shakespeare", "milton"],
+                  "Use a passage of this book corpus as the prompt (see --prompt_tokens).")
+flags.DEFINE_integer("prompt_tokens", 512, "Length of the --book passage, in tokens.")
+flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate at most.")
+flags.DEFINE_string("method", "ar", f"Decoding method; one of {common.METHODS}.")
+flags.DEFINE_bool("chat", False, "Wrap the prompt in the model's chat template.")
+flags.DEFINE_bool("ignore_eos", False, "Keep generating after the end-of-sequence token.")
+flags.DEFINE_bool("json", False, "Print one JSON record as the last line.")
+FLAGS = flags.FLAGS
+
+
+def prompt_ids(tokenizer) -> list[int]:
+  given = [n for n in ("prompt", "prompt_file", "book") if getattr(FLAGS, n) is not None]
+  if len(given) != 1:
+    raise app.UsageError(f"give exactly one of --prompt, --prompt_file, --book (got {given or 'none'})")
+  if FLAGS.book:
+    from hitree_jax.data import book_prompts
+    if FLAGS.chat:
+      raise app.UsageError("--chat does not apply to --book passages")
+    return book_prompts(tokenizer, FLAGS.prompt_tokens, 1, corpus=FLAGS.book)[0]
+  if FLAGS.prompt_file:
+    path = pathlib.Path(FLAGS.prompt_file)
+    if not path.is_file():
+      raise app.UsageError(f"--prompt_file={FLAGS.prompt_file}: no such file")
+    text = path.read_text()
+  else:
+    text = FLAGS.prompt
+  if FLAGS.chat:
+    from hitree_jax.tokenizer import chat_prompt
+    return chat_prompt(tokenizer, text)
+  return tokenizer.encode(text, add_special_tokens=False)
+
+
+def main(argv):
+  del argv
+  common.check_method(FLAGS.method)
+  sampling = common.sampling_from_flags(FLAGS)  # validate before the slow load
+  from hitree_jax import decoding
+  from hitree_jax.loading import load_model
+  from hitree_jax.tokenizer import load_tokenizer
+
+  model = load_model(FLAGS.model, FLAGS.dtype)
+  tokenizer = load_tokenizer(model.path)
+  ids = prompt_ids(tokenizer)
+  result = decoding.generate(model.params, model.config, [ids], max_new_tokens=FLAGS.max_new_tokens,
+                             sampling=sampling, seed=FLAGS.seed, stop_at_eos=not FLAGS.ignore_eos)
+  tokens = result.tokens[0]
+  text = tokenizer.decode(tokens, skip_special_tokens=True)
+  print(text)
+  print(f"\n[{FLAGS.method}] prompt {len(ids)} tokens, generated {len(tokens)}: "
+        f"prefill {result.prefill_s:.2f} s, decode {result.decode_s:.2f} s "
+        f"({result.decode_tokens_per_s:.1f} tok/s), compile {result.compile_s:.1f} s",
+        file=sys.stderr if FLAGS.json else sys.stdout)
+  if FLAGS.json:
+    print(json.dumps({
+        "model": FLAGS.model, "method": FLAGS.method, "prompt_ids": ids, "tokens": tokens,
+        "text": text, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
+        "decode_tokens_per_s": result.decode_tokens_per_s, "compile_s": result.compile_s,
+        "temperature": FLAGS.temperature, "top_p": FLAGS.top_p, "top_k": FLAGS.top_k,
+        "seed": FLAGS.seed}))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,86 @@
+"""The real model: SmolLM2-135M from its GGUF, against transformers' own GGUF loading."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from hitree_jax import decoding
+from hitree_jax.data import book_prompts
+from hitree_jax.kv_cache import KVCache, causal_attend
+from hitree_jax.loading import load_model, smollm2_gguf_path
+from hitree_jax.model import forward
+from hitree_jax.tokenizer import chat_prompt, load_tokenizer
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def ours():
+  return load_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def reference():
+  path = smollm2_gguf_path()
+  return transformers.AutoModelForCausalLM.from_pretrained(
+      str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(ours):
+  return load_tokenizer(ours.path)
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer):
+  return book_prompts(tokenizer, 256, 1, corpus="austen")[0]
+
+
+def test_config_from_gguf(ours):
+  c = ours.config
+  assert (c.num_layers, c.hidden_size, c.intermediate_size) == (30, 576, 1536)
+  assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (9, 3, 64, 49152)
+  assert c.rope_theta == 1e5 and c.tie_word_embeddings and c.max_position_embeddings == 8192
+
+
+def test_logits_match_transformers_gguf(ours, reference, prompt):
+  with torch.no_grad():
+    expected = reference(torch.tensor([prompt])).logits.numpy()[0]
+  n = len(prompt)
+  cache = KVCache.init(ours.config, 1, n)
+  logits, _, _ = forward(ours.params, ours.config, jnp.asarray([prompt]), jnp.arange(n)[None],
+                         cache, causal_attend(cache.lengths, n, n))
+  logits = np.asarray(logits)[0]
+  err = np.abs(logits - expected).max()
+  print(f"max |logit error| over {n} book tokens: {err:.2e}")
+  assert err < 2e-3
+  assert (logits.argmax(-1) == expected.argmax(-1)).mean() > 0.99
+
+
+def test_ar_greedy_equals_transformers_generate(ours, reference, prompt):
+  new = 32
+  with torch.no_grad():
+    out = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=new, min_new_tokens=new, do_sample=False)
+  expected = out[0, len(prompt):].tolist()
+  got = decoding.generate(ours.params, ours.config, [prompt], max_new_tokens=new,
+                          stop_at_eos=False).tokens[0]
+  assert len(got) == new
+  if got != expected:  # allowed only at a numerical near-tie of the top two logits
+    i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+    with torch.no_grad():
+      logits = reference(torch.tensor([prompt + expected[:i]])).logits[0, -1].numpy()
+    gap = abs(logits[got[i]] - logits[expected[i]])
+    assert gap < 1e-3, f"diverged at token {i}: {got[i]} vs {expected[i]}, logit gap {gap}"
+
+
+def test_tokenizer_and_chat_template(tokenizer):
+  text = "It is a truth universally acknowledged"
+  assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+  ids = chat_prompt(tokenizer, "Hello")
+  decoded = tokenizer.decode(ids)
+  assert "<|im_start|>user\nHello<|im_end|>" in decoded
+  assert decoded.endswith("<|im_start|>assistant\n")
+  assert tokenizer.eos_token_id == 2
