@@ -120,6 +120,13 @@ def test_bad_prompts_raise_clear_errors(params, prompts, match):
     ({"top_p": 0.0}, "top_p=0.0"),
     ({"top_p": 1.2}, "top_p=1.2"),
     ({"top_k": -3}, "top_k=-3"),
+    ({"top_k": 2.5}, "top_k=2.5"),
+    ({"top_k": float("inf")}, "top_k=inf"),
+    ({"top_k": float("nan")}, "top_k=nan"),
+    ({"top_k": 2**40}, "top_k=1099511627776"),
+    ({"top_k": True}, "top_k=True"),
+    ({"temperature": float("inf")}, "temperature=inf"),
+    ({"temperature": float("nan")}, "temperature=nan"),
 ])
 def test_bad_sampling_settings_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):

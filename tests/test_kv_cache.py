@@ -1,0 +1,287 @@
+"""KV cache semantics on a tiny random Llama: incremental decoding, chunked prefill,
+commit of an accepted tree path, and dropped (not clamped) out-of-range writes.
+
+Every check compares against one plain causal forward over the whole sequence in a
+fresh cache, which is the meaning the cache has to preserve.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hitree_jax import decoding
+from hitree_jax.config import ModelConfig
+from hitree_jax.kv_cache import KVCache, causal_attend, write_slots
+from hitree_jax.model import forward, init_params
+
+CONFIG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+ATOL = 1e-5
+MAX_LEN = 64  # cache slots in every test: one compiled program per call shape
+
+_forward = jax.jit(forward, static_argnums=1)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_params(seed=0):
+  """Random params in `init_params`' tree (built in numpy: eager Flax init costs seconds).
+
+  Scaled so attention is sharp and logits depend visibly on context; norm weights are
+  perturbed away from 1.
+  """
+  rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(functools.partial(init_params, CONFIG), jax.random.key(seed))
+
+  def fill(path, leaf):
+    name = jax.tree_util.keystr(path)
+    x = rng.standard_normal(leaf.shape)
+    if "norm" in name:
+      x = 1.0 + 0.1 * x
+    elif "kernel" in name:
+      x = x / np.sqrt(leaf.shape[0]) * (2.0 if ("q_proj" in name or "k_proj" in name) else 1.0)
+    return jnp.asarray(x, leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
+def random_tokens(seed, n):
+  return np.random.default_rng(seed).integers(0, CONFIG.vocab_size, size=n).astype(np.int32)
+
+
+def reference(tokens):
+  """One causal forward of a single sequence in a fresh cache: (logits [T, V], cache).
+
+  The sequence is right-padded to MAX_LEN (causal, so padding changes nothing before it)
+  so that every reference shares one compiled program.
+  """
+  t = len(tokens)
+  padded = np.zeros((1, MAX_LEN), np.int32)
+  padded[0, :t] = tokens
+  cache = KVCache.init(CONFIG, 1, MAX_LEN)
+  logits, _, cache = _forward(tiny_params(), CONFIG, jnp.asarray(padded),
+                              jnp.arange(MAX_LEN, dtype=jnp.int32)[None], cache,
+                              causal_attend(cache.lengths, MAX_LEN, MAX_LEN))
+  return np.asarray(logits[0, :t]), cache
+
+
+def assert_cache_rows_equal(cache, row, ref_cache, n):
+  """Slots 0..n-1 of `cache` row `row` equal those of the single-row `ref_cache`."""
+  for layer in range(CONFIG.num_layers):
+    for name in ("keys", "values"):
+      got = np.asarray(getattr(cache, name)[layer][row, :, :n])
+      want = np.asarray(getattr(ref_cache, name)[layer][0, :, :n])
+      np.testing.assert_allclose(got, want, atol=ATOL, err_msg=f"{name}[{layer}] row {row}")
+
+
+def test_prefill_then_token_by_token_matches_full_forward():
+  params = tiny_params()
+  prompt_lens = np.array([7, 12])
+  steps = 17
+  seqs = [random_tokens(10 + b, int(n) + steps) for b, n in enumerate(prompt_lens)]
+  max_len = MAX_LEN
+  refs = [reference(s) for s in seqs]
+
+  batch = decoding.make_batch([s[:n] for s, n in zip(seqs, prompt_lens)], CONFIG, steps)
+  cache = KVCache.init(CONFIG, 2, max_len)
+  logits, cache = decoding.prefill(params, CONFIG, cache, batch)
+  np.testing.assert_array_equal(np.asarray(cache.lengths), prompt_lens)
+  for b in range(2):
+    np.testing.assert_allclose(np.asarray(logits[b]), refs[b][0][prompt_lens[b] - 1], atol=ATOL)
+
+  for step in range(steps):
+    lengths = np.asarray(cache.lengths)
+    np.testing.assert_array_equal(lengths, prompt_lens + step)
+    tokens = jnp.asarray([[seqs[b][lengths[b]]] for b in range(2)], jnp.int32)
+    logits, _, cache = _forward(params, CONFIG, tokens, cache.lengths[:, None], cache,
+                                causal_attend(cache.lengths, 1, max_len))
+    cache = cache.advance(1)
+    for b in range(2):
+      np.testing.assert_allclose(np.asarray(logits[b, 0]), refs[b][0][lengths[b]], atol=ATOL,
+                                 err_msg=f"row {b} position {lengths[b]}")
+
+  for b in range(2):
+    assert_cache_rows_equal(cache, b, refs[b][1], len(seqs[b]))
+
+
+@pytest.mark.parametrize("prompt_len", [50, 48, 5])
+def test_chunked_prefill_matches_one_shot(monkeypatch, prompt_len):
+  monkeypatch.setattr(decoding, "MAX_PREFILL_CHUNK", 16)
+  assert decoding.prefill_chunk_size(prompt_len) == 16  # 50 -> 3 full chunks + a partial one
+  prompt = random_tokens(prompt_len, prompt_len)
+  max_len = MAX_LEN
+  ref_logits, ref_cache = reference(prompt)
+
+  batch = decoding.make_batch([prompt], CONFIG, 1)
+  logits, cache = decoding.prefill(tiny_params(), CONFIG, KVCache.init(CONFIG, 1, max_len), batch)
+  assert logits.shape == (1, CONFIG.vocab_size)
+  np.testing.assert_allclose(np.asarray(logits[0]), ref_logits[-1], atol=ATOL)
+  np.testing.assert_array_equal(np.asarray(cache.lengths), [prompt_len])
+  assert_cache_rows_equal(cache, 0, ref_cache, prompt_len)
+
+
+def test_chunked_prefill_batch_of_different_lengths(monkeypatch):
+  monkeypatch.setattr(decoding, "MAX_PREFILL_CHUNK", 16)
+  prompts = [random_tokens(1, 50), random_tokens(2, 21)]
+  max_len = MAX_LEN
+  batch = decoding.make_batch(prompts, CONFIG, 1)
+  logits, cache = decoding.prefill(tiny_params(), CONFIG, KVCache.init(CONFIG, 2, max_len), batch)
+  np.testing.assert_array_equal(np.asarray(cache.lengths), [50, 21])
+  for b, prompt in enumerate(prompts):
+    ref_logits, ref_cache = reference(prompt)
+    np.testing.assert_allclose(np.asarray(logits[b]), ref_logits[-1], atol=ATOL, err_msg=f"row {b}")
+    assert_cache_rows_equal(cache, b, ref_cache, prompt.size)
+  # The rows' results are really distinct (a row-mixing bug would not go unnoticed).
+  assert np.abs(np.asarray(logits[0] - logits[1])).max() > 1e-2
+
+
+# A candidate block of T=5 tokens written after the committed prefix. parent -1 is the
+# prefix; the path 0 -> 2 -> 3 is one branch, 1 (a second root) and 4 (a child of 0,
+# sibling of 2) are elsewhere in the tree.
+PARENTS = [-1, -1, 0, 2, 0]
+
+
+def ancestors_or_self(i):
+  out = []
+  while i != -1:
+    out.append(i)
+    i = PARENTS[i]
+  return out
+
+
+def depth(i):
+  return len(ancestors_or_self(i)) - 1
+
+
+def tree_attend(lengths, max_len):
+  """[B, T, S]: candidate i sees the committed prefix of its row plus its ancestors and itself."""
+  t = len(PARENTS)
+  attend = np.zeros((len(lengths), t, max_len), bool)
+  for b, n in enumerate(lengths):
+    for i in range(t):
+      attend[b, i, :n] = True
+      for j in ancestors_or_self(i):
+        attend[b, i, n + j] = True
+  return jnp.asarray(attend)
+
+
+def test_commit_accepted_tree_path_matches_direct_run():
+  params = tiny_params()
+  max_len = MAX_LEN
+  prompts = [random_tokens(21, 9), random_tokens(22, 14), random_tokens(23, 5)]
+  # Candidate tokens per row, all distinct within a row.
+  candidates = np.array([[3, 17, 29, 41, 53], [8, 19, 30, 44, 57], [5, 11, 23, 37, 59]], np.int32)
+  # Accepted paths (candidate indices, in order) and how many are committed per row.
+  paths = np.array([[0, 2, 3], [0, 4, 1], [1, 0, 0]])  # beyond n_accepted: arbitrary padding
+  n_accepted = np.array([3, 2, 1])
+  next_tokens = np.array([7, 13, 31], np.int32)
+
+  batch = decoding.make_batch(prompts, CONFIG, 8)
+  _, cache = decoding.prefill(params, CONFIG, KVCache.init(CONFIG, 3, max_len), batch)
+  lengths = np.array([p.size for p in prompts])
+
+  positions = lengths[:, None] + np.array([depth(i) for i in range(len(PARENTS))])[None, :]
+  tree_logits, _, cache = _forward(params, CONFIG, jnp.asarray(candidates),
+                                   jnp.asarray(positions, jnp.int32), cache,
+                                   tree_attend(lengths, max_len))
+  np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)  # forward does not advance
+
+  slots = jnp.asarray(lengths[:, None] + paths, jnp.int32)
+  cache = cache.commit(slots, jnp.asarray(n_accepted, jnp.int32))
+  np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + n_accepted)
+
+  next_logits, _, _ = _forward(params, CONFIG, jnp.asarray(next_tokens)[:, None],
+                               cache.lengths[:, None], cache,
+                               causal_attend(cache.lengths, 1, max_len))
+  for b in range(3):
+    path = paths[b, :n_accepted[b]]
+    direct = np.concatenate([prompts[b], candidates[b, path], next_tokens[b:b + 1]])
+    ref_logits, ref_cache = reference(direct)
+    committed = lengths[b] + n_accepted[b]
+    # Each candidate on the path saw exactly prefix + its ancestors.
+    for d, i in enumerate(path):
+      np.testing.assert_allclose(np.asarray(tree_logits[b, i]), ref_logits[lengths[b] + d],
+                                 atol=ATOL, err_msg=f"row {b} candidate {i}")
+    assert_cache_rows_equal(cache, b, ref_cache, committed)
+    np.testing.assert_allclose(np.asarray(next_logits[b, 0]), ref_logits[committed], atol=ATOL,
+                               err_msg=f"row {b} next token")
+
+  # The comparison can tell paths apart: committing sibling 4 instead of 2 (row 0)
+  # would give different next-token logits.
+  wrong = np.concatenate([prompts[0], candidates[0, [0, 4, 3]], next_tokens[:1]])
+  right = np.concatenate([prompts[0], candidates[0, [0, 2, 3]], next_tokens[:1]])
+  assert np.abs(reference(wrong)[0][-1] - reference(right)[0][-1]).max() > 1e-2
+
+
+def test_forward_writes_past_the_end_are_dropped():
+  params = tiny_params()
+  max_len = MAX_LEN
+  # Fill every slot of both rows with real keys/values.
+  tokens = np.stack([random_tokens(31, max_len), random_tokens(32, max_len)])
+  cache = KVCache.init(CONFIG, 2, max_len)
+  _, _, full = _forward(params, CONFIG, jnp.asarray(tokens),
+                        jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (2, max_len)), cache,
+                        causal_attend(cache.lengths, max_len, max_len))
+
+  new = jnp.asarray([[4, 9, 16], [25, 36, 49]], jnp.int32)
+  write_at = jnp.asarray([max_len - 1, max_len - 2], jnp.int32)
+  positions = write_at[:, None] + jnp.arange(3, dtype=jnp.int32)[None, :]
+  attend = causal_attend(write_at, 3, max_len)
+  _, _, after = _forward(params, CONFIG, new, positions, full, attend, write_at)
+
+  # What the in-range new tokens alone would have written (row 0: one, row 1: two).
+  _, _, one = _forward(params, CONFIG, new[:, :1], positions[:, :1], full,
+                       causal_attend(write_at, 1, max_len), write_at)
+  _, _, two = _forward(params, CONFIG, new[:, :2], positions[:, :2], full,
+                       causal_attend(write_at, 2, max_len), write_at)
+  # What row 0's third (out-of-range) token would put in slot S-1 if it were clamped there.
+  _, _, clamped = _forward(params, CONFIG, new[:, 2:], positions[:, 2:], full,
+                           causal_attend(write_at, 1, max_len), write_at)
+  for layer in range(CONFIG.num_layers):
+    for name in ("keys", "values"):
+      got = np.asarray(getattr(after, name)[layer])
+      old = np.asarray(getattr(full, name)[layer])
+      np.testing.assert_array_equal(got[0, :, :max_len - 1], old[0, :, :max_len - 1])
+      np.testing.assert_array_equal(got[1, :, :max_len - 2], old[1, :, :max_len - 2])
+      want_one = np.asarray(getattr(one, name)[layer])
+      want_two = np.asarray(getattr(two, name)[layer])
+      np.testing.assert_allclose(got[0, :, max_len - 1], want_one[0, :, max_len - 1], atol=ATOL)
+      np.testing.assert_allclose(got[1, :, max_len - 2:], want_two[1, :, max_len - 2:], atol=ATOL)
+      # and a clamped write of the dropped token would really have shown
+      clamp = np.asarray(getattr(clamped, name)[layer])[0, :, max_len - 1]
+      assert np.abs(got[0, :, max_len - 1] - clamp).max() > 1e-3
+
+
+def test_write_slots_and_commit_drop_out_of_range():
+  rng = np.random.default_rng(0)
+  buf = jnp.asarray(rng.standard_normal((2, 2, 8, 4)), jnp.float32)
+  new = jnp.asarray(rng.standard_normal((2, 3, 2, 4)), jnp.float32)
+  out = np.asarray(write_slots(buf, new, jnp.asarray([7, 2], jnp.int32)))
+  np.testing.assert_array_equal(out[0, :, :7], np.asarray(buf)[0, :, :7])
+  np.testing.assert_array_equal(out[0, :, 7], np.asarray(new)[0, 0])
+  np.testing.assert_array_equal(out[1, :, 2:5], np.asarray(new)[1].transpose(1, 0, 2))
+  np.testing.assert_array_equal(np.delete(out[1], [2, 3, 4], axis=1),
+                                np.delete(np.asarray(buf)[1], [2, 3, 4], axis=1))
+
+  # commit: row 0 has room for 2 of its 3 gathered slots; the 3rd must not clamp onto slot 7.
+  cache = KVCache(keys=(buf,), values=(buf * 2,), lengths=jnp.asarray([6, 1], jnp.int32))
+  slots = jnp.asarray([[0, 1, 2], [5, 6, 7]], jnp.int32)
+  done = cache.commit(slots, jnp.asarray([2, 3], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(done.lengths), [8, 4])
+  b = np.asarray(buf)
+  for got, scale in ((np.asarray(done.keys[0]), 1), (np.asarray(done.values[0]), 2)):
+    np.testing.assert_array_equal(got[0, :, :6], scale * b[0, :, :6])
+    np.testing.assert_array_equal(got[0, :, 6:8], scale * b[0, :, 0:2])
+    np.testing.assert_array_equal(got[1, :, :1], scale * b[1, :, :1])
+    np.testing.assert_array_equal(got[1, :, 1:4], scale * b[1, :, 5:8])
+    np.testing.assert_array_equal(got[1, :, 4:], scale * b[1, :, 4:])
+
+
+def test_causal_attend_mask():
+  # Every test above builds its reference with causal_attend, so pin it down explicitly.
+  got = np.asarray(causal_attend(jnp.asarray([0, 3], jnp.int32), 2, 6))
+  want = np.array([[[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0]],
+                   [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]], bool)
+  np.testing.assert_array_equal(got, want)
