@@ -30,6 +30,7 @@ from hitree_jax.sampling import SamplingParams, sample
 
 CACHE_BUCKET = 256   # cache slots are rounded up to this, so nearby prompt lengths share programs
 MAX_PREFILL_CHUNK = 512
+RECENT_SLOTS = 32    # decode block: tokens written to a short cache before it is appended to the long one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,12 +119,18 @@ def _shape_key(tree) -> tuple:
 @functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(2,))
 def _prefill_chunk(params, config: ModelConfig, cache: KVCache, tokens, start, lengths,
                    last_hidden):
-  """Runs prompt tokens [B, C] at slots start..start+C-1; keeps each row's last-token hidden."""
+  """Runs prompt tokens [B, C] at slots start..start+C-1; keeps each row's last-token hidden.
+
+  The chunk attends causally to itself (a C-slot cache) and to the `start`
+  slots already in `cache` (read-only context, in blocks), then is appended.
+  """
   batch, chunk = tokens.shape
-  write_at = jnp.full((batch,), start, jnp.int32)
-  positions = write_at[:, None] + jnp.arange(chunk)[None, :]
-  attend = causal_attend(write_at, chunk, cache.max_len)
-  hidden, cache = hidden_states(params, config, tokens, positions, cache, attend, write_at)
+  cache = cache.replace(lengths=jnp.full((batch,), start, jnp.int32))
+  own = KVCache.init(config, batch, chunk)
+  positions = start + jnp.broadcast_to(jnp.arange(chunk), (batch, chunk))
+  attend = causal_attend(own.lengths, chunk, chunk)
+  hidden, own = hidden_states(params, config, tokens, positions, own, attend, context=(cache,))
+  cache = cache.append(own.advance(chunk))
   index = lengths - 1 - start                                      # [B]
   picked = jnp.take_along_axis(hidden, jnp.clip(index, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
   in_chunk = (index >= 0) & (index < chunk)
@@ -156,36 +163,44 @@ def prefill(params, config: ModelConfig, cache: KVCache, batch: PromptBatch):
 @functools.partial(jax.jit, static_argnums=(1, 5), donate_argnums=(2,))
 def _ar_loop(params, config: ModelConfig, cache: KVCache, first_logits, sampling: SamplingParams,
              max_new_tokens: int, eos_id, key):
-  """The whole autoregressive decode as one while_loop.
+  """The whole autoregressive decode as one program of two nested while_loops.
 
-  Returns (tokens [B, N] (-1 after EOS), n_tokens [B], cache).
+  The long cache is read-only inside a block of RECENT_SLOTS tokens, whose
+  keys/values go to a short cache; the block's end appends it to the long one.
+  Writing the long cache on every token made XLA:CPU copy every layer's
+  buffer per token (2-3x the cost of reading it); this way the copy happens
+  once per block. Returns (tokens [B, N] (-1 after EOS), n_tokens [B], cache).
   """
   batch = first_logits.shape[0]
   key, sub = jax.random.split(key)
   first = sample(sub, first_logits, sampling)
   out = jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
-  done = first == eos_id
-  n_tokens = jnp.ones((batch,), jnp.int32)
+  running = lambda step, done: (step < max_new_tokens) & ~jnp.all(done)
 
-  def cond(state):
-    step, _, _, _, done, _, _ = state
-    return (step < max_new_tokens) & ~jnp.all(done)
-
-  def body(state):
+  def block(state):
     step, cache, last, out, done, n_tokens, key = state
-    key, sub = jax.random.split(key)
-    positions = cache.lengths[:, None]
-    logits, _, cache = forward(params, config, last[:, None], positions, cache,
-                               causal_attend(cache.lengths, 1, cache.max_len))
-    token = sample(sub, logits[:, 0], sampling)
-    token = jnp.where(done, -1, token)
-    out = out.at[:, step].set(token)
-    n_tokens = n_tokens + (~done).astype(jnp.int32)
-    done = done | (token == eos_id)
-    return step + 1, cache.advance(1), token, out, done, n_tokens, key
 
-  state = (jnp.int32(1), cache, first, out, done, n_tokens, key)
-  _, cache, _, out, _, n_tokens, _ = jax.lax.while_loop(cond, body, state)
+    def token_step(inner):
+      j, step, recent, last, out, done, n_tokens, key = inner
+      key, sub = jax.random.split(key)
+      positions = (cache.lengths + recent.lengths)[:, None]
+      attend = causal_attend(recent.lengths, 1, recent.max_len)
+      logits, _, recent = forward(params, config, last[:, None], positions, recent, attend,
+                                  context=(cache,))
+      token = jnp.where(done, -1, sample(sub, logits[:, 0], sampling))
+      out = out.at[:, step].set(token)
+      n_tokens = n_tokens + (~done).astype(jnp.int32)
+      done = done | (token == eos_id)
+      return j + 1, step + 1, recent.advance(1), token, out, done, n_tokens, key
+
+    recent = KVCache.init(config, batch, RECENT_SLOTS)
+    inner = (jnp.int32(0), step, recent, last, out, done, n_tokens, key)
+    _, step, recent, last, out, done, n_tokens, key = jax.lax.while_loop(
+        lambda s: (s[0] < RECENT_SLOTS) & running(s[1], s[5]), token_step, inner)
+    return step, cache.append(recent), last, out, done, n_tokens, key
+
+  state = (jnp.int32(1), cache, first, out, first == eos_id, jnp.ones((batch,), jnp.int32), key)
+  _, cache, _, out, _, n_tokens, _ = jax.lax.while_loop(lambda s: running(s[0], s[4]), block, state)
   return out, n_tokens, cache
 
 

@@ -54,24 +54,74 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, attend: jax.Array) -> jax.Array:
-  """Grouped-query attention over all cache slots under an explicit mask.
+# Context caches are read in blocks of this many slots (a divisor of the cache
+# bucket) when many rows attend at once (prefill); a few rows (decoding) read
+# the whole buffer in one product, which measured faster than a block loop.
+CONTEXT_BLOCK = 256
+BLOCKWISE_MIN_ROWS = 64
 
-  q [B,T,H,D]; k_buf, v_buf [B,KVH,S,D]; attend [B,T,S] bool -> [B,T,H,D].
+
+def _merge(stats, scores, v):
+  """Folds one block of scores [B,KVH,R,S] (values v [B,KVH,S,D]) into running softmax stats."""
+  m, l, acc = stats
+  m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+  p = jnp.exp(scores - m_new[..., None])
+  decay = jnp.exp(m - m_new)
+  acc = acc * decay[..., None] + jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), v,
+                                            preferred_element_type=jnp.float32)
+  return m_new, l * decay + jnp.sum(p, axis=-1), acc
+
+
+def _context_blocks(rows, k_buf, v_buf, lengths, stats, scale):
+  """Attends rows [B,KVH,R,D] to the committed slots [0, lengths[b]) of a read-only cache.
+
+  Only the blocks holding committed slots are read (a dynamic trip count), so a
+  prefill chunk early in a long prompt does not pay for the whole buffer.
+  """
+  size = k_buf.shape[2]
+  if rows.shape[2] < BLOCKWISE_MIN_ROWS or size % CONTEXT_BLOCK:
+    scores = jnp.einsum("bkrd,bksd->bkrs", rows, k_buf, preferred_element_type=jnp.float32) * scale
+    visible = jnp.arange(size)[None, :] < lengths[:, None]
+    return _merge(stats, jnp.where(visible[:, None, None, :], scores, _MASKED), v_buf)
+  block = CONTEXT_BLOCK
+  n_blocks = (jnp.max(lengths) + block - 1) // block
+
+  def body(i, stats):
+    k = jax.lax.dynamic_slice_in_dim(k_buf, i * block, block, axis=2)
+    v = jax.lax.dynamic_slice_in_dim(v_buf, i * block, block, axis=2)
+    scores = jnp.einsum("bkrd,bksd->bkrs", rows, k, preferred_element_type=jnp.float32) * scale
+    visible = (i * block + jnp.arange(block))[None, :] < lengths[:, None]  # [B, block]
+    return _merge(stats, jnp.where(visible[:, None, None, :], scores, _MASKED), v)
+
+  return jax.lax.fori_loop(0, n_blocks, body, stats)
+
+
+def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, attend: jax.Array,
+              context=()) -> jax.Array:
+  """Grouped-query attention over a cache under an explicit mask, plus read-only context caches.
+
+  q [B,T,H,D]; k_buf, v_buf [B,KVH,S,D] with attend [B,T,S] bool; context:
+  (k_buf, v_buf, lengths [B]) caches whose committed slots every query sees.
+  One online softmax spans all of them, so splitting a cache is exact.
   The query heads sharing a KV head and the T new tokens are folded into one
-  row axis, so both products are plain batched matmuls over (B, KVH) with the
-  cache in its stored layout: on XLA:CPU this is 3x faster per decoded token
-  than an einsum that keeps the group and token axes apart (measured).
+  row axis, so products are plain batched matmuls over (B, KVH) with caches in
+  their stored layout (3x faster on XLA:CPU than keeping the axes apart).
   """
   b, t, h, d = q.shape
-  kvh, s = k_buf.shape[1], k_buf.shape[2]
+  kvh = k_buf.shape[1]
   g = h // kvh
+  scale = 1.0 / math.sqrt(d)
   rows = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
-  scores = jnp.einsum("bkrd,bksd->bkrs", rows, k_buf,
-                      preferred_element_type=jnp.float32) / math.sqrt(d)
-  mask = jnp.broadcast_to(attend[:, None, None], (b, 1, g, t, s)).reshape(b, 1, g * t, s)
-  probs = jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1).astype(v_buf.dtype)
-  out = jnp.einsum("bkrs,bksd->bkrd", probs, v_buf)  # [B,KVH,G*T,D]
+  scores = jnp.einsum("bkrd,bksd->bkrs", rows, k_buf, preferred_element_type=jnp.float32) * scale
+  mask = jnp.broadcast_to(attend[:, None, None], (b, 1, g, t, attend.shape[-1]))
+  scores = jnp.where(mask.reshape(b, 1, g * t, -1), scores, _MASKED)
+  stats = (jnp.full(scores.shape[:-1], _MASKED, jnp.float32), jnp.zeros(scores.shape[:-1], jnp.float32),
+           jnp.zeros((b, kvh, g * t, d), jnp.float32))
+  stats = _merge(stats, scores, v_buf)
+  for ctx_k, ctx_v, ctx_lengths in context:
+    stats = _context_blocks(rows, ctx_k, ctx_v, ctx_lengths, stats, scale)
+  _, l, acc = stats
+  out = (acc / l[..., None]).astype(q.dtype)
   return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
@@ -95,8 +145,9 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, cos, sin, attend, k_buf, v_buf, write_at):
-    """x [B,T,E]; attend [B,T,S]; k_buf, v_buf [B,KVH,S,D]; write_at [B]."""
+  def __call__(self, x, cos, sin, attend, k_buf, v_buf, write_at, context=()):
+    """x [B,T,E]; k_buf, v_buf [B,KVH,S,D] (written at write_at [B]);
+    context: read-only (k, v, lengths) caches whose committed slots all queries see; attend [B,T,S]."""
     c = self.config
     dtype = jnp.dtype(c.dtype)
     b, t, _ = x.shape
@@ -107,7 +158,7 @@ class Attention(nn.Module):
     k_buf = write_slots(k_buf, k, write_at)
     v_buf = write_slots(v_buf, v, write_at)
 
-    out = attention(q, k_buf, v_buf, attend).reshape(b, t, c.num_heads * c.head_dim)
+    out = attention(q, k_buf, v_buf, attend, context).reshape(b, t, c.num_heads * c.head_dim)
     return _dense(c.hidden_size, "o_proj", dtype)(out), k_buf, v_buf
 
 
@@ -126,11 +177,11 @@ class DecoderLayer(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, cos, sin, attend, k_buf, v_buf, write_at):
+  def __call__(self, x, cos, sin, attend, k_buf, v_buf, write_at, context=()):
     c, dtype = self.config, jnp.dtype(self.config.dtype)
     h, k_buf, v_buf = Attention(c, name="self_attn")(
         RMSNorm(c.rms_norm_eps, dtype, name="input_layernorm")(x),
-        cos, sin, attend, k_buf, v_buf, write_at)
+        cos, sin, attend, k_buf, v_buf, write_at, context)
     x = x + h
     x = x + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, dtype, name="post_attention_layernorm")(x))
     return x, k_buf, v_buf
@@ -149,15 +200,17 @@ class Llama(nn.Module):
     if not c.tie_word_embeddings:
       self.lm_head = _dense(c.vocab_size, "lm_head", dtype)
 
-  def __call__(self, tokens, positions, attend, keys, values, write_at):
-    """tokens, positions [B,T]; attend [B,T,S]; keys/values: per-layer [B,KVH,S,D]."""
+  def __call__(self, tokens, positions, attend, keys, values, write_at, context=()):
+    """tokens, positions [B,T]; keys/values: per-layer [B,KVH,S,D], written at write_at [B];
+    context: read-only caches, each (per-layer keys, per-layer values, lengths [B]); attend [B,T,S]."""
     x = self.embed_tokens(tokens)
     angles = positions[..., None].astype(jnp.float32) * rope_inv_freq(self.config)  # [B,T,D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     new_keys, new_values = [], []
-    for layer, k_buf, v_buf in zip(self.layers, keys, values):
-      x, k_buf, v_buf = layer(x, cos, sin, attend, k_buf, v_buf, write_at)
+    for i, (layer, k_buf, v_buf) in enumerate(zip(self.layers, keys, values)):
+      layer_context = tuple((ks[i], vs[i], lengths) for ks, vs, lengths in context)
+      x, k_buf, v_buf = layer(x, cos, sin, attend, k_buf, v_buf, write_at, layer_context)
       new_keys.append(k_buf)
       new_values.append(v_buf)
     return self.norm(x), tuple(new_keys), tuple(new_values)
@@ -190,17 +243,22 @@ def init_params(config: ModelConfig, key: jax.Array) -> dict:
 
 
 def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache, attend,
-                  write_at=None):
+                  write_at=None, context: tuple[KVCache, ...] = ()):
   """Runs T new tokens through the model; returns (hidden [B,T,E], cache).
 
-  Keys/values of the new tokens are written at slots write_at[b] + 0..T-1
-  (default: the committed length). The committed length is NOT advanced: the
-  caller decides what to keep (`cache.advance` or `cache.commit`).
+  Keys/values of the new tokens are written into `cache` at slots
+  write_at[b] + 0..T-1 (default: its committed length). The committed length
+  is NOT advanced: the caller decides what to keep (`advance` or `commit`).
+  `attend` [B, T, S] is the explicit mask over the slots of `cache`. Each
+  `context` cache is read-only and every new token sees exactly its committed
+  slots. Keeping a long cache read-only while new tokens go to a short one
+  spares XLA:CPU a copy of every layer's long cache per step (decoding.py).
   """
   if write_at is None:
     write_at = cache.lengths
   hidden, keys, values = llama(config).apply(
-      {"params": params}, tokens, positions, attend, cache.keys, cache.values, write_at)
+      {"params": params}, tokens, positions, attend, cache.keys, cache.values, write_at,
+      tuple((c.keys, c.values, c.lengths) for c in context))
   return hidden, cache.replace(keys=keys, values=values)
 
 
@@ -209,7 +267,7 @@ def logits_from_hidden(params, config: ModelConfig, hidden):
 
 
 def forward(params, config: ModelConfig, tokens, positions, cache: KVCache, attend,
-            write_at=None):
+            write_at=None, context: tuple[KVCache, ...] = ()):
   """(logits [B,T,V] float32, hidden [B,T,E], cache): see `hidden_states`."""
-  hidden, cache = hidden_states(params, config, tokens, positions, cache, attend, write_at)
+  hidden, cache = hidden_states(params, config, tokens, positions, cache, attend, write_at, context)
   return logits_from_hidden(params, config, hidden), hidden, cache

@@ -32,20 +32,25 @@ flags.DEFINE_bool("json", False, "Print one JSON record as the last line.")
 FLAGS = flags.FLAGS
 
 
-def prompt_ids(tokenizer) -> list[int]:
+def check_prompt_flags() -> None:
+  """Fails fast, before the slow model load, on a bad prompt source."""
   given = [n for n in ("prompt", "prompt_file", "book") if getattr(FLAGS, n) is not None]
   if len(given) != 1:
     raise app.UsageError(f"give exactly one of --prompt, --prompt_file, --book (got {given or 'none'})")
+  if FLAGS.prompt_file and not pathlib.Path(FLAGS.prompt_file).is_file():
+    raise app.UsageError(f"--prompt_file={FLAGS.prompt_file}: no such file")
+  if FLAGS.book and FLAGS.chat:
+    raise app.UsageError("--chat does not apply to --book passages")
+  if FLAGS.book and FLAGS.prompt_tokens < 1:
+    raise app.UsageError(f"--prompt_tokens={FLAGS.prompt_tokens} must be >= 1")
+
+
+def prompt_ids(tokenizer) -> list[int]:
   if FLAGS.book:
     from hitree_jax.data import book_prompts
-    if FLAGS.chat:
-      raise app.UsageError("--chat does not apply to --book passages")
     return book_prompts(tokenizer, FLAGS.prompt_tokens, 1, corpus=FLAGS.book)[0]
   if FLAGS.prompt_file:
-    path = pathlib.Path(FLAGS.prompt_file)
-    if not path.is_file():
-      raise app.UsageError(f"--prompt_file={FLAGS.prompt_file}: no such file")
-    text = path.read_text()
+    text = pathlib.Path(FLAGS.prompt_file).read_text()
   else:
     text = FLAGS.prompt
   if FLAGS.chat:
@@ -57,6 +62,7 @@ def prompt_ids(tokenizer) -> list[int]:
 def main(argv):
   del argv
   common.check_method(FLAGS.method)
+  check_prompt_flags()
   sampling = common.sampling_from_flags(FLAGS)  # validate before the slow load
   from hitree_jax import decoding
   from hitree_jax.loading import load_model

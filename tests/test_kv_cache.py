@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from hitree_jax import decoding
+from hitree_jax import model as model_lib
 from hitree_jax.config import ModelConfig
 from hitree_jax.kv_cache import KVCache, causal_attend, write_slots
 from hitree_jax.model import forward, init_params
@@ -106,9 +107,21 @@ def test_prefill_then_token_by_token_matches_full_forward():
     assert_cache_rows_equal(cache, b, refs[b][1], len(seqs[b]))
 
 
-@pytest.mark.parametrize("prompt_len", [50, 48, 5])
-def test_chunked_prefill_matches_one_shot(monkeypatch, prompt_len):
+@pytest.fixture(params=["one_product", "blockwise"])
+def context_reads(request, monkeypatch):
+  """Both ways a chunk reads the cache before it: one product, or a loop over 8-slot blocks."""
   monkeypatch.setattr(decoding, "MAX_PREFILL_CHUNK", 16)
+  if request.param == "blockwise":
+    monkeypatch.setattr(model_lib, "CONTEXT_BLOCK", 8)
+    monkeypatch.setattr(model_lib, "BLOCKWISE_MIN_ROWS", 1)
+  monkeypatch.setattr(decoding, "COMPILED", decoding._Compiled())
+  jax.clear_caches()  # programs traced under the other setting must not be reused
+  yield request.param
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize("prompt_len", [50, 48, 5])
+def test_chunked_prefill_matches_one_shot(context_reads, prompt_len):
   assert decoding.prefill_chunk_size(prompt_len) == 16  # 50 -> 3 full chunks + a partial one
   prompt = random_tokens(prompt_len, prompt_len)
   max_len = MAX_LEN
@@ -122,8 +135,7 @@ def test_chunked_prefill_matches_one_shot(monkeypatch, prompt_len):
   assert_cache_rows_equal(cache, 0, ref_cache, prompt_len)
 
 
-def test_chunked_prefill_batch_of_different_lengths(monkeypatch):
-  monkeypatch.setattr(decoding, "MAX_PREFILL_CHUNK", 16)
+def test_chunked_prefill_batch_of_different_lengths(context_reads):
   prompts = [random_tokens(1, 50), random_tokens(2, 21)]
   max_len = MAX_LEN
   batch = decoding.make_batch(prompts, CONFIG, 1)
