@@ -1,10 +1,11 @@
 """Prompt batching, chunked prefill and the `ar` (autoregressive) decoder.
 
-Prefill is a host loop over fixed-size chunks (one compiled program whatever
-the prompt length; a long prompt never materialises a P x P score matrix).
-Decoding is one jitted `lax.while_loop`: the host launches it once and reads
-the finished tokens. Rows of a batch have their own prompt length and cache
-cursor, so prompts of different lengths decode side by side.
+Prefill is a host loop over fixed-size chunks: one compiled program per
+(chunk size, cache bucket), one host dispatch per chunk, and a long prompt
+never materialises a P x P score matrix. Decoding is one jitted program (two
+nested `lax.while_loop`s, see `_ar_loop`): the host launches it once and
+reads the finished tokens. Rows of a batch have their own prompt length and
+cache cursor, so prompts of different lengths decode side by side.
 
 Programs are compiled ahead of time (`jit(...).lower(...).compile()`) and
 memoised by shape, so compile time is measured apart from run time and a
@@ -185,8 +186,8 @@ def _ar_loop(params, config: ModelConfig, cache: KVCache, first_logits, sampling
       key, sub = jax.random.split(key)
       positions = (cache.lengths + recent.lengths)[:, None]
       attend = causal_attend(recent.lengths, 1, recent.max_len)
-      logits, _, recent = forward(params, config, last[:, None], positions, recent, attend,
-                                  context=(cache,))
+      fed = jnp.maximum(last, 0)[:, None]  # finished rows hold -1; feed them any valid id
+      logits, _, recent = forward(params, config, fed, positions, recent, attend, context=(cache,))
       token = jnp.where(done, -1, sample(sub, logits[:, 0], sampling))
       out = out.at[:, step].set(token)
       n_tokens = n_tokens + (~done).astype(jnp.int32)

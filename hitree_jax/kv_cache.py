@@ -9,6 +9,12 @@ the caller. Speculation writes candidate tokens past the committed length and
 then `commit`s the accepted ones: a gather of the chosen slots into contiguous
 slots after the committed length. Rejected slots are forgotten simply by not
 advancing the length.
+
+A decoder may keep two caches: a long one that is only read (as `context`,
+see model.hidden_states) and a short one that new tokens are written to,
+`append`ed to the long one now and then. XLA:CPU copies a buffer that is read
+and written in the same loop step, so this split is what keeps long-context
+decoding cheap.
 """
 
 from __future__ import annotations
