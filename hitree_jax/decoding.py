@@ -212,6 +212,18 @@ class GenerationResult:
   decode_s: float
   compile_s: float          # compile time spent inside this call
   compiles: int             # programs compiled inside this call
+  # Speculative methods only:
+  target_forwards: int | None = None           # batched target forwards in the decode loop
+  rounds_per_row: list[int] | None = None      # target forwards while each row was generating
+  accepted_per_depth: list[int] | None = None  # draft tokens accepted at each tree depth, all rows
+
+  @property
+  def mean_accepted(self) -> float | None:
+    """Tokens committed per target forward in the decode loop, averaged over rows (ar: 1)."""
+    if not self.rounds_per_row:
+      return None
+    per_row = [(len(t) - 1) / r for t, r in zip(self.tokens, self.rounds_per_row) if r]
+    return sum(per_row) / len(per_row) if per_row else None
 
   @property
   def decode_tokens_per_s(self) -> float:

@@ -1,0 +1,135 @@
+"""Level-0 proposers: they fill a token tree after the last emitted token.
+
+A drafter is a frozen (hashable, jit-static) description; `propose` is pure.
+Each returns the tokens of every tree node and the distribution the children
+of each position were drawn from (None for deterministic proposals), which is
+what exact verification needs (verify.py).
+
+  SelfDrafter(k):  the target's own first k layers + final norm + LM head.
+                   Its keys/values for committed tokens ARE the target's first
+                   k layers' cache, so it reads the target's caches and needs
+                   no cache (and no weights) of its own.
+  NGramDrafter(n): copies the continuation of the latest earlier occurrence of
+                   the longest (<= n) suffix of prompt + output (a chain).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hitree_jax.config import ModelConfig
+from hitree_jax.kv_cache import KVCache
+from hitree_jax.model import forward
+from hitree_jax.sampling import SamplingParams, probabilities
+from hitree_jax.tree import TokenTree
+
+
+@dataclasses.dataclass(frozen=True)
+class NGramDrafter:
+  max_ngram: int = 3
+  mode: str = "deterministic"
+
+  def check(self, tree: TokenTree, config: ModelConfig) -> None:
+    if any(p != i - 1 for i, p in enumerate(tree.parents)):
+      raise ValueError("the n-gram drafter proposes a chain: use --tree=chain:N (or --method=sd)")
+    if self.max_ngram < 1:
+      raise ValueError(f"max_ngram={self.max_ngram} must be >= 1")
+
+  def propose(self, key, tree: TokenTree, history, history_len, **unused):
+    """history [B, H] (prompt + output, the root token last at history_len - 1) -> tokens [B, N]."""
+    del key, unused
+    batch, width = history.shape
+    rows = jnp.arange(batch)[:, None]
+    idx = jnp.arange(width)[None, :]
+    best = jnp.full((batch,), -1, jnp.int32)  # end index of the chosen earlier match
+    for n in range(1, self.max_ngram + 1):   # longer suffixes override shorter ones
+      match = (idx >= n - 1) & (idx < history_len[:, None] - 1)
+      for j in range(n):
+        suffix_tok = jnp.take_along_axis(history, jnp.maximum(history_len - 1 - j, 0)[:, None], axis=1)
+        shifted = jnp.take_along_axis(history, jnp.maximum(idx - j, 0).repeat(batch, 0), axis=1)
+        match = match & (shifted == suffix_tok) & (history_len[:, None] - 1 - j >= 0)
+      latest = jnp.max(jnp.where(match, idx, -1), axis=1)
+      best = jnp.where(latest >= 0, latest, best)
+    take = best[:, None] + 1 + jnp.arange(tree.size)[None, :]
+    take = jnp.where((best[:, None] >= 0) & (take < history_len[:, None]), take, history_len[:, None] - 1)
+    return history[rows, take].astype(jnp.int32), None
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfDrafter:
+  num_layers: int
+  mode: str = "deterministic"  # children = the draft's top-k; or "iid" / "without_replacement" samples
+
+  def check(self, tree: TokenTree, config: ModelConfig) -> None:
+    if not 1 <= self.num_layers < config.num_layers:
+      raise ValueError(f"self-draft layers={self.num_layers} must be in [1, {config.num_layers})")
+
+  def propose(self, key, tree: TokenTree, *, params, config: ModelConfig, root, positions,
+              long: KVCache, recent: KVCache, sampling: SamplingParams, **unused):
+    """One draft forward per depth. root [B]; positions [B, N+1]. -> tokens [B, N], q [B, N+1, V]."""
+    del unused
+    k = self.num_layers
+    cut = lambda c: c.replace(keys=c.keys[:k], values=c.values[:k])
+    context = (cut(long), cut(recent))
+    batch, n = root.shape[0], tree.size
+    scratch = KVCache.init(config.replace(num_layers=k), batch, n + 1)
+    full_mask = tree_attend_mask(tree)                                # [N+1, N+1]
+    tokens = jnp.zeros((batch, n), jnp.int32)
+    q_all = jnp.zeros((batch, n + 1, config.vocab_size), jnp.float32)
+    frontier = (-1,)                                                  # positions-1: the root
+    for d, level in enumerate(tree.level_nodes):
+      pos_idx = np.array([u + 1 for u in frontier])                   # tree positions fed now
+      fed = root[:, None] if d == 0 else tokens[:, pos_idx - 1]
+      attend = jnp.broadcast_to(jnp.asarray(full_mask[pos_idx]), (batch, len(pos_idx), n + 1))
+      logits, _, scratch = forward(params, config, fed, positions[:, pos_idx], scratch, attend,
+                                   write_at=jnp.full((batch,), int(pos_idx[0]), jnp.int32),
+                                   context=context)
+      q = probabilities(logits, sampling)                              # [B, T, V]
+      q_all = q_all.at[:, pos_idx].set(q)
+      key, sub = jax.random.split(key)
+      for t, parent in enumerate(frontier):
+        kids = [c for c in tree.children[parent + 1] if c >= 0]
+        if kids:
+          drawn = draw_children(jax.random.fold_in(sub, t), q[:, t], len(kids), self.mode)
+          tokens = tokens.at[:, np.array(kids)].set(drawn)
+      frontier = level
+    return tokens, q_all
+
+
+def draw_children(key, q, n: int, mode: str):
+  """n child tokens [B, n] from q [B, V] by the drawing rule `mode` (see verify.py)."""
+  if mode == "deterministic":
+    return jax.lax.top_k(q, n)[1].astype(jnp.int32)
+  if mode == "iid":
+    return jax.random.categorical(key, jnp.log(q)[:, None, :], axis=-1, shape=(q.shape[0], n)).astype(jnp.int32)
+  if mode == "without_replacement":  # Gumbel top-k
+    gumbel = jax.random.gumbel(key, q.shape)
+    return jax.lax.top_k(jnp.log(q) + gumbel, n)[1].astype(jnp.int32)
+  raise ValueError(f"mode={mode!r}")
+
+
+def tree_attend_mask(tree: TokenTree) -> np.ndarray:
+  """[N+1, N+1] bool over (root, nodes): each sees the root, its ancestors and itself."""
+  n = tree.size
+  mask = np.zeros((n + 1, n + 1), bool)
+  mask[:, 0] = True
+  mask[1:, 1:] = tree.ancestor_mask
+  return mask
+
+
+def parse_draft_spec(spec: str):
+  """'ngram' | 'ngram:N' | 'self:K' [',' mode] -> a drafter."""
+  name, _, rest = spec.partition(":")
+  arg, _, mode = rest.partition(",")
+  try:
+    if name == "ngram":
+      return NGramDrafter(int(arg) if arg else 3)
+    if name == "self" and arg:
+      return SelfDrafter(int(arg), mode or "deterministic")
+  except ValueError:
+    pass
+  raise ValueError(f"bad draft spec {spec!r}: expected ngram, ngram:N or self:K[,iid|without_replacement|deterministic]")

@@ -1,0 +1,129 @@
+"""Speculative decoding (sd / tree) on a tiny random model: greedy equals ar, sampling is exact."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from hitree_jax import decoding, engine
+from hitree_jax import tree as tree_lib
+from hitree_jax.config import ModelConfig
+from hitree_jax.drafters import NGramDrafter, SelfDrafter, parse_draft_spec
+from hitree_jax.kv_cache import KVCache, causal_attend
+from hitree_jax.model import forward, init_params
+from hitree_jax.sampling import SamplingParams, probabilities
+
+CONFIG = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                     num_kv_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=None)
+PROMPTS = [[3, 5, 7, 11, 13, 17, 19, 3, 5, 7], [2, 4], [8, 1, 9, 30, 2]]
+SETUPS = {
+    "ngram-chain4": (tree_lib.chain(4), NGramDrafter(3)),
+    "self1-chain3": (tree_lib.chain(3), SelfDrafter(1)),
+    "self2-binary2x2": (tree_lib.kary(2, 2), SelfDrafter(2)),
+    "self1-ragged-iid": (tree_lib.TokenTree((-1, -1, 0, 0, 1, 2)), SelfDrafter(1, "iid")),
+}
+
+
+@pytest.fixture(scope="module")
+def params():
+  p = init_params(CONFIG, jax.random.key(0))
+  return jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, p)  # peaked: no greedy near-ties
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(params):
+  return decoding.generate(params, CONFIG, PROMPTS, max_new_tokens=40).tokens
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_greedy_equals_ar(params, ar_tokens, setup):
+  tree, drafter = SETUPS[setup]
+  result = engine.generate(params, CONFIG, PROMPTS, tree=tree, drafter=drafter, max_new_tokens=40)
+  assert result.tokens == ar_tokens
+  # Speculation did something: fewer target forwards than tokens.
+  assert result.target_forwards < 39 and result.mean_accepted > 1.0
+  # Each round emits its accepted tokens + one; the last round of a row may be cut at max_new_tokens.
+  emitted = sum(result.accepted_per_depth) + sum(result.rounds_per_row)
+  assert 0 <= emitted - sum(len(t) - 1 for t in result.tokens) <= len(PROMPTS) * tree.max_depth
+
+
+def test_stops_at_eos_like_ar(params, ar_tokens):
+  eos = ar_tokens[0][5]
+  config = CONFIG.replace(eos_token_id=eos)
+  expected = decoding.generate(params, config, PROMPTS, max_new_tokens=40).tokens
+  got = engine.generate(params, config, PROMPTS, tree=tree_lib.kary(2, 2), drafter=SelfDrafter(2),
+                        max_new_tokens=40).tokens
+  assert got == expected and got[0][-1] == eos
+
+
+def test_second_generation_compiles_nothing(params):
+  tree, drafter = SETUPS["self2-binary2x2"]
+  engine.generate(params, CONFIG, [[1, 2, 3]], tree=tree, drafter=drafter, max_new_tokens=16)
+  again = engine.generate(params, CONFIG, [[4, 5, 6, 7]], tree=tree, drafter=drafter, max_new_tokens=16,
+                          sampling=SamplingParams.create(0.8, 0.9), seed=1)
+  assert again.compiles == 0
+
+
+def test_bad_drafter_settings_are_named(params):
+  with pytest.raises(ValueError, match="chain"):
+    engine.generate(params, CONFIG, [[1, 2]], tree=tree_lib.kary(2, 2), drafter=NGramDrafter(),
+                    max_new_tokens=4)
+  with pytest.raises(ValueError, match="layers=3"):
+    engine.generate(params, CONFIG, [[1, 2]], tree=tree_lib.chain(2), drafter=SelfDrafter(3),
+                    max_new_tokens=4)
+  with pytest.raises(ValueError, match="bad draft spec 'selfie'"):
+    parse_draft_spec("selfie")
+
+
+# --- sampling: the joint law of the first three generated tokens, enumerated exactly ---
+# Token 1 comes from prefill; tokens 2 and 3 from the first round (depth 1 and 2 of
+# the tree, or a correction / bonus token), so every verification step is covered.
+
+SMALL = CONFIG.replace(vocab_size=6)
+N_SAMPLES = 4000
+
+
+def exact_three_token_law(params, prompt, sampling):
+  """P(a) P(b | a) P(c | a, b) [V, V, V] from one batched cache-free forward over every context."""
+  v, t = SMALL.vocab_size, len(prompt) + 2
+  contexts = [[]] + [[a] for a in range(v)] + [[a, b] for a in range(v) for b in range(v)]
+  seqs = np.array([prompt + c + [0] * (2 - len(c)) for c in contexts], np.int32)
+  cache = KVCache.init(SMALL, len(seqs), t)
+  logits, _, _ = jax.jit(forward, static_argnums=1)(
+      params, SMALL, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), seqs.shape), cache,
+      causal_attend(cache.lengths, t, t))
+  last = np.array([len(prompt) - 1 + len(c) for c in contexts])
+  probs = np.asarray(probabilities(logits[np.arange(len(seqs)), last], sampling), np.float64)
+  first, second, third = probs[0], probs[1:1 + v], probs[1 + v:].reshape(v, v, v)
+  return first[:, None, None] * second[:, :, None] * third
+
+
+def chi_square_pvalue(samples, law):
+  counts = np.zeros_like(law)
+  np.add.at(counts, tuple(samples.T), 1)
+  expected = law.ravel() / law.sum() * len(samples)
+  big = expected >= 5  # pool the rare cells so the chi-square approximation holds
+  obs = np.append(counts.ravel()[big], counts.ravel()[~big].sum())
+  exp = np.append(expected[big], expected[~big].sum())
+  keep = exp > 0
+  assert obs[~keep].sum() == 0, "a token sequence of probability zero was generated"
+  return stats.chisquare(obs[keep], exp[keep]).pvalue
+
+
+@pytest.mark.parametrize("tree,drafter,temperature,top_p", [
+    (tree_lib.chain(3), NGramDrafter(2), 1.0, 1.0),
+    (tree_lib.chain(3), SelfDrafter(1, "iid"), 1.0, 1.0),
+    (tree_lib.kary(2, 2), SelfDrafter(1, "without_replacement"), 1.0, 1.0),
+    (tree_lib.kary(2, 2), SelfDrafter(2, "deterministic"), 0.7, 0.9),
+    (tree_lib.TokenTree((-1, -1, 0, 0, 1, 2)), SelfDrafter(1, "iid"), 1.3, 0.95),
+], ids=["ngram-chain", "self-chain-iid", "self-binary-wor", "self-binary-det-topp", "self-ragged-iid"])
+def test_sampling_is_exact(tree, drafter, temperature, top_p):
+  params = init_params(SMALL, jax.random.key(2))
+  params = jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x, params)
+  prompt = [1, 4, 2, 5, 1, 4]  # repeats, so the n-gram drafter proposes something
+  sampling = SamplingParams.create(temperature, top_p)
+  result = engine.generate(params, SMALL, [prompt] * N_SAMPLES, tree=tree, drafter=drafter,
+                           max_new_tokens=3, sampling=sampling, seed=11, stop_at_eos=False)
+  samples = np.array([t[:3] for t in result.tokens])
+  assert chi_square_pvalue(samples, exact_three_token_law(params, prompt, sampling)) > 1e-4
