@@ -2,6 +2,8 @@
 
   python -m launch.benchmark --model=smollm2 --methods=ar --prompt_tokens=512,2048,6000 \
       --new_tokens=128 --n_prompts=3 --out=results.json
+  python -m launch.benchmark --methods=ar,sd/ngram/4,tree/self:8/kary:2x2 --prompt_tokens=512 \
+      --temperature=0.6 --top_p=0.9
 
 Each (method, prompt length) is compiled and warmed up on its first prompt
 before anything is timed; EOS is ignored so every run decodes exactly
@@ -21,7 +23,9 @@ from launch import common
 
 common.define_model_flags()
 common.define_sampling_flags()
-flags.DEFINE_list("methods", ["ar"], f"Methods to compare; from {common.METHODS}.")
+common.define_speculation_flags()
+flags.DEFINE_list("methods", ["ar"], "Configurations to compare: ar, sd[/DRAFT[/GAMMA]], "
+                  "tree[/DRAFT[/TREE]] (missing parts from --draft, --gamma, --tree).")
 flags.DEFINE_list("prompt_tokens", ["512", "2048"], "Prompt lengths in tokens.")
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per prompt.")
 flags.DEFINE_integer("n_prompts", 3, "Prompts per length.")
@@ -31,27 +35,26 @@ FLAGS = flags.FLAGS
 
 
 def run_one(model, method, ids, sampling):
-  from hitree_jax import decoding
-  common.check_method(method)
-  return decoding.generate(model.params, model.config, [ids], max_new_tokens=FLAGS.new_tokens,
-                           sampling=sampling, seed=FLAGS.seed, stop_at_eos=False)
+  return method.generate(model.params, model.config, [ids], max_new_tokens=FLAGS.new_tokens,
+                         sampling=sampling, seed=FLAGS.seed, stop_at_eos=False)
 
 
 def markdown(rows) -> str:
-  lines = ["| method | prompt tokens | decode tok/s (median) | speedup vs ar | prefill s | compile s |",
-           "|---|---|---|---|---|---|"]
+  lines = ["| method | prompt tokens | decode tok/s (median) | speedup vs ar | mean accepted | prefill s | compile s |",
+           "|---|---|---|---|---|---|---|"]
   base = {r["prompt_tokens"]: r["median_decode_tokens_per_s"] for r in rows if r["method"] == "ar"}
   for r in rows:
     speedup = r["median_decode_tokens_per_s"] / base[r["prompt_tokens"]] if r["prompt_tokens"] in base else float("nan")
+    accepted = r["median_mean_accepted"]
     lines.append(f"| {r['method']} | {r['prompt_tokens']} | {r['median_decode_tokens_per_s']:.2f} | "
-                 f"{speedup:.2f}x | {r['median_prefill_s']:.2f} | {r['compile_s']:.1f} |")
+                 f"{speedup:.2f}x | {accepted if accepted is None else f'{accepted:.2f}'} | "
+                 f"{r['median_prefill_s']:.2f} | {r['compile_s']:.1f} |")
   return "\n".join(lines)
 
 
 def main(argv):
   del argv
-  for m in FLAGS.methods:
-    common.check_method(m)
+  methods = [common.parse_method(m, FLAGS.draft, FLAGS.gamma, FLAGS.tree) for m in FLAGS.methods]
   sampling = common.sampling_from_flags(FLAGS)
   import jax
   from hitree_jax.data import book_prompts
@@ -63,18 +66,21 @@ def main(argv):
   rows = []
   for n_tokens in map(int, FLAGS.prompt_tokens):
     prompts = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts, corpus=FLAGS.corpus)
-    for method in FLAGS.methods:
+    for method in methods:
       warm = run_one(model, method, prompts[0], sampling)  # compiles; not timed
       runs = []
       for i, ids in enumerate(prompts):
         r = run_one(model, method, ids, sampling)
         runs.append({"prompt": i, "prefill_s": r.prefill_s, "decode_s": r.decode_s,
                      "new_tokens": len(r.tokens[0]), "decode_tokens_per_s": r.decode_tokens_per_s,
-                     "compiles": r.compiles})
-        logging.info("%s P=%d prompt %d: %.2f tok/s", method, n_tokens, i, r.decode_tokens_per_s)
+                     "compiles": r.compiles, "target_forwards": r.target_forwards,
+                     "mean_accepted": r.mean_accepted, "accepted_per_depth": r.accepted_per_depth})
+        logging.info("%s P=%d prompt %d: %.2f tok/s", method.label, n_tokens, i, r.decode_tokens_per_s)
+      accepted = [x["mean_accepted"] for x in runs if x["mean_accepted"] is not None]
       rows.append({
-          "method": method, "prompt_tokens": n_tokens, "runs": runs, "compile_s": warm.compile_s,
+          "method": method.label, "prompt_tokens": n_tokens, "runs": runs, "compile_s": warm.compile_s,
           "median_decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in runs),
+          "median_mean_accepted": statistics.median(accepted) if accepted else None,
           "median_prefill_s": statistics.median(x["prefill_s"] for x in runs)})
   record = {
       "model": FLAGS.model, "dtype": FLAGS.dtype, "new_tokens": FLAGS.new_tokens,

@@ -3,6 +3,7 @@
   python -m launch.generate --model=smollm2 --book=austen --prompt_tokens=512 \
       --max_new_tokens=128 --temperature=0.6 --top_p=0.9
   python -m launch.generate --prompt="Write a haiku about rain." --chat --json
+  python -m launch.generate --book=austen --method=tree --draft=self:8 --tree=kary:2x2
 
 With --json the last line printed is one JSON object (ids, text, timings).
 """
@@ -19,13 +20,15 @@ from launch import common
 
 common.define_model_flags()
 common.define_sampling_flags()
+common.define_speculation_flags()
 flags.DEFINE_string("prompt", None, "Prompt text.")
 flags.DEFINE_string("prompt_file", None, "File holding the prompt text.")
 flags.DEFINE_enum("book", None, ["austen", "shakespeare", "milton"],
                   "Use a passage of this book corpus as the prompt (see --prompt_tokens).")
 flags.DEFINE_integer("prompt_tokens", 512, "Length of the --book passage, in tokens.")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate at most.")
-flags.DEFINE_string("method", "ar", f"Decoding method; one of {common.METHODS}.")
+flags.DEFINE_string("method", "ar", f"Decoding method; one of {common.METHODS} "
+                    "(sd: a chain of --gamma draft tokens; tree: --tree; both use --draft).")
 flags.DEFINE_bool("chat", False, "Wrap the prompt in the model's chat template.")
 flags.DEFINE_bool("ignore_eos", False, "Keep generating after the end-of-sequence token.")
 flags.DEFINE_bool("json", False, "Print one JSON record as the last line.")
@@ -61,32 +64,33 @@ def prompt_ids(tokenizer) -> list[int]:
 
 def main(argv):
   del argv
-  common.check_method(FLAGS.method)
+  method = common.parse_method(FLAGS.method, FLAGS.draft, FLAGS.gamma, FLAGS.tree)
   check_prompt_flags()
   sampling = common.sampling_from_flags(FLAGS)  # validate before the slow load
-  from hitree_jax import decoding
   from hitree_jax.loading import load_model
   from hitree_jax.tokenizer import load_tokenizer
 
   model = load_model(FLAGS.model, FLAGS.dtype)
   tokenizer = load_tokenizer(model.path)
   ids = prompt_ids(tokenizer)
-  result = decoding.generate(model.params, model.config, [ids], max_new_tokens=FLAGS.max_new_tokens,
-                             sampling=sampling, seed=FLAGS.seed, stop_at_eos=not FLAGS.ignore_eos)
+  result = method.generate(model.params, model.config, [ids], max_new_tokens=FLAGS.max_new_tokens,
+                           sampling=sampling, seed=FLAGS.seed, stop_at_eos=not FLAGS.ignore_eos)
   tokens = result.tokens[0]
   text = tokenizer.decode(tokens, skip_special_tokens=True)
   print(text)
-  print(f"\n[{FLAGS.method}] prompt {len(ids)} tokens, generated {len(tokens)}: "
+  spec = f", {result.mean_accepted:.2f} tokens per target forward" if result.mean_accepted else ""
+  print(f"\n[{method.label}] prompt {len(ids)} tokens, generated {len(tokens)}: "
         f"prefill {result.prefill_s:.2f} s, decode {result.decode_s:.2f} s "
-        f"({result.decode_tokens_per_s:.1f} tok/s), compile {result.compile_s:.1f} s",
+        f"({result.decode_tokens_per_s:.1f} tok/s{spec}), compile {result.compile_s:.1f} s",
         file=sys.stderr if FLAGS.json else sys.stdout)
   if FLAGS.json:
     print(json.dumps({
-        "model": FLAGS.model, "method": FLAGS.method, "prompt_ids": ids, "tokens": tokens,
+        "model": FLAGS.model, "method": method.label, "prompt_ids": ids, "tokens": tokens,
         "text": text, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
         "decode_tokens_per_s": result.decode_tokens_per_s, "compile_s": result.compile_s,
         "temperature": FLAGS.temperature, "top_p": FLAGS.top_p, "top_k": FLAGS.top_k,
-        "seed": FLAGS.seed}))
+        "seed": FLAGS.seed, "target_forwards": result.target_forwards,
+        "mean_accepted": result.mean_accepted, "accepted_per_depth": result.accepted_per_depth}))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ def test_benchmark_writes_json_and_table(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--temperature=-1", "--prompt=hi"], "temperature=-1.0"),
     (["--top_p=1.5", "--prompt=hi"], "top_p=1.5"),
-    (["--method=tree", "--prompt=hi"], "method 'tree' is not available"),
+    (["--method=beam", "--prompt=hi"], "method 'beam' is not available"),
+    (["--method=tree", "--tree=sequoia:16,4", "--prompt=hi"], "sequoia trees are not supported yet"),
+    (["--method=sd", "--draft=selfie", "--prompt=hi"], "bad draft spec 'selfie'"),
     (["--model=/no/such/model.gguf", "--prompt=hi"], "/no/such/model.gguf"),
     (["--prompt_file=/no/such/prompt.txt"], "--prompt_file=/no/such/prompt.txt"),
     (["--prompt=a", "--book=austen"], "exactly one of --prompt, --prompt_file, --book"),

@@ -84,3 +84,14 @@ def test_tokenizer_and_chat_template(tokenizer):
   assert "<|im_start|>user\nHello<|im_end|>" in decoded
   assert decoded.endswith("<|im_start|>assistant\n")
   assert tokenizer.eos_token_id == 2
+
+
+@pytest.mark.parametrize("method", ["sd/ngram/4", "tree/self:8/kary:2x2"])
+def test_speculative_greedy_equals_ar(ours, prompt, method):
+  from launch.common import parse_method
+  spec = parse_method(method, "self:8", 4, "kary:2x2")
+  expected = decoding.generate(ours.params, ours.config, [prompt], max_new_tokens=24,
+                               stop_at_eos=False).tokens[0]
+  got = spec.generate(ours.params, ours.config, [prompt], max_new_tokens=24, stop_at_eos=False)
+  assert got.tokens[0] == expected
+  assert got.target_forwards <= 23
