@@ -27,7 +27,7 @@ from hitree_jax.config import ModelConfig
 from hitree_jax.drafters import NGramDrafter, SelfDrafter, tree_attend_mask
 from hitree_jax.kv_cache import KVCache
 from hitree_jax.model import forward
-from hitree_jax.sampling import SamplingParams, probabilities
+from hitree_jax.sampling import SamplingParams, probabilities, sample
 from hitree_jax.tree import TokenTree
 from hitree_jax.verify import verify
 
@@ -51,7 +51,7 @@ def _spec_loop(params, config: ModelConfig, cache: KVCache, first_logits, sampli
   rows = jnp.arange(batch)
 
   key, sub = jax.random.split(key)
-  first = jax.random.categorical(sub, jnp.log(probabilities(first_logits, sampling))).astype(jnp.int32)
+  first = sample(sub, first_logits, sampling)
   out = jnp.full((batch, max_new_tokens + span), -1, jnp.int32).at[:, 0].set(first)
   n_out = jnp.ones((batch,), jnp.int32)
   done = (first == eos_id) | (n_out >= max_new_tokens)

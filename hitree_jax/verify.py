@@ -23,6 +23,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from hitree_jax.sampling import draw
 from hitree_jax.tree import TokenTree
 
 MODES = ("iid", "without_replacement", "deterministic")
@@ -99,7 +100,7 @@ def verify(key: jax.Array, tree: TokenTree, draft_tokens: jax.Array, target_prob
       path = path.at[:, d].set(jnp.where(stopped, -1, chosen))
       n_accepted = n_accepted + (~stopped).astype(jnp.int32)
       pos = jnp.where(stopped, pos, chosen + 1)
-  next_token = jax.random.categorical(keys[-1], jnp.log(p_stop), axis=-1).astype(jnp.int32)
+  next_token = draw(keys[-1], p_stop)
   return Verdict(path=path, n_accepted=n_accepted, next_token=next_token)
 
 

@@ -217,3 +217,11 @@ def test_changing_settings_does_not_recompile():
   # ... and the counter does count compilations: a new logits shape is a second one.
   step(jax.random.key(0), logits[:1], SamplingParams.create())
   assert step._cache_size() == 2 and len(traces) == 2
+
+
+def test_draw_never_picks_a_zero_probability_token():
+  from hitree_jax.sampling import draw
+  probs = jnp.array([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]])
+  tokens = np.asarray(jax.vmap(lambda k: draw(k, probs))(jax.random.split(jax.random.key(0), 4000)))
+  assert set(np.unique(tokens[:, 0])) == {1, 3} and (tokens[:, 1] == 4).all()
+  assert 0.45 < (tokens[:, 0] == 1).mean() < 0.55
