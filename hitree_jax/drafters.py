@@ -24,7 +24,7 @@ import numpy as np
 from hitree_jax.config import ModelConfig
 from hitree_jax.kv_cache import KVCache
 from hitree_jax.model import forward
-from hitree_jax.sampling import SamplingParams, probabilities
+from hitree_jax.sampling import SamplingParams, draw, probabilities
 from hitree_jax.tree import TokenTree
 
 
@@ -46,12 +46,12 @@ class NGramDrafter:
     rows = jnp.arange(batch)[:, None]
     idx = jnp.arange(width)[None, :]
     best = jnp.full((batch,), -1, jnp.int32)  # end index of the chosen earlier match
-    for n in range(1, self.max_ngram + 1):   # longer suffixes override shorter ones
-      match = (idx >= n - 1) & (idx < history_len[:, None] - 1)
-      for j in range(n):
-        suffix_tok = jnp.take_along_axis(history, jnp.maximum(history_len - 1 - j, 0)[:, None], axis=1)
-        shifted = jnp.take_along_axis(history, jnp.maximum(idx - j, 0).repeat(batch, 0), axis=1)
-        match = match & (shifted == suffix_tok) & (history_len[:, None] - 1 - j >= 0)
+    match = idx < history_len[:, None] - 1    # ends strictly before the suffix does
+    for n in range(1, self.max_ngram + 1):    # longer suffixes override shorter ones
+      j = n - 1                               # the suffix's n-th token from the end must match too
+      suffix_tok = jnp.take_along_axis(history, jnp.maximum(history_len - 1 - j, 0)[:, None], axis=1)
+      shifted = jnp.take_along_axis(history, jnp.maximum(idx - j, 0).repeat(batch, 0), axis=1)
+      match = match & (idx >= j) & (shifted == suffix_tok) & (history_len[:, None] - 1 - j >= 0)
       latest = jnp.max(jnp.where(match, idx, -1), axis=1)
       best = jnp.where(latest >= 0, latest, best)
     take = best[:, None] + 1 + jnp.arange(tree.size)[None, :]
@@ -105,7 +105,7 @@ def draw_children(key, q, n: int, mode: str):
   if mode == "deterministic":
     return jax.lax.top_k(q, n)[1].astype(jnp.int32)
   if mode == "iid":
-    return jax.random.categorical(key, jnp.log(q)[:, None, :], axis=-1, shape=(q.shape[0], n)).astype(jnp.int32)
+    return draw(key, jnp.broadcast_to(q[:, None, :], (q.shape[0], n, q.shape[1])))
   if mode == "without_replacement":  # Gumbel top-k
     gumbel = jax.random.gumbel(key, q.shape)
     return jax.lax.top_k(jnp.log(q) + gumbel, n)[1].astype(jnp.int32)

@@ -24,7 +24,7 @@ import numpy as np
 
 from hitree_jax import decoding
 from hitree_jax.config import ModelConfig
-from hitree_jax.drafters import NGramDrafter, SelfDrafter, tree_attend_mask
+from hitree_jax.drafters import tree_attend_mask
 from hitree_jax.kv_cache import KVCache
 from hitree_jax.model import forward
 from hitree_jax.sampling import SamplingParams, probabilities, sample

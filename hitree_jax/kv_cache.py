@@ -69,7 +69,6 @@ class KVCache:
                         values=tuple(map(move, self.values)),
                         lengths=self.lengths + n_accepted)
 
-
   def append(self, other: "KVCache") -> "KVCache":
     """Appends the committed slots of `other` (a short cache) after this cache's committed slots."""
     keys = tuple(write_slots(buf, new.transpose(0, 2, 1, 3), self.lengths)
@@ -77,9 +76,6 @@ class KVCache:
     values = tuple(write_slots(buf, new.transpose(0, 2, 1, 3), self.lengths)
                    for buf, new in zip(self.values, other.values))
     return self.replace(keys=keys, values=values, lengths=self.lengths + other.lengths)
-
-  def clear(self) -> "KVCache":
-    return self.replace(lengths=jnp.zeros_like(self.lengths))
 
 
 def write_slots(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -95,4 +91,3 @@ def causal_attend(start: jax.Array, t: int, max_len: int) -> jax.Array:
   """Mask [B, T, S] for T new tokens written at start[b] + i: slot s <= start + i."""
   query_slot = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
   return jnp.arange(max_len)[None, None, :] <= query_slot[:, :, None]
-
