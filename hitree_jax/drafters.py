@@ -9,14 +9,22 @@ what exact verification needs (verify.py).
                    Its keys/values for committed tokens ARE the target's first
                    k layers' cache, so it reads the target's caches and needs
                    no cache (and no weights) of its own.
+  ModelDrafter:    a separate (small) model with its own cache, which mirrors
+                   the target's: written at the same slots each round and
+                   committed with the same accepted path. Its vocabulary may be
+                   the target's or a subset of it (vocab.py).
   NGramDrafter(n): copies the continuation of the latest earlier occurrence of
                    the longest (<= n) suffix of prompt + output (a chain).
+
+`propose` returns (tokens [B, N] target ids, q [B, N+1, V] or None, the
+drafter's recent cache after the round or None).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +34,7 @@ from hitree_jax.kv_cache import KVCache
 from hitree_jax.model import forward
 from hitree_jax.sampling import SamplingParams, draw, probabilities
 from hitree_jax.tree import TokenTree
+from hitree_jax.vocab import OTHER, spread_probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +65,7 @@ class NGramDrafter:
       best = jnp.where(latest >= 0, latest, best)
     take = best[:, None] + 1 + jnp.arange(tree.size)[None, :]
     take = jnp.where((best[:, None] >= 0) & (take < history_len[:, None]), take, history_len[:, None] - 1)
-    return history[rows, take].astype(jnp.int32), None
+    return history[rows, take].astype(jnp.int32), None, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +106,81 @@ class SelfDrafter:
           drawn = draw_children(jax.random.fold_in(sub, t), q[:, t], len(kids), self.mode)
           tokens = tokens.at[:, np.array(kids)].set(drawn)
       frontier = level
-    return tokens, q_all
+    return tokens, q_all, None
+
+
+@flax.struct.dataclass
+class DraftWeights:
+  """The dynamic inputs of a ModelDrafter (jit arguments, not part of its static description)."""
+  params: dict
+  target_ids: jax.Array | None = None  # [V'] ReducedVocab.target_ids, or None: same vocabulary
+  draft_ids: jax.Array | None = None   # [V] ReducedVocab.draft_ids
+
+  def to_draft(self, tokens):
+    return tokens if self.draft_ids is None else self.draft_ids[tokens]
+
+  def to_target(self, tokens):
+    return tokens if self.target_ids is None else self.target_ids[tokens]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDrafter:
+  config: ModelConfig                  # the draft's
+  mode: str = "deterministic"
+  target_vocab_size: int | None = None  # set when the draft's vocabulary is a subset (vocab.py)
+
+  def check(self, tree: TokenTree, config: ModelConfig) -> None:
+    target_vocab = self.target_vocab_size or self.config.vocab_size
+    if target_vocab != config.vocab_size:
+      raise ValueError(f"draft and target vocabularies differ: the draft's has {target_vocab} "
+                       f"tokens, the target's {config.vocab_size}; a draft must use the target's "
+                       "tokenizer (or a reduced vocabulary mapped onto it)")
+
+  def propose(self, key, tree: TokenTree, *, root, positions, sampling: SamplingParams,
+              draft: DraftWeights, draft_long: KVCache, draft_recent: KVCache, **unused):
+    """Like SelfDrafter, on the draft's own caches; also writes the deepest level's keys/values so
+    the draft cache holds every tree node and commits with the target's accepted path."""
+    del unused
+    config = self.config
+    batch, n = root.shape[0], tree.size
+    width = draft_recent.keys[0].shape[2]
+    attend_all = round_attend(draft_recent.lengths, width, tree)      # [B, N+1, W]
+    tokens = jnp.zeros((batch, n), jnp.int32)                         # draft ids
+    q_all = jnp.zeros((batch, n + 1, config.vocab_size), jnp.float32)
+    other = jnp.arange(config.vocab_size) == OTHER if draft.target_ids is not None else None
+    frontier = (-1,)
+    for d, level in enumerate((*tree.level_nodes, ())):
+      pos_idx = np.array([u + 1 for u in frontier])
+      fed = draft.to_draft(root)[:, None] if d == 0 else tokens[:, pos_idx - 1]
+      logits, _, draft_recent = forward(
+          draft.params, config, fed, positions[:, pos_idx], draft_recent, attend_all[:, pos_idx],
+          write_at=draft_recent.lengths + int(pos_idx[0]), context=(draft_long,))
+      if not level:
+        break                                  # the leaves were fed only for their keys/values
+      if other is not None:
+        logits = jnp.where(other, -jnp.inf, logits)
+      q = probabilities(logits, sampling)                              # [B, T, V']
+      q_all = q_all.at[:, pos_idx].set(q)
+      key, sub = jax.random.split(key)
+      for t, parent in enumerate(frontier):
+        kids = [c for c in tree.children[parent + 1] if c >= 0]
+        if kids:
+          drawn = draw_children(jax.random.fold_in(sub, t), q[:, t], len(kids), self.mode)
+          tokens = tokens.at[:, np.array(kids)].set(drawn)
+      frontier = level
+    if draft.target_ids is not None:
+      q_all = spread_probs(q_all, draft.target_ids, self.target_vocab_size)
+    return draft.to_target(tokens), q_all, draft_recent
+
+
+def round_attend(recent_lengths, width: int, tree: TokenTree):
+  """[B, N+1, W] mask of a round's root + nodes, written at recent_lengths[b] + 0..N of a
+  W-slot recent cache: each sees the committed slots and its tree ancestors (and itself)."""
+  span = tree.size + 1
+  mask = jnp.asarray(tree_attend_mask(tree))
+  slot = jnp.arange(width)[None, None, :] - recent_lengths[:, None, None]
+  in_round = (slot >= 0) & (slot < span)
+  return (slot < 0) | (in_round & mask[jnp.arange(span)[None, :, None], jnp.clip(slot, 0, span - 1)])
 
 
 def draw_children(key, q, n: int, mode: str):

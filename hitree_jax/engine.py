@@ -14,6 +14,7 @@ long one when it could not hold another round.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Sequence
@@ -24,7 +25,7 @@ import numpy as np
 
 from hitree_jax import decoding
 from hitree_jax.config import ModelConfig
-from hitree_jax.drafters import tree_attend_mask
+from hitree_jax.drafters import DraftWeights, ModelDrafter, round_attend
 from hitree_jax.kv_cache import KVCache
 from hitree_jax.model import forward
 from hitree_jax.sampling import SamplingParams, probabilities, sample
@@ -38,15 +39,16 @@ def recent_slots(tree: TokenTree) -> int:
 
 @functools.partial(jax.jit, static_argnums=(1, 5, 6, 7))
 def _spec_loop(params, config: ModelConfig, cache: KVCache, first_logits, sampling: SamplingParams,
-               max_new_tokens: int, tree: TokenTree, drafter, eos_id, key, history, history_len):
+               max_new_tokens: int, tree: TokenTree, drafter, eos_id, key, history, history_len,
+               draft: DraftWeights | None, draft_cache: KVCache | None):
   """Returns (tokens [B, N + slack] (-1 padded), n_tokens [B], rounds [B], accepted_per_depth [D]).
 
-  rounds[b]: target forwards in which row b was still generating.
+  rounds[b]: target forwards in which row b was still generating. draft /
+  draft_cache: a ModelDrafter's weights and prefilled cache (else None).
   """
   batch, n_nodes = first_logits.shape[0], tree.size
   span = n_nodes + 1                                    # root + nodes written per round
   width = recent_slots(tree)
-  mask = jnp.asarray(tree_attend_mask(tree))            # [span, span]
   depth_of = jnp.asarray(np.concatenate([[0], tree.depth]), jnp.int32)
   rows = jnp.arange(batch)
 
@@ -59,19 +61,19 @@ def _spec_loop(params, config: ModelConfig, cache: KVCache, first_logits, sampli
   history_len = history_len + 1
   stats = (jnp.zeros((batch,), jnp.int32), jnp.zeros((tree.max_depth,), jnp.int32))
 
-  def one_round(state, cache):
-    recent, out, n_out, done, history, history_len, key, (rounds, per_depth) = state
+  def one_round(state, caches):
+    cache, draft_cache = caches
+    (recent, draft_recent), out, n_out, done, history, history_len, key, (rounds, per_depth) = state
     key, k_draft, k_verify = jax.random.split(key, 3)
     root = history[rows, history_len - 1]
     base = cache.lengths + recent.lengths                              # committed tokens
     positions = base[:, None] + depth_of[None, :]                      # [B, span]
-    tokens, q = drafter.propose(k_draft, tree, history=history, history_len=history_len,
-                                params=params, config=config, root=root, positions=positions,
-                                long=cache, recent=recent, sampling=sampling)
+    tokens, q, draft_recent = drafter.propose(
+        k_draft, tree, history=history, history_len=history_len, params=params, config=config,
+        root=root, positions=positions, long=cache, recent=recent, sampling=sampling,
+        draft=draft, draft_long=draft_cache, draft_recent=draft_recent)
     fed = jnp.concatenate([root[:, None], tokens], axis=1)             # [B, span]
-    slot = jnp.arange(width)[None, None, :] - recent.lengths[:, None, None]
-    in_round = (slot >= 0) & (slot < span)
-    attend = (slot < 0) | (in_round & mask[jnp.arange(span)[None, :, None], jnp.clip(slot, 0, span - 1)])
+    attend = round_attend(recent.lengths, width, tree)
     logits, _, recent = forward(params, config, fed, positions, recent, attend, context=(cache,))
     verdict = verify(k_verify, tree, tokens, probabilities(logits, sampling), q, drafter.mode)
 
@@ -80,6 +82,8 @@ def _spec_loop(params, config: ModelConfig, cache: KVCache, first_logits, sampli
     path_slots = recent.lengths[:, None] + 1 + jnp.maximum(verdict.path, 0)
     slots = jnp.concatenate([recent.lengths[:, None], path_slots], axis=1)
     recent = recent.commit(slots, jnp.where(done, 0, 1 + n_acc))
+    if draft_recent is not None:  # the draft wrote the same slots: keep the same path
+      draft_recent = draft_recent.commit(slots, jnp.where(done, 0, 1 + n_acc))
     path_tokens = jnp.take_along_axis(tokens, jnp.maximum(verdict.path, 0), axis=1)
     j = jnp.arange(tree.max_depth + 1)[None, :]
     emitted = jnp.where(j < n_acc[:, None], jnp.pad(path_tokens, ((0, 0), (0, 1))),
@@ -97,20 +101,23 @@ def _spec_loop(params, config: ModelConfig, cache: KVCache, first_logits, sampli
     live = (n_emit > 0).astype(jnp.int32)
     per_depth = per_depth + jnp.sum(
         (jnp.arange(tree.max_depth)[None, :] < n_acc[:, None]) * live[:, None], axis=0)
-    return (recent, out, n_out, done, history, history_len, key,
+    return ((recent, draft_recent), out, n_out, done, history, history_len, key,
             (rounds + live, per_depth))
 
   def block(state):
-    cache, out, n_out, done, history, history_len, key, stats = state
+    (cache, draft_cache), out, n_out, done, history, history_len, key, stats = state
     recent = KVCache.init(config, batch, width)
-    inner = (recent, out, n_out, done, history, history_len, key, stats)
-    has_room = lambda s: jnp.max(s[0].lengths) + span <= width
+    draft_recent = None if draft_cache is None else KVCache.init(drafter.config, batch, width)
+    inner = ((recent, draft_recent), out, n_out, done, history, history_len, key, stats)
+    has_room = lambda s: jnp.max(s[0][0].lengths) + span <= width
     inner = jax.lax.while_loop(lambda s: has_room(s) & ~jnp.all(s[3]),
-                               lambda s: one_round(s, cache), inner)
-    recent, out, n_out, done, history, history_len, key, stats = inner
-    return cache.append(recent), out, n_out, done, history, history_len, key, stats
+                               lambda s: one_round(s, (cache, draft_cache)), inner)
+    (recent, draft_recent), out, n_out, done, history, history_len, key, stats = inner
+    if draft_cache is not None:
+      draft_cache = draft_cache.append(draft_recent)
+    return (cache.append(recent), draft_cache), out, n_out, done, history, history_len, key, stats
 
-  state = (cache, out, n_out, done, history, history_len, key, stats)
+  state = ((cache, draft_cache), out, n_out, done, history, history_len, key, stats)
   state = jax.lax.while_loop(lambda s: ~jnp.all(s[3]), block, state)
   _, out, n_out, _, _, _, _, (rounds, per_depth) = state
   return out, jnp.minimum(n_out, max_new_tokens), rounds, per_depth
@@ -118,19 +125,32 @@ def _spec_loop(params, config: ModelConfig, cache: KVCache, first_logits, sampli
 
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, tree: TokenTree,
              drafter, max_new_tokens: int, sampling: SamplingParams | None = None, seed: int = 0,
-             stop_at_eos: bool = True) -> decoding.GenerationResult:
-  """Speculative generation; same result type as `decoding.generate`, plus round statistics."""
+             stop_at_eos: bool = True, draft: DraftWeights | None = None
+             ) -> decoding.GenerationResult:
+  """Speculative generation; same result type as `decoding.generate`, plus round statistics.
+
+  draft: the weights of a ModelDrafter (required for one, ignored otherwise).
+  """
   sampling = sampling or SamplingParams.create()
   drafter.check(tree, config)
+  if isinstance(drafter, ModelDrafter) and draft is None:
+    raise ValueError("a ModelDrafter needs its weights: pass draft=DraftWeights(...)")
   batch = decoding.make_batch(prompts, config, max_new_tokens)
   span = tree.size + 1
   compile_before, compiles_before = decoding.COMPILED.compile_s, decoding.COMPILED.compiles
   # Room for a round's candidates past the last kept token.
-  cache = KVCache.init(config, batch.batch, decoding.cache_slots(
-      batch.tokens.shape[1], max_new_tokens, extra=recent_slots(tree)))
+  slots = decoding.cache_slots(batch.tokens.shape[1], max_new_tokens, extra=recent_slots(tree))
+  cache = KVCache.init(config, batch.batch, slots)
 
   start = time.perf_counter()
   first_logits, cache = decoding.prefill(params, config, cache, batch)
+  draft_cache = None
+  if isinstance(drafter, ModelDrafter):
+    draft_batch = dataclasses.replace(batch, tokens=np.asarray(draft.to_draft(batch.tokens)))
+    _, draft_cache = decoding.prefill(draft.params, drafter.config,
+                                      KVCache.init(drafter.config, batch.batch, slots), draft_batch)
+  else:
+    draft = None
   first_logits.block_until_ready()
   prefill_s = time.perf_counter() - start - (decoding.COMPILED.compile_s - compile_before)
 
@@ -139,7 +159,8 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, t
   history[:, :batch.tokens.shape[1]] = batch.tokens
   eos = jnp.int32(config.eos_token_id if stop_at_eos and config.eos_token_id is not None else -1)
   args = (params, config, cache, first_logits, sampling, max_new_tokens, tree, drafter, eos,
-          jax.random.key(seed), jnp.asarray(history), jnp.asarray(batch.lengths))
+          jax.random.key(seed), jnp.asarray(history), jnp.asarray(batch.lengths), draft,
+          draft_cache)
   loop = decoding.COMPILED.get(("spec", config, max_new_tokens, tree, drafter,
                                 decoding._shape_key(args)), _spec_loop, *args)
   start = time.perf_counter()

@@ -54,7 +54,8 @@ def markdown(rows) -> str:
 
 def main(argv):
   del argv
-  methods = [common.parse_method(m, FLAGS.draft, FLAGS.gamma, FLAGS.tree) for m in FLAGS.methods]
+  methods = [common.parse_method(m, FLAGS.draft, FLAGS.gamma, FLAGS.tree, FLAGS.acceptance,
+                                        FLAGS.temperature == 0) for m in FLAGS.methods]
   sampling = common.sampling_from_flags(FLAGS)
   import jax
   from hitree_jax.data import book_prompts
@@ -63,6 +64,7 @@ def main(argv):
 
   model = load_model(FLAGS.model, FLAGS.dtype)
   tokenizer = load_tokenizer(model.path)
+  methods = [method.load_draft(model.config) for method in methods]
   rows = []
   for n_tokens in map(int, FLAGS.prompt_tokens):
     prompts = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts, corpus=FLAGS.corpus)

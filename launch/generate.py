@@ -64,7 +64,8 @@ def prompt_ids(tokenizer) -> list[int]:
 
 def main(argv):
   del argv
-  method = common.parse_method(FLAGS.method, FLAGS.draft, FLAGS.gamma, FLAGS.tree)
+  method = common.parse_method(FLAGS.method, FLAGS.draft, FLAGS.gamma, FLAGS.tree,
+                               FLAGS.acceptance, FLAGS.temperature == 0)
   check_prompt_flags()
   sampling = common.sampling_from_flags(FLAGS)  # validate before the slow load
   from hitree_jax.loading import load_model
@@ -72,10 +73,16 @@ def main(argv):
 
   model = load_model(FLAGS.model, FLAGS.dtype)
   tokenizer = load_tokenizer(model.path)
+  method = method.load_draft(model.config)
   ids = prompt_ids(tokenizer)
-  result = method.generate(model.params, model.config, [ids], max_new_tokens=FLAGS.max_new_tokens,
-                           sampling=sampling, seed=FLAGS.seed, stop_at_eos=not FLAGS.ignore_eos)
-  tokens = result.tokens[0]
+  if model.vocab is not None and method.name != "ar":
+    raise app.UsageError(f"--model={FLAGS.model} has a reduced vocabulary (a draft): "
+                         "it can run --method=ar, or serve as --draft of its target")
+  model_ids = ids if model.vocab is None else model.vocab.to_draft(ids).tolist()  # a draft alone
+  result = method.generate(model.params, model.config, [model_ids],
+                           max_new_tokens=FLAGS.max_new_tokens, sampling=sampling, seed=FLAGS.seed,
+                           stop_at_eos=not FLAGS.ignore_eos)
+  tokens = result.tokens[0] if model.vocab is None else model.vocab.to_target(result.tokens[0]).tolist()
   text = tokenizer.decode(tokens, skip_special_tokens=True)
   print(text)
   spec = f", {result.mean_accepted:.2f} tokens per target forward" if result.mean_accepted else ""

@@ -9,10 +9,11 @@ from scipy import stats
 from hitree_jax import decoding, engine
 from hitree_jax import tree as tree_lib
 from hitree_jax.config import ModelConfig
-from hitree_jax.drafters import NGramDrafter, SelfDrafter, parse_draft_spec
+from hitree_jax.drafters import DraftWeights, ModelDrafter, NGramDrafter, SelfDrafter, parse_draft_spec
 from hitree_jax.kv_cache import KVCache, causal_attend
 from hitree_jax.model import forward, init_params
 from hitree_jax.sampling import SamplingParams, probabilities
+from hitree_jax.vocab import ReducedVocab
 
 CONFIG = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=None)
@@ -46,6 +47,54 @@ def test_greedy_equals_ar(params, ar_tokens, setup):
   # Each round emits its accepted tokens + one; the last round of a row may be cut at max_new_tokens.
   emitted = sum(result.accepted_per_depth) + sum(result.rounds_per_row)
   assert 0 <= emitted - sum(len(t) - 1 for t in result.tokens) <= len(PROMPTS) * tree.max_depth
+
+
+def model_draft(params, config, vocab: ReducedVocab | None = None, mode="deterministic"):
+  """(drafter, weights) of a separate draft model (with a reduced vocabulary: rows of the embedding)."""
+  if vocab is None:
+    return ModelDrafter(config, mode), DraftWeights(params)
+  rows = np.maximum(vocab.target_ids, 0)
+  params = dict(params, embed_tokens={"embedding": params["embed_tokens"]["embedding"][rows]})
+  if not config.tie_word_embeddings:
+    params["lm_head"] = {"kernel": params["lm_head"]["kernel"][:, rows]}
+  return (ModelDrafter(config.replace(vocab_size=vocab.size), mode, vocab.target_vocab_size),
+          DraftWeights(params, jnp.asarray(vocab.target_ids), jnp.asarray(vocab.draft_ids)))
+
+
+@pytest.mark.parametrize("tree", [tree_lib.chain(3), tree_lib.kary(2, 2)], ids=["chain3", "binary2x2"])
+def test_model_drafter_greedy_equals_ar(params, ar_tokens, tree):
+  # The target as its own draft accepts every node, so the draft cache's mirrored commits
+  # (including the deepest level's keys/values) are exercised in every round.
+  drafter, weights = model_draft(params, CONFIG)
+  same = engine.generate(params, CONFIG, PROMPTS, tree=tree, drafter=drafter, draft=weights,
+                         max_new_tokens=40)
+  assert same.tokens == ar_tokens
+  assert same.mean_accepted > tree.max_depth + 0.5  # all accepted, bar cut-offs at the end
+  # A different, random draft model (2 layers, another width): exact whatever it proposes.
+  small = CONFIG.replace(num_layers=2, hidden_size=16, intermediate_size=32, head_dim=4)
+  drafter, weights = model_draft(init_params(small, jax.random.key(5)), small)
+  other = engine.generate(params, CONFIG, PROMPTS, tree=tree, drafter=drafter, draft=weights,
+                          max_new_tokens=40)
+  assert other.tokens == ar_tokens
+
+
+def test_reduced_vocabulary_draft_greedy_equals_ar(params, ar_tokens):
+  # The target restricted to the tokens of the run (ten of its 53 tokens stay out).
+  counts = np.bincount(np.concatenate([*PROMPTS, *ar_tokens]), minlength=CONFIG.vocab_size)
+  vocab = ReducedVocab.most_frequent(counts, int(np.sum(counts > 0)) + 1, always=())
+  assert vocab.size <= CONFIG.vocab_size - 10
+  drafter, weights = model_draft(params, CONFIG, vocab)
+  result = engine.generate(params, CONFIG, PROMPTS, tree=tree_lib.chain(3), drafter=drafter,
+                           draft=weights, max_new_tokens=40)
+  assert result.tokens == ar_tokens
+  assert result.mean_accepted > 3.5  # it proposes the target's own choices
+
+
+def test_draft_with_another_vocabulary_is_refused(params):
+  drafter, weights = model_draft(params, CONFIG.replace(vocab_size=50))
+  with pytest.raises(ValueError, match="vocabularies differ.*50.*53"):
+    engine.generate(params, CONFIG, [[1, 2]], tree=tree_lib.chain(2), drafter=drafter,
+                    draft=weights, max_new_tokens=4)
 
 
 def test_stops_at_eos_like_ar(params, ar_tokens):
@@ -117,13 +166,23 @@ def chi_square_pvalue(samples, law):
     (tree_lib.kary(2, 2), SelfDrafter(1, "without_replacement"), 1.0, 1.0),
     (tree_lib.kary(2, 2), SelfDrafter(2, "deterministic"), 0.7, 0.9),
     (tree_lib.TokenTree((-1, -1, 0, 0, 1, 2)), SelfDrafter(1, "iid"), 1.3, 0.95),
-], ids=["ngram-chain", "self-chain-iid", "self-binary-wor", "self-binary-det-topp", "self-ragged-iid"])
+    (tree_lib.chain(2), "model-iid", 1.0, 1.0),
+    (tree_lib.kary(2, 2), "reduced-wor", 0.8, 0.95),
+], ids=["ngram-chain", "self-chain-iid", "self-binary-wor", "self-binary-det-topp", "self-ragged-iid",
+        "model-chain-iid", "reduced-vocab-binary-wor"])
 def test_sampling_is_exact(tree, drafter, temperature, top_p):
   params = init_params(SMALL, jax.random.key(2))
   params = jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x, params)
   prompt = [1, 4, 2, 5, 1, 4]  # repeats, so the n-gram drafter proposes something
   sampling = SamplingParams.create(temperature, top_p)
+  weights = None
+  if drafter == "model-iid":   # another random model as the draft
+    drafter, weights = model_draft(init_params(SMALL, jax.random.key(7)), SMALL, mode="iid")
+  elif drafter == "reduced-wor":  # the target on 4 of its 6 tokens (+ OTHER)
+    vocab = ReducedVocab(np.array([-1, 0, 1, 4, 5], np.int32), SMALL.vocab_size)
+    drafter, weights = model_draft(params, SMALL, vocab, mode="without_replacement")
   result = engine.generate(params, SMALL, [prompt] * N_SAMPLES, tree=tree, drafter=drafter,
-                           max_new_tokens=3, sampling=sampling, seed=11, stop_at_eos=False)
+                           draft=weights, max_new_tokens=3, sampling=sampling, seed=11,
+                           stop_at_eos=False)
   samples = np.array([t[:3] for t in result.tokens])
   assert chi_square_pvalue(samples, exact_three_token_law(params, prompt, sampling)) > 1e-4

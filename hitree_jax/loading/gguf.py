@@ -1,9 +1,15 @@
-"""GGUF (llama.cpp) Llama weights, dequantized to float32 with the `gguf` package.
+"""GGUF (llama.cpp) Llama weights: `load_gguf` dequantizes to float32, `save_gguf` writes Q8_0.
 
 llama.cpp's converter permutes the rows of attn_q / attn_k from HF's
-rotate-half RoPE layout into interleaved pairs; we undo that here so the model
-keeps a single (HF) RoPE layout. Parity with transformers' own GGUF loading is
-tested in tests/test_smollm2.py.
+rotate-half RoPE layout into interleaved pairs; we undo that on load (and redo
+it on save) so the model keeps a single (HF) RoPE layout while our files follow
+llama.cpp's convention. Parity with transformers' own GGUF loading is tested in
+tests/test_smollm2.py.
+
+A draft with a reduced vocabulary (hitree_jax.vocab) stores its subset under
+`hitree.vocab.*`; its token ids are draft ids. A copied tokenizer is always the
+full target's, so when the config's bos/eos ids differ from the copied
+`tokenizer.ggml.*` ones they go to `hitree.{bos,eos}_token_id` (-1: None).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import numpy as np
 
 from hitree_jax.config import ModelConfig
 from hitree_jax.loading.hf import params_from_state_dict
+from hitree_jax.vocab import ReducedVocab
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -27,7 +34,11 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 
 # Metadata we read; tokenizer vocab arrays are skipped (the tokenizer module reads them).
 _SKIPPED_PREFIX = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-                   "tokenizer.ggml.merges")
+                   "tokenizer.ggml.merges", "hitree.vocab.target_ids")
+_TOKENIZER_PREFIX = ("tokenizer.ggml.", "tokenizer.chat_template")
+_VOCAB_IDS, _VOCAB_SIZE = "hitree.vocab.target_ids", "hitree.vocab.target_vocab_size"
+_Q8_0 = gguf.GGMLQuantizationType.Q8_0
+_VT = gguf.GGUFValueType
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -36,12 +47,25 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
   return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """llama.cpp's `permute` (convert_hf_to_gguf.py): rotate-half rows -> interleaved. w [out, in]."""
+  out = w.shape[0]
+  return w.reshape(n_heads, 2, out // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _scalar(field: gguf.ReaderField):
+  value = field.contents()
+  if field.types == [_VT.FLOAT32]:
+    value = float(str(np.float32(value)))  # shortest float32 repr: 1e-05, not 9.99999974e-06
+  return value
+
+
 def read_metadata(reader: gguf.GGUFReader) -> dict:
   meta = {}
   for key, field in reader.fields.items():
     if key.startswith(_SKIPPED_PREFIX) or key.startswith("GGUF."):
       continue
-    meta[key] = field.contents()
+    meta[key] = _scalar(field)
   return meta
 
 
@@ -55,15 +79,37 @@ def hf_name(gguf_name: str) -> str | None:
   return mapped and f"{mapped}.{suffix}"
 
 
+def _read_vocab(reader: gguf.GGUFReader) -> ReducedVocab | None:
+  if _VOCAB_IDS not in reader.fields:
+    return None
+  field = reader.fields[_VOCAB_IDS]
+  ids = np.concatenate([field.parts[i] for i in field.data]).astype(np.int32)
+  return ReducedVocab(ids, int(reader.fields[_VOCAB_SIZE].contents()))
+
+
+def _own_token_ids(config: ModelConfig, meta: dict) -> ModelConfig:
+  """The config's bos/eos when they differ from a copied tokenizer's (see module docstring)."""
+  changes = {f"{k}_token_id": (None if meta[f"hitree.{k}_token_id"] < 0
+                               else meta[f"hitree.{k}_token_id"])
+             for k in ("bos", "eos") if f"hitree.{k}_token_id" in meta}
+  return config.replace(**changes)
+
+
 def load_gguf(path: str | pathlib.Path, dtype: str = "float32"):
-  """(config, params) from a GGUF file of architecture `llama`."""
+  """(config, params, ReducedVocab or None) from a GGUF file of architecture `llama`."""
   path = pathlib.Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"GGUF file not found: {path}")
   reader = gguf.GGUFReader(str(path))
   tensor_names = {t.name for t in reader.tensors}
+  meta = read_metadata(reader)
   config = ModelConfig.from_gguf_metadata(
-      read_metadata(reader), dtype=dtype, tied="output.weight" not in tensor_names)
+      meta, dtype=dtype, tied="output.weight" not in tensor_names)
+  config = _own_token_ids(config, meta)
+  vocab = _read_vocab(reader)
+  if vocab is not None and vocab.size != config.vocab_size:
+    raise ValueError(f"{path}: reduced vocabulary of {vocab.size} ids for a model of "
+                     f"vocab_size={config.vocab_size}")
   state = {}
   for tensor in reader.tensors:
     name = hf_name(tensor.name)
@@ -76,4 +122,129 @@ def load_gguf(path: str | pathlib.Path, dtype: str = "float32"):
     elif name.endswith("k_proj.weight"):
       w = unpermute_rope_rows(w, config.num_kv_heads)
     state[name] = w
-  return config, params_from_state_dict(state, config)
+  return config, params_from_state_dict(state, config), vocab
+
+
+# ---- writing ----
+
+def gguf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+  """Our params -> llama.cpp tensor names, numpy [out, in] (ggml order reversed), q/k permuted."""
+  f32 = lambda x: np.asarray(x, np.float32)
+  weight = lambda p: np.ascontiguousarray(f32(p["kernel"]).T)  # kernel [in, out] -> [out, in]
+  out = {"token_embd.weight": f32(params["embed_tokens"]["embedding"]),
+         "output_norm.weight": f32(params["norm"]["weight"])}
+  if not config.tie_word_embeddings:
+    out["output.weight"] = weight(params["lm_head"])
+  hf_to_gguf = {v: k for k, v in _LAYER_NAMES.items()}
+  for i in range(config.num_layers):
+    layer = params[f"layers_{i}"]
+    for group in ("self_attn", "mlp"):
+      for proj, p in layer[group].items():
+        out[f"blk.{i}.{hf_to_gguf[f'{group}.{proj}']}.weight"] = weight(p)
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+      out[f"blk.{i}.{hf_to_gguf[norm]}.weight"] = f32(layer[norm]["weight"])
+    q, k = f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight"
+    out[q] = permute_rope_rows(out[q], config.num_heads)
+    out[k] = permute_rope_rows(out[k], config.num_kv_heads)
+  return out
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, w: np.ndarray, quantize: bool) -> bool:
+  """Q8_0 for matrices whose rows split into 32-blocks, else float32. True when quantized."""
+  block = gguf.GGML_QUANT_SIZES[_Q8_0][0]
+  if quantize and w.ndim == 2 and w.shape[-1] % block == 0:
+    writer.add_tensor(name, gguf.quants.quantize(w, _Q8_0), raw_dtype=_Q8_0)  # uint8 [out, bytes]
+    return True
+  writer.add_tensor(name, np.ascontiguousarray(w, np.float32))
+  return False
+
+
+def _add_config(writer: gguf.GGUFWriter, config: ModelConfig) -> None:
+  c = config
+  writer.add_context_length(int(c.max_position_embeddings))
+  writer.add_embedding_length(int(c.hidden_size))
+  writer.add_block_count(int(c.num_layers))
+  writer.add_feed_forward_length(int(c.intermediate_size))
+  writer.add_head_count(int(c.num_heads))
+  writer.add_head_count_kv(int(c.num_kv_heads))
+  writer.add_rope_dimension_count(int(c.head_dim))
+  writer.add_rope_freq_base(float(c.rope_theta))
+  writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+  writer.add_vocab_size(int(c.vocab_size))
+  scaling = config.rope_scaling_dict
+  kind = scaling.get("rope_type", scaling.get("type"))
+  if kind not in (None, "linear") or set(scaling) - {"rope_type", "type", "factor"}:
+    raise NotImplementedError(f"GGUF metadata holds only linear RoPE scaling, not {scaling}")
+  if kind == "linear":
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(scaling["factor"])
+
+
+def _field_value(field: gguf.ReaderField):
+  """A reader field's raw value and (type, array item type) for GGUFWriter.add_key_value."""
+  kind = field.types[0]
+  if kind == _VT.ARRAY:
+    item = field.types[1]
+    if item == _VT.ARRAY:
+      raise NotImplementedError(f"nested GGUF array {field.name}")
+    if item == _VT.STRING:
+      return [bytes(field.parts[i]) for i in field.data], kind, item  # bytes: no utf-8 round trip
+    return np.concatenate([field.parts[i] for i in field.data]).tolist(), kind, item
+  if kind == _VT.STRING:
+    return bytes(field.parts[field.data[0]]), kind, None
+  return field.parts[field.data[0]].tolist()[0], kind, None
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, source: pathlib.Path) -> dict:
+  """Copies every tokenizer field of `source`; returns the copied bos/eos ids."""
+  if source.suffix != ".gguf" or not source.is_file():
+    raise ValueError(f"tokenizer_from={source}: expected an existing .gguf file")
+  fields = gguf.GGUFReader(str(source)).fields
+  for key, field in fields.items():
+    if key.startswith(_TOKENIZER_PREFIX):
+      value, kind, item = _field_value(field)
+      writer.add_key_value(key, value, kind, sub_type=item)
+  return {k: fields[f"tokenizer.ggml.{k}_token_id"].contents()
+          for k in ("bos", "eos") if f"tokenizer.ggml.{k}_token_id" in fields}
+
+
+def _add_token_ids(writer: gguf.GGUFWriter, config: ModelConfig, copied: dict | None) -> None:
+  for k in ("bos", "eos"):
+    value = getattr(config, f"{k}_token_id")
+    if copied is None:
+      if value is not None:
+        writer.add_uint32(f"tokenizer.ggml.{k}_token_id", int(value))
+    elif value != copied.get(k):
+      writer.add_int32(f"hitree.{k}_token_id", -1 if value is None else int(value))
+
+
+def save_gguf(path: str | pathlib.Path, config: ModelConfig, params: dict, *,
+              vocab: ReducedVocab | None = None, tokenizer_from: str | pathlib.Path | None = None,
+              quantize: bool = True) -> pathlib.Path:
+  """Writes a llama-architecture GGUF that llama.cpp's conventions and `load_gguf` accept.
+
+  Matrices are Q8_0 (float32 with quantize=False, or when a row is not a multiple
+  of 32 wide), norms float32. tokenizer_from: a GGUF whose tokenizer fields
+  (the full target tokenizer, also for a reduced vocabulary) are copied.
+  """
+  path = pathlib.Path(path)
+  if vocab is not None and vocab.size != config.vocab_size:
+    raise ValueError(f"vocab has {vocab.size} ids but config.vocab_size={config.vocab_size}")
+  writer = gguf.GGUFWriter(str(path), "llama")
+  _add_config(writer, config)
+  copied = _copy_tokenizer(writer, pathlib.Path(tokenizer_from)) if tokenizer_from else None
+  _add_token_ids(writer, config, copied)
+  if vocab is not None:
+    writer.add_key_value(_VOCAB_IDS, vocab.target_ids.astype(np.int32).tolist(), _VT.ARRAY,
+                         sub_type=_VT.INT32)
+    writer.add_uint32(_VOCAB_SIZE, vocab.target_vocab_size)
+  any_quantized = False
+  for name, w in gguf_tensors(config, params).items():
+    any_quantized |= _add_tensor(writer, name, w, quantize)
+  writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if any_quantized else gguf.LlamaFileType.ALL_F32)
+  writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return path

@@ -1,0 +1,179 @@
+"""Distil a small draft from a target: data, student, loss, train loop (optax + orbax).
+
+Pipeline (launch/distill.py drives it):
+  1. `prepare_labels`: token windows from the training books and the teacher's
+     top-k next-token log-probabilities at every position, cached in workdir.
+  2. `student_from_teacher`: a Llama with a few of the teacher's layers and a
+     reduced vocabulary (vocab.py), initialised from the teacher's weights.
+  3. `train`: cross-entropy to the teacher's (renormalised top-k) distribution,
+     AdamW with warmup + cosine decay, a jitted step, an orbax CheckpointManager
+     so an interrupted run resumes at the step it stopped.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from absl import logging
+
+from hitree_jax.config import ModelConfig
+from hitree_jax.train import corpus, teacher
+from hitree_jax.vocab import OTHER, ReducedVocab
+
+
+def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, *, window: int,
+                   n_windows: int, k: int) -> dict:
+  """{'tokens' [N,T], 'ids' [N,T,k], 'log_probs' [N,T,k]} for a split, computed once per workdir."""
+  path = pathlib.Path(workdir) / f"labels_{split}_{n_windows}x{window}_top{k}.npz"
+  if path.is_file():
+    with np.load(path) as f:
+      return dict(f)
+  windows = corpus.token_windows(tokenizer, split, window, n_windows)
+  logging.info("labelling %d %s windows of %d tokens with the teacher's top-%d", n_windows, split,
+               window, k)
+  ids, log_probs = teacher.teacher_topk(teacher_model.params, teacher_model.config, windows, k)
+  labels = {"tokens": windows, "ids": ids, "log_probs": log_probs.astype(np.float16)}
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(".tmp.npz")
+  np.savez(tmp, **labels)
+  tmp.rename(path)
+  return labels
+
+
+# --- the student ---
+
+def student_from_teacher(teacher_params, teacher_config: ModelConfig, layers: Sequence[int],
+                         vocab: ReducedVocab) -> tuple[ModelConfig, dict]:
+  """A draft made of the teacher's `layers` (in that order), final norm and the rows of its
+  embedding (and head) for the reduced vocabulary; OTHER starts as the mean embedding."""
+  if not layers or min(layers) < 0 or max(layers) >= teacher_config.num_layers:
+    raise ValueError(f"student layers {tuple(layers)} must be teacher layers in "
+                     f"[0, {teacher_config.num_layers})")
+  if vocab.target_vocab_size != teacher_config.vocab_size:
+    raise ValueError(f"the reduced vocabulary maps onto {vocab.target_vocab_size} tokens, the "
+                     f"teacher has {teacher_config.vocab_size}")
+  to_draft = lambda i: None if i is None else int(vocab.draft_ids[i]) or None
+  config = teacher_config.replace(num_layers=len(layers), vocab_size=vocab.size,
+                                  bos_token_id=to_draft(teacher_config.bos_token_id),
+                                  eos_token_id=to_draft(teacher_config.eos_token_id))
+  rows = np.maximum(vocab.target_ids, 0)
+  embedding = np.asarray(teacher_params["embed_tokens"]["embedding"])[rows]
+  embedding[OTHER] = embedding[1:].mean(axis=0)
+  params = {"embed_tokens": {"embedding": embedding}, "norm": teacher_params["norm"]}
+  for i, layer in enumerate(layers):
+    params[f"layers_{i}"] = teacher_params[f"layers_{layer}"]
+  if not teacher_config.tie_word_embeddings:
+    params["lm_head"] = {"kernel": np.asarray(teacher_params["lm_head"]["kernel"])[:, rows]}
+  return config, jax.tree.map(jnp.asarray, params)
+
+
+def sparse_targets(ids: np.ndarray, log_probs: np.ndarray, vocab: ReducedVocab):
+  """Teacher top-k (target ids, log-probs) -> (draft ids, probs renormalised over the subset).
+
+  Top-k tokens outside the subset get probability 0 (the draft cannot propose them)."""
+  draft_ids = vocab.to_draft(ids)
+  probs = np.where(draft_ids != OTHER, np.exp(log_probs.astype(np.float32)), 0.0)
+  probs /= np.maximum(probs.sum(-1, keepdims=True), 1e-9)
+  return draft_ids.astype(np.int32), probs.astype(np.float32)
+
+
+def draft_logits(params, config: ModelConfig, tokens):
+  """[B, T, V'] logits of a reduced-vocabulary draft with OTHER masked (never proposed)."""
+  logits = teacher.full_sequence_logits(params, config, tokens)
+  return jnp.where(jnp.arange(config.vocab_size) == OTHER, -jnp.inf, logits)
+
+
+def loss_fn(params, config: ModelConfig, tokens, target_ids, target_probs):
+  """Cross-entropy to the teacher's renormalised top-k (= KL up to the teacher's entropy).
+
+  tokens [B, T] draft ids; target_ids / target_probs [B, T, k]. Returns (loss, top-1 agreement)."""
+  log_q = jax.nn.log_softmax(draft_logits(params, config, tokens), axis=-1)
+  picked = jnp.take_along_axis(log_q, target_ids, axis=-1)
+  loss = -jnp.sum(jnp.where(target_probs > 0, target_probs * picked, 0.0), axis=-1).mean()
+  agree = jnp.mean(jnp.argmax(log_q, axis=-1) == target_ids[..., 0])
+  return loss, agree
+
+
+def optimizer(lr: float, steps: int, warmup: int) -> optax.GradientTransformation:
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(steps, warmup + 1),
+                                                end_value=lr * 0.1)
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=(0,))
+def train_step(state, config: ModelConfig, tx: optax.GradientTransformation, tokens, ids, probs):
+  (loss, agree), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      state["params"], config, tokens, ids, probs)
+  updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+  params = optax.apply_updates(state["params"], updates)
+  return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, loss, agree
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def eval_step(params, config: ModelConfig, tokens, ids, probs):
+  return loss_fn(params, config, tokens, ids, probs)
+
+
+def batch_indices(n_examples: int, batch: int, step: int, seed: int) -> np.ndarray:
+  """The examples of a step: a function of (seed, step) only, so a resumed run sees the same data."""
+  per_epoch = n_examples // batch
+  epoch, i = divmod(step, per_epoch)
+  order = np.random.default_rng([seed, epoch]).permutation(n_examples)
+  return order[i * batch:(i + 1) * batch]
+
+
+def evaluate_loss(params, config: ModelConfig, data, batch: int) -> tuple[float, float]:
+  losses, agrees = [], []
+  for i in range(0, len(data[0]) - batch + 1, batch):
+    loss, agree = eval_step(params, config, *(jnp.asarray(x[i:i + batch]) for x in data))
+    losses.append(float(loss))
+    agrees.append(float(agree))
+  return float(np.mean(losses)), float(np.mean(agrees))
+
+
+def train(workdir: pathlib.Path, config: ModelConfig, params, train_data, eval_data, *, steps: int,
+          batch: int, lr: float, warmup: int, seed: int, save_every: int = 25,
+          eval_every: int = 50, log_every: int = 5, until: int | None = None):
+  """Trains (or resumes) in workdir/ckpt; returns (params, history of logged metrics).
+
+  `until`: stop after that step (and save), e.g. to train in slices of a session;
+  rerunning with the same settings continues exactly where it stopped.
+
+  train_data / eval_data: (tokens [N,T], target ids [N,T,k], target probs [N,T,k]) in draft ids.
+  """
+  tx = optimizer(lr, steps, warmup)
+  params = jax.tree.map(jnp.array, params)  # a copy: the step donates its state's buffers
+  state = {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0)}
+  manager = ocp.CheckpointManager(
+      pathlib.Path(workdir).absolute() / "ckpt",
+      options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=save_every))
+  if manager.latest_step() is not None:
+    state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
+    logging.info("resumed from step %d", int(state["step"]))
+  history = []
+  start, tic = int(state["step"]), time.perf_counter()
+  for step in range(start, min(steps, until or steps)):
+    idx = batch_indices(len(train_data[0]), batch, step, seed)
+    state, loss, agree = train_step(state, config, tx, *(jnp.asarray(x[idx]) for x in train_data))
+    record = {"step": step + 1}
+    if (step + 1) % log_every == 0 or step + 1 == steps:
+      record.update(loss=float(loss), agreement=float(agree),
+                    s_per_step=(time.perf_counter() - tic) / (step + 1 - start))
+    if eval_data is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
+      record["eval_loss"], record["eval_agreement"] = evaluate_loss(state["params"], config,
+                                                                    eval_data, batch)
+    if len(record) > 1:
+      logging.info("step %s", " ".join(f"{k}={v:.4g}" for k, v in record.items()))
+      history.append(record)
+    manager.save(step + 1, args=ocp.args.StandardSave(state), force=step + 1 == until)
+  manager.wait_until_finished()
+  manager.close()
+  return state["params"], history

@@ -1,0 +1,79 @@
+"""How good a draft is for its target, measured on held-out text.
+
+  greedy agreement:    fraction of positions where the draft's argmax is the
+                       target's (what a greedy chain accepts token by token).
+  expected acceptance: E_x~q[min(1, p(x)/q(x))] = sum_x min(p(x), q(x)) with p
+                       and q after the sampling settings (temperature, top-k,
+                       top-p): the chance that speculative sampling accepts one
+                       drafted token (Leviathan et al. 2023, the alpha of a chain).
+  acceptance profile:  for children drawn deterministically (the draft's top-k),
+                       the chance that the rank-r child is the accepted one.
+                       Verification tries x_1, x_2, ... in order and removes each
+                       rejected token from p, so that chance is exactly p(x_r):
+                       Sequoia's positional acceptance vector (tree.from_acceptance).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hitree_jax.config import ModelConfig
+from hitree_jax.sampling import SamplingParams, probabilities
+from hitree_jax.train.distill import draft_logits
+from hitree_jax.train.teacher import full_sequence_logits
+from hitree_jax.vocab import ReducedVocab, spread_probs
+
+
+PROFILE_RANKS = 8
+
+
+def position_metrics(target_logits, draft_probs_full, draft_argmax_target, sampling: SamplingParams):
+  """Per position: (greedy agreement [..] bool, expected acceptance [..], profile [.., R]).
+
+  target_logits [..., V]; draft_probs_full [..., V] the draft's sampling distribution in target
+  ids; draft_argmax_target [...] the draft's greedy token as a target id."""
+  p = probabilities(target_logits, sampling)
+  agree = jnp.argmax(target_logits, axis=-1) == draft_argmax_target
+  top = jax.lax.top_k(draft_probs_full, PROFILE_RANKS)[1]          # the draft's ranked children
+  profile = jnp.take_along_axis(p, top, axis=-1)
+  return agree, jnp.sum(jnp.minimum(p, draft_probs_full), axis=-1), profile
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3, 7))
+def _window_metrics(target_params, target_config: ModelConfig, draft_params, draft_config: ModelConfig,
+                    target_tokens, target_ids, draft_ids, target_vocab_size: int, sampling):
+  target = full_sequence_logits(target_params, target_config, target_tokens)
+  if target_ids is None:  # the draft shares the target's vocabulary
+    logits = full_sequence_logits(draft_params, draft_config, target_tokens)
+    return position_metrics(target, probabilities(logits, sampling), jnp.argmax(logits, axis=-1),
+                            sampling)
+  logits = draft_logits(draft_params, draft_config, draft_ids[target_tokens])
+  q = spread_probs(probabilities(logits, sampling), target_ids, target_vocab_size)
+  return position_metrics(target, q, target_ids[jnp.argmax(logits, axis=-1)], sampling)
+
+
+def evaluate_draft(target, draft, vocab: ReducedVocab | None, windows: np.ndarray,
+                   sampling: SamplingParams, batch: int = 4) -> dict:
+  """Greedy agreement and expected acceptance of a draft over every position of windows [N, T].
+
+  target / draft: LoadedModel-like (config, params); vocab: the draft's subset, or None."""
+  agree, accept, profile = [], [], []
+  ids = table = None
+  if vocab is not None:
+    ids, table = jnp.asarray(vocab.target_ids), jnp.asarray(vocab.draft_ids)
+  for i in range(0, len(windows), batch):
+    a, e, r = _window_metrics(target.params, target.config, draft.params, draft.config,
+                              jnp.asarray(windows[i:i + batch]), ids, table,
+                              target.config.vocab_size, sampling)
+    agree.append(np.asarray(a).ravel())
+    accept.append(np.asarray(e).ravel())
+    profile.append(np.asarray(r).reshape(-1, PROFILE_RANKS))
+  return {"greedy_agreement": float(np.mean(np.concatenate(agree))),
+          "expected_acceptance": float(np.mean(np.concatenate(accept))),
+          "acceptance_profile": np.concatenate(profile).mean(0).round(5).tolist(),
+          "positions": int(sum(len(a) for a in agree)),
+          "vocab_coverage": 1.0 if vocab is None else vocab.coverage(windows)}

@@ -1,0 +1,171 @@
+"""Distil a small draft from a target, export it as a GGUF, and evaluate drafts.
+
+Train (labels, training and export; an interrupted run resumes from workdir):
+  python -m launch.distill --teacher=smollm2 --workdir=runs/draft \
+      --out=drafts/smollm2-draft.gguf
+Evaluate a draft on held-out books (agreement, acceptance, cost ratio):
+  python -m launch.distill --eval --draft=drafts/smollm2-draft.gguf --json
+
+Data: token windows cut evenly from every training book of the three corpora
+(held-out books in hitree_jax/train/corpus.py), labelled once with the
+teacher's top-k next-token log-probabilities (cached in workdir).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import numpy as np
+from absl import app, flags, logging
+
+from launch import common
+
+flags.DEFINE_string("teacher", "smollm2", "The target model to imitate (any --model spec).")
+flags.DEFINE_string("workdir", "runs/draft", "Labels, orbax checkpoints and logs (resumable).")
+flags.DEFINE_string("out", "drafts/smollm2-draft.gguf", "Where the trained draft is exported (GGUF).")
+flags.DEFINE_list("layers", ["0", "1", "29"], "Teacher layers the student starts from, in order.")
+flags.DEFINE_integer("vocab_size", 8192, "Draft vocabulary: most frequent training tokens (+ other).")
+flags.DEFINE_integer("window", 256, "Tokens per training window.")
+flags.DEFINE_integer("train_windows", 640, "Training windows (window tokens each).")
+flags.DEFINE_integer("eval_windows", 32, "Held-out windows.")
+flags.DEFINE_integer("topk", 32, "Teacher log-probabilities kept per position.")
+flags.DEFINE_integer("steps", 400, "Optimizer steps.")
+flags.DEFINE_integer("batch", 8, "Windows per step.")
+flags.DEFINE_float("lr", 5e-4, "Peak learning rate (AdamW, warmup + cosine).")
+flags.DEFINE_integer("warmup", 20, "Warmup steps.")
+flags.DEFINE_integer("until", None, "Stop after this step (resume later with the same flags).")
+flags.DEFINE_integer("seed", 0, "Data order seed.")
+flags.DEFINE_bool("quantize", True, "Export weight matrices as Q8_0 (else float32).")
+flags.DEFINE_bool("eval", False, "Evaluate --draft against --teacher instead of training.")
+flags.DEFINE_string("draft", None, "--eval: the draft (a GGUF from this launcher, or self:K).")
+flags.DEFINE_float("temperature", 0.6, "--eval: sampling temperature of the acceptance metric.")
+flags.DEFINE_float("top_p", 0.9, "--eval: nucleus mass of the acceptance metric.")
+flags.DEFINE_integer("cost_context", 512, "--eval: prompt tokens when timing a decode step.")
+flags.DEFINE_bool("json", False, "Print one JSON record as the last line.")
+FLAGS = flags.FLAGS
+
+
+def train_main():
+  from hitree_jax.loading import load_model
+  from hitree_jax.loading.gguf import save_gguf
+  from hitree_jax.tokenizer import load_tokenizer
+  from hitree_jax.train import corpus, distill
+  from hitree_jax.vocab import ReducedVocab
+
+  workdir = pathlib.Path(FLAGS.workdir)
+  layers = tuple(int(x) for x in FLAGS.layers)
+  teacher = load_model(FLAGS.teacher)
+  tokenizer = load_tokenizer(teacher.path)
+  vocab = ReducedVocab.most_frequent(corpus.token_counts(tokenizer, teacher.config.vocab_size),
+                                     FLAGS.vocab_size)
+  labels = {split: distill.prepare_labels(workdir, split, teacher, tokenizer, window=FLAGS.window,
+                                          n_windows=n, k=FLAGS.topk)
+            for split, n in (("train", FLAGS.train_windows), ("eval", FLAGS.eval_windows))}
+  data = {split: (vocab.to_draft(l["tokens"]), *distill.sparse_targets(l["ids"], l["log_probs"], vocab))
+          for split, l in labels.items()}
+  logging.info("draft vocabulary %d: covers %.3f of training tokens, %.3f of teacher top-1",
+               vocab.size, vocab.coverage(labels["train"]["tokens"]),
+               vocab.coverage(labels["train"]["ids"][..., 0]))
+  config, params = distill.student_from_teacher(teacher.params, teacher.config, layers, vocab)
+  start = time.perf_counter()
+  params, history = distill.train(workdir, config, params, data["train"], data["eval"],
+                                  steps=FLAGS.steps, batch=FLAGS.batch, lr=FLAGS.lr,
+                                  warmup=FLAGS.warmup, seed=FLAGS.seed, until=FLAGS.until)
+  record = {"train_s_this_run": time.perf_counter() - start, "history": history,
+            "layers": layers, "vocab_size": vocab.size}
+  if FLAGS.until is not None and FLAGS.until < FLAGS.steps:
+    return record
+  out = pathlib.Path(FLAGS.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  save_gguf(out, config, jax_to_numpy(params), vocab=vocab,
+            tokenizer_from=teacher.path if teacher.path.suffix == ".gguf" else None,
+            quantize=FLAGS.quantize)
+  record.update(out=str(out), out_mb=out.stat().st_size / 2**20)
+  logging.info("draft written to %s (%.1f MB); evaluating it", out, record["out_mb"])
+  record.update(evaluate(teacher, tokenizer, load_model(str(out)), str(out)))
+  record["command"] = "python -m launch.distill " + " ".join(
+      f"--{name}={flag.value if not isinstance(flag.value, list) else ','.join(flag.value)}"
+      for name, flag in sorted(FLAGS.__flags.items())
+      if flag.present and name in _TRAIN_FLAGS)
+  sidecar = out.with_suffix(".json")
+  sidecar.write_text(json.dumps({k: v for k, v in record.items() if k != "history"}, indent=1))
+  logging.info("evaluation written to %s", sidecar)
+  return record
+
+
+_TRAIN_FLAGS = ("teacher", "workdir", "out", "layers", "vocab_size", "window", "train_windows",
+                "eval_windows", "topk", "steps", "batch", "lr", "warmup", "seed", "quantize")
+
+
+def jax_to_numpy(tree):
+  import jax
+  return jax.tree.map(np.asarray, tree)
+
+
+def evaluate(teacher, tokenizer, draft, name: str) -> dict:
+  """Held-out agreement / acceptance / acceptance profile, and the measured per-token cost ratio."""
+  from hitree_jax import decoding
+  from hitree_jax.sampling import SamplingParams
+  from hitree_jax.train import corpus, metrics
+
+  sampling = SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
+  windows = corpus.token_windows(tokenizer, "eval", FLAGS.window, FLAGS.eval_windows)
+  record = metrics.evaluate_draft(teacher, draft, draft.vocab, windows, sampling)
+  greedy = metrics.evaluate_draft(teacher, draft, draft.vocab, windows, SamplingParams.create(0.0))
+  record["greedy_acceptance_profile"] = greedy["acceptance_profile"]
+
+  # Cost: seconds per decoded token of `ar` on the same held-out prompt, draft vs target.
+  prompt = corpus.token_windows(tokenizer, "eval", FLAGS.cost_context, 1)[0]
+  per_token = {}
+  for role, model in (("target", teacher), ("draft", draft)):
+    ids = prompt if model.vocab is None else model.vocab.to_draft(prompt)
+    runs = [decoding.generate(model.params, model.config, [ids.tolist()], max_new_tokens=65,
+                              stop_at_eos=False) for _ in range(3)]
+    per_token[role] = float(np.median([r.decode_s / 64 for r in runs]))
+  record.update(target_ms_per_token=1e3 * per_token["target"],
+                draft_ms_per_token=1e3 * per_token["draft"],
+                cost_ratio=per_token["draft"] / per_token["target"], cost_context=FLAGS.cost_context,
+                draft=name, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
+                eval_windows=FLAGS.eval_windows, window=FLAGS.window)
+  for key, value in record.items():
+    print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
+  return record
+
+
+def eval_main():
+  from hitree_jax.drafters import SelfDrafter, parse_draft_spec
+  from hitree_jax.loading import LoadedModel, load_model
+  from hitree_jax.tokenizer import load_tokenizer
+
+  if not FLAGS.draft:
+    raise app.UsageError("--eval needs --draft=PATH (or self:K)")
+  teacher = load_model(FLAGS.teacher)
+  tokenizer = load_tokenizer(teacher.path)
+  if FLAGS.draft.startswith("self:"):
+    drafter = parse_draft_spec(FLAGS.draft)
+    assert isinstance(drafter, SelfDrafter)
+    k = drafter.num_layers
+    params = {n: v for n, v in teacher.params.items()
+              if not n.startswith("layers_") or int(n.split("_")[1]) < k}
+    draft = LoadedModel(teacher.config.replace(num_layers=k), params, teacher.path)
+  else:
+    draft = load_model(FLAGS.draft)
+  return evaluate(teacher, tokenizer, draft, FLAGS.draft)
+
+
+def main(argv):
+  del argv
+  logging.get_absl_handler()  # orbax logs every save at INFO: keep ours, quiet its
+  import logging as std_logging
+  std_logging.getLogger("absl").setLevel(std_logging.INFO)
+  for noisy in ("orbax", "etils"):
+    std_logging.getLogger(noisy).setLevel(std_logging.WARNING)
+  record = eval_main() if FLAGS.eval else train_main()
+  if FLAGS.json:
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,164 @@
+"""Distillation on a tiny teacher/student: loss falls, resume is exact, metrics match brute force."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hitree_jax.config import ModelConfig
+from hitree_jax.model import init_params
+from hitree_jax.sampling import SamplingParams, probabilities
+from hitree_jax.train import distill, metrics, teacher
+from hitree_jax.vocab import OTHER, ReducedVocab
+
+TEACHER = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def teacher_params():
+  params = init_params(TEACHER, jax.random.key(0))
+  return jax.tree.map(lambda x: x * 3.0 if x.ndim == 2 else x, params)  # peaked predictions
+
+
+@pytest.fixture(scope="module")
+def data(teacher_params):
+  """Windows of a noisy periodic token stream (learnable), labelled with the teacher's top-8."""
+  rng = np.random.default_rng(0)
+  stream = np.tile(rng.integers(3, 40, 13), 200)
+  stream = np.where(rng.random(stream.shape) < 0.1, rng.integers(0, 40, stream.shape), stream)
+  windows = distill.corpus.evenly_spaced_windows(stream.astype(np.int32), 24, 48)
+  ids, log_probs = teacher.teacher_topk(teacher_params, TEACHER, windows, k=8, batch=16)
+  vocab = ReducedVocab.most_frequent(np.bincount(stream, minlength=40), 30)
+  return windows, ids, log_probs, vocab
+
+
+def student_data(data):
+  windows, ids, log_probs, vocab = data
+  return (vocab.to_draft(windows), *distill.sparse_targets(ids, log_probs, vocab))
+
+
+def test_teacher_topk_is_the_top_of_the_full_distribution(teacher_params, data):
+  windows, ids, log_probs, _ = data
+  full = jax.nn.log_softmax(teacher.full_sequence_logits(teacher_params, TEACHER,
+                                                         jnp.asarray(windows[:2])), axis=-1)
+  np.testing.assert_allclose(log_probs[:2, :, 0], np.asarray(full).max(-1), atol=1e-5)
+  np.testing.assert_array_equal(ids[:2, :, 0], np.asarray(full).argmax(-1))
+  assert np.all(np.diff(log_probs, axis=-1) <= 0)
+
+
+def test_sparse_targets_drop_tokens_outside_the_subset(data):
+  windows, ids, log_probs, vocab = data
+  draft_ids, probs = distill.sparse_targets(ids, log_probs, vocab)
+  outside = vocab.to_draft(ids) == OTHER
+  assert outside.any() and np.all(probs[outside] == 0)
+  np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
+  np.testing.assert_array_equal(vocab.to_target(draft_ids[~outside]), ids[~outside])
+
+
+def test_student_with_every_layer_and_token_is_the_teacher(teacher_params):
+  vocab = ReducedVocab(np.arange(-1, TEACHER.vocab_size, dtype=np.int32)[[0, *range(2, 41)]],
+                       TEACHER.vocab_size)  # every target token 1..39 (token 0 is left out)
+  config, params = distill.student_from_teacher(teacher_params, TEACHER, (0, 1, 2), vocab)
+  assert config.vocab_size == 40 and config.eos_token_id == int(vocab.draft_ids[2])
+  tokens = np.array([[5, 9, 3, 17, 1, 30]], np.int32)
+  want = teacher.full_sequence_logits(teacher_params, TEACHER, jnp.asarray(tokens))
+  got = distill.draft_logits(params, config, jnp.asarray(vocab.to_draft(tokens)))
+  np.testing.assert_allclose(np.asarray(got)[..., 1:], np.asarray(want)[..., 1:], atol=1e-4)
+  assert np.all(np.asarray(got)[..., OTHER] == -np.inf)
+  with pytest.raises(ValueError, match=r"student layers \(0, 3\)"):
+    distill.student_from_teacher(teacher_params, TEACHER, (0, 3), vocab)
+
+
+def test_training_lowers_the_loss(tmp_path, teacher_params, data):
+  vocab = data[3]
+  config, params = distill.student_from_teacher(teacher_params, TEACHER, (0,), vocab)
+  train = student_data(data)
+  before = distill.evaluate_loss(params, config, train, batch=8)[0]
+  params, history = distill.train(tmp_path, config, params, train, None, steps=30, batch=8,
+                                  lr=1e-2, warmup=3, seed=0, log_every=10)
+  after = distill.evaluate_loss(params, config, train, batch=8)[0]
+  assert [h["step"] for h in history] == [10, 20, 30]
+  probs = train[2]
+  entropy = float(np.mean(-np.sum(np.where(probs > 0, probs * np.log(np.maximum(probs, 1e-30)), 0), -1)))
+  # KL to the teacher (a one-layer student of a random three-layer teacher levels off near 0.7x)
+  assert after - entropy < 0.8 * (before - entropy), (before, after, entropy)
+
+
+def test_interrupted_training_resumes_to_the_same_weights(tmp_path, teacher_params, data):
+  config, params = distill.student_from_teacher(teacher_params, TEACHER, (0,), data[3])
+  train = student_data(data)
+  kwargs = dict(batch=8, lr=1e-2, warmup=2, seed=3, save_every=2, log_every=1)
+  straight, _ = distill.train(tmp_path / "a", config, params, train, None, steps=6, **kwargs)
+  distill.train(tmp_path / "b", config, params, train, None, steps=6, until=3, **kwargs)
+  resumed, history = distill.train(tmp_path / "b", config, params, train, None, steps=6, **kwargs)
+  assert [h["step"] for h in history] == [4, 5, 6]  # it went on from the save at step 3
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               straight, resumed)
+  moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), params, resumed)
+  assert max(jax.tree.leaves(moved)) > 1e-3  # training changed the weights at all
+
+
+def test_batches_depend_only_on_seed_and_step():
+  first = [distill.batch_indices(20, 4, s, seed=1) for s in range(10)]
+  assert all(np.array_equal(a, distill.batch_indices(20, 4, s, seed=1)) for s, a in enumerate(first))
+  assert sorted(np.concatenate(first[:5]).tolist()) == list(range(20))  # an epoch sees each once
+
+
+# --- metrics against brute force on a tiny vocabulary ---
+
+def test_position_metrics_match_brute_force():
+  rng = np.random.default_rng(1)
+  target = rng.normal(size=(50, 6)) * 2
+  q = rng.dirichlet(np.ones(6) * 0.5, size=50)
+  sampling = SamplingParams.create(0.6, 0.9)
+  q = np.pad(q, ((0, 0), (0, metrics.PROFILE_RANKS - 6)))  # 8 ranks: two never-drafted tokens
+  target = np.pad(target, ((0, 0), (0, metrics.PROFILE_RANKS - 6)), constant_values=-1e9)
+  agree, accept, profile = metrics.position_metrics(
+      jnp.asarray(target, jnp.float32), jnp.asarray(q, jnp.float32), jnp.asarray(q.argmax(-1)),
+      sampling)
+  p = np.asarray(probabilities(jnp.asarray(target, jnp.float32), sampling), np.float64)
+  for i in range(50):
+    # P(accept) when x ~ q is kept with probability min(1, p(x) / q(x)).
+    want = sum(q[i, x] * min(1.0, p[i, x] / q[i, x]) for x in range(6) if q[i, x] > 0)
+    assert abs(float(accept[i]) - want) < 1e-5
+    assert bool(agree[i]) == (int(np.argmax(target[i])) == int(np.argmax(q[i])))
+    # Deterministic children x_1, x_2, ... by q: walk verification's rule, rank by rank.
+    residual, reach = p[i].copy(), 1.0
+    for rank, x in enumerate(np.argsort(-q[i], kind="stable")[:6]):
+      accepted = reach * residual[x] / residual.sum() if residual.sum() > 0 else 0.0
+      assert abs(float(profile[i, rank]) - accepted) < 1e-5
+      reach -= accepted
+      residual[x] = 0.0
+
+
+def test_evaluate_draft_matches_position_by_position_brute_force(teacher_params, data):
+  windows, _, _, vocab = data
+  config, params = distill.student_from_teacher(teacher_params, TEACHER, (0, 2), vocab)
+  model = lambda c, p: type("M", (), {"config": c, "params": p})
+  sampling = SamplingParams.create(0.6, 0.9)
+  got = metrics.evaluate_draft(model(TEACHER, teacher_params), model(config, params), vocab,
+                               windows[:3], sampling, batch=2)
+  target_fn = jax.jit(lambda x: teacher.full_sequence_logits(teacher_params, TEACHER, x))
+  draft_fn = jax.jit(lambda x: distill.draft_logits(params, config, x))
+  agree, accept = [], []
+  for w in windows[:3]:
+    for t in range(1, len(w) + 1):  # each prefix on its own (zero-padded: one compile)
+      prefix = np.zeros((1, len(w)), np.int32)
+      prefix[0, :t] = w[:t]
+      p_logits = np.asarray(target_fn(jnp.asarray(prefix)))[0, t - 1]
+      d_logits = np.asarray(draft_fn(jnp.asarray(vocab.to_draft(prefix))))[0, t - 1]
+      p = np.asarray(probabilities(jnp.asarray(p_logits), sampling), np.float64)
+      q_draft = np.asarray(probabilities(jnp.asarray(d_logits), sampling), np.float64)
+      q = np.zeros(TEACHER.vocab_size)
+      for d in range(1, vocab.size):
+        q[vocab.target_ids[d]] = q_draft[d]
+      agree.append(np.argmax(p_logits) == vocab.target_ids[np.argmax(d_logits)])
+      accept.append(sum(min(p[x], q[x]) for x in range(TEACHER.vocab_size)))
+  assert got["positions"] == len(agree)
+  assert abs(got["greedy_agreement"] - np.mean(agree)) < 1e-9
+  assert abs(got["expected_acceptance"] - np.mean(accept)) < 1e-4
+  assert len(got["acceptance_profile"]) == metrics.PROFILE_RANKS
+  assert sum(got["acceptance_profile"]) <= 1 + 1e-4 and got["acceptance_profile"][0] > 0
+  assert 0 < got["expected_acceptance"] < 1
