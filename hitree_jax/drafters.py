@@ -83,30 +83,48 @@ class SelfDrafter:
     del unused
     k = self.num_layers
     cut = lambda c: c.replace(keys=c.keys[:k], values=c.values[:k])
-    context = (cut(long), cut(recent))
     batch, n = root.shape[0], tree.size
-    scratch = KVCache.init(config.replace(num_layers=k), batch, n + 1)
-    full_mask = tree_attend_mask(tree)                                # [N+1, N+1]
-    tokens = jnp.zeros((batch, n), jnp.int32)
-    q_all = jnp.zeros((batch, n + 1, config.vocab_size), jnp.float32)
-    frontier = (-1,)                                                  # positions-1: the root
-    for d, level in enumerate(tree.level_nodes):
-      pos_idx = np.array([u + 1 for u in frontier])                   # tree positions fed now
-      fed = root[:, None] if d == 0 else tokens[:, pos_idx - 1]
-      attend = jnp.broadcast_to(jnp.asarray(full_mask[pos_idx]), (batch, len(pos_idx), n + 1))
+    full_mask = jnp.asarray(tree_attend_mask(tree))                   # [N+1, N+1]
+
+    def step(scratch, fed, pos_idx):
+      attend = jnp.broadcast_to(full_mask[pos_idx], (batch, len(pos_idx), n + 1))
       logits, _, scratch = forward(params, config, fed, positions[:, pos_idx], scratch, attend,
                                    write_at=jnp.full((batch,), int(pos_idx[0]), jnp.int32),
-                                   context=context)
-      q = probabilities(logits, sampling)                              # [B, T, V]
-      q_all = q_all.at[:, pos_idx].set(q)
-      key, sub = jax.random.split(key)
-      for t, parent in enumerate(frontier):
-        kids = [c for c in tree.children[parent + 1] if c >= 0]
-        if kids:
-          drawn = draw_children(jax.random.fold_in(sub, t), q[:, t], len(kids), self.mode)
-          tokens = tokens.at[:, np.array(kids)].set(drawn)
-      frontier = level
-    return tokens, q_all, None
+                                   context=(cut(long), cut(recent)))
+      return logits, scratch
+
+    scratch = KVCache.init(config.replace(num_layers=k), batch, n + 1)
+    tokens, q, _ = fill_tree(key, tree, root, step, scratch, config.vocab_size, sampling, self.mode)
+    return tokens, q, None
+
+
+def fill_tree(key, tree: TokenTree, root, step, state, vocab_size: int, sampling: SamplingParams,
+              mode: str, feed_leaves: bool = False):
+  """Fills a tree one depth per draft forward: all nodes of a depth in one batch.
+
+  step(state, fed [B, T], pos_idx [T] tree positions (0 = root)) -> (logits [B, T, V], state).
+  feed_leaves: also run the deepest nodes, for their keys/values (a draft with its own cache).
+  Returns (tokens [B, N], q [B, N+1, V]: the distribution each position's children came from, state).
+  """
+  batch, n = root.shape[0], tree.size
+  tokens = jnp.zeros((batch, n), jnp.int32)
+  q_all = jnp.zeros((batch, n + 1, vocab_size), jnp.float32)
+  frontier = (-1,)                                                    # positions-1: the root
+  for d, level in enumerate((*tree.level_nodes, ()) if feed_leaves else tree.level_nodes):
+    pos_idx = np.array([u + 1 for u in frontier])                     # tree positions fed now
+    logits, state = step(state, root[:, None] if d == 0 else tokens[:, pos_idx - 1], pos_idx)
+    if not level:
+      break                                                           # leaves fed for their K/V
+    q = probabilities(logits, sampling)                               # [B, T, V]
+    q_all = q_all.at[:, pos_idx].set(q)
+    key, sub = jax.random.split(key)
+    for t, parent in enumerate(frontier):
+      kids = [c for c in tree.children[parent + 1] if c >= 0]
+      if kids:
+        drawn = draw_children(jax.random.fold_in(sub, t), q[:, t], len(kids), mode, logits[:, t])
+        tokens = tokens.at[:, np.array(kids)].set(drawn)
+    frontier = level
+  return tokens, q_all, state
 
 
 @flax.struct.dataclass
@@ -142,32 +160,19 @@ class ModelDrafter:
     the draft cache holds every tree node and commits with the target's accepted path."""
     del unused
     config = self.config
-    batch, n = root.shape[0], tree.size
     width = draft_recent.keys[0].shape[2]
     attend_all = round_attend(draft_recent.lengths, width, tree)      # [B, N+1, W]
-    tokens = jnp.zeros((batch, n), jnp.int32)                         # draft ids
-    q_all = jnp.zeros((batch, n + 1, config.vocab_size), jnp.float32)
-    other = jnp.arange(config.vocab_size) == OTHER if draft.target_ids is not None else None
-    frontier = (-1,)
-    for d, level in enumerate((*tree.level_nodes, ())):
-      pos_idx = np.array([u + 1 for u in frontier])
-      fed = draft.to_draft(root)[:, None] if d == 0 else tokens[:, pos_idx - 1]
-      logits, _, draft_recent = forward(
-          draft.params, config, fed, positions[:, pos_idx], draft_recent, attend_all[:, pos_idx],
-          write_at=draft_recent.lengths + int(pos_idx[0]), context=(draft_long,))
-      if not level:
-        break                                  # the leaves were fed only for their keys/values
-      if other is not None:
-        logits = jnp.where(other, -jnp.inf, logits)
-      q = probabilities(logits, sampling)                              # [B, T, V']
-      q_all = q_all.at[:, pos_idx].set(q)
-      key, sub = jax.random.split(key)
-      for t, parent in enumerate(frontier):
-        kids = [c for c in tree.children[parent + 1] if c >= 0]
-        if kids:
-          drawn = draw_children(jax.random.fold_in(sub, t), q[:, t], len(kids), self.mode)
-          tokens = tokens.at[:, np.array(kids)].set(drawn)
-      frontier = level
+    other = jnp.arange(config.vocab_size) == OTHER                    # never proposed
+
+    def step(cache, fed, pos_idx):
+      logits, _, cache = forward(draft.params, config, fed, positions[:, pos_idx], cache,
+                                 attend_all[:, pos_idx], write_at=cache.lengths + int(pos_idx[0]),
+                                 context=(draft_long,))
+      return (logits if draft.target_ids is None else jnp.where(other, -jnp.inf, logits)), cache
+
+    tokens, q_all, draft_recent = fill_tree(key, tree, draft.to_draft(root), step, draft_recent,
+                                            config.vocab_size, sampling, self.mode,
+                                            feed_leaves=True)
     if draft.target_ids is not None:
       q_all = spread_probs(q_all, draft.target_ids, self.target_vocab_size)
     return draft.to_target(tokens), q_all, draft_recent
@@ -183,10 +188,15 @@ def round_attend(recent_lengths, width: int, tree: TokenTree):
   return (slot < 0) | (in_round & mask[jnp.arange(span)[None, :, None], jnp.clip(slot, 0, span - 1)])
 
 
-def draw_children(key, q, n: int, mode: str):
-  """n child tokens [B, n] from q [B, V] by the drawing rule `mode` (see verify.py)."""
+def draw_children(key, q, n: int, mode: str, logits=None):
+  """n child tokens [B, n] from q [B, V] by the drawing rule `mode` (see verify.py).
+
+  Deterministic children are the draft's top-n by logits when given: the same order as q
+  inside q's support, and a real ranking outside it (greedy q is one-hot, so its top-n
+  would rank every sibling after the first arbitrarily). Verification of deterministic
+  children does not read q, so this is exact."""
   if mode == "deterministic":
-    return jax.lax.top_k(q, n)[1].astype(jnp.int32)
+    return jax.lax.top_k(q if logits is None else logits, n)[1].astype(jnp.int32)
   if mode == "iid":
     return draw(key, jnp.broadcast_to(q[:, None, :], (q.shape[0], n, q.shape[1])))
   if mode == "without_replacement":  # Gumbel top-k

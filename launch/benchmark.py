@@ -54,8 +54,9 @@ def markdown(rows) -> str:
 
 def main(argv):
   del argv
-  methods = [common.parse_method(m, FLAGS.draft, FLAGS.gamma, FLAGS.tree, FLAGS.acceptance,
-                                        FLAGS.temperature == 0) for m in FLAGS.methods]
+  greedy = FLAGS.temperature == 0
+  methods = [common.parse_method(m, FLAGS.draft, FLAGS.gamma, FLAGS.tree, FLAGS.acceptance, greedy)
+             for m in common.join_method_specs(FLAGS.methods)]
   sampling = common.sampling_from_flags(FLAGS)
   import jax
   from hitree_jax.data import book_prompts

@@ -106,6 +106,18 @@ def acceptance_profile(acceptance: str | None, draft_path: str | None, greedy: b
     raise ValueError(f"--acceptance={source}: expected comma-separated numbers or a .json file") from None
 
 
+def join_method_specs(items: list[str]) -> list[str]:
+  """Undoes a comma-separated flag's split inside a spec: every spec starts with a method name,
+  so a piece that does not (the 4 of sequoia:8,4, the iid of self:4,iid) belongs to the one before."""
+  specs = []
+  for item in items:
+    if specs and item.partition("/")[0] not in METHODS:
+      specs[-1] += "," + item
+    else:
+      specs.append(item)
+  return specs
+
+
 def parse_method(spec: str, draft: str, gamma: int, tree: str, acceptance: str | None = None,
                  greedy: bool = True) -> Method:
   """`ar`, `sd[/DRAFT[/GAMMA]]` or `tree[/DRAFT[/TREE]]`; missing parts come from the flags.

@@ -90,7 +90,8 @@ def train_main():
       for name, flag in sorted(FLAGS.__flags.items())
       if flag.present and name in _TRAIN_FLAGS)
   sidecar = out.with_suffix(".json")
-  sidecar.write_text(json.dumps({k: v for k, v in record.items() if k != "history"}, indent=1))
+  sidecar.write_text(json.dumps({k: v for k, v in record.items()
+                                 if k not in ("history", "train_s_this_run")}, indent=1))
   logging.info("evaluation written to %s", sidecar)
   return record
 

@@ -115,9 +115,9 @@ def test_position_metrics_match_brute_force():
   sampling = SamplingParams.create(0.6, 0.9)
   q = np.pad(q, ((0, 0), (0, metrics.PROFILE_RANKS - 6)))  # 8 ranks: two never-drafted tokens
   target = np.pad(target, ((0, 0), (0, metrics.PROFILE_RANKS - 6)), constant_values=-1e9)
+  ranked = np.argsort(-q, axis=-1, kind="stable")  # the draft's children, best first
   agree, accept, profile = metrics.position_metrics(
-      jnp.asarray(target, jnp.float32), jnp.asarray(q, jnp.float32), jnp.asarray(q.argmax(-1)),
-      sampling)
+      jnp.asarray(target, jnp.float32), jnp.asarray(q, jnp.float32), jnp.asarray(ranked), sampling)
   p = np.asarray(probabilities(jnp.asarray(target, jnp.float32), sampling), np.float64)
   for i in range(50):
     # P(accept) when x ~ q is kept with probability min(1, p(x) / q(x)).
@@ -126,7 +126,7 @@ def test_position_metrics_match_brute_force():
     assert bool(agree[i]) == (int(np.argmax(target[i])) == int(np.argmax(q[i])))
     # Deterministic children x_1, x_2, ... by q: walk verification's rule, rank by rank.
     residual, reach = p[i].copy(), 1.0
-    for rank, x in enumerate(np.argsort(-q[i], kind="stable")[:6]):
+    for rank, x in enumerate(ranked[i, :6]):
       accepted = reach * residual[x] / residual.sum() if residual.sum() > 0 else 0.0
       assert abs(float(profile[i, rank]) - accepted) < 1e-5
       reach -= accepted

@@ -186,3 +186,11 @@ def test_sampling_is_exact(tree, drafter, temperature, top_p):
                            stop_at_eos=False)
   samples = np.array([t[:3] for t in result.tokens])
   assert chi_square_pvalue(samples, exact_three_token_law(params, prompt, sampling)) > 1e-4
+
+
+def test_greedy_siblings_are_ranked_by_the_draft_logits():
+  from hitree_jax.drafters import draw_children
+  logits = jnp.array([[0.1, 3.0, 2.5, -1.0, 2.9]])
+  greedy_q = probabilities(logits, SamplingParams.create(0.0))  # one-hot on token 1
+  kids = draw_children(jax.random.key(0), greedy_q, 3, "deterministic", logits)
+  assert kids.tolist() == [[1, 4, 2]]

@@ -82,6 +82,13 @@ def test_method_specs_name_a_draft_model_by_path(foreign_draft):
     parse_method("sd/no/such.gguf/3", "self:8", 4, "chain:2")
 
 
+def test_method_lists_keep_commas_inside_specs():
+  from launch.common import join_method_specs
+  items = "ar,sd/ngram/4,tree/self:4,iid/sequoia:8,4,tree/d.gguf/dynamic:16,5".split(",")
+  assert join_method_specs(items) == ["ar", "sd/ngram/4", "tree/self:4,iid/sequoia:8,4",
+                                      "tree/d.gguf/dynamic:16,5"]
+
+
 def test_sequoia_tree_from_an_acceptance_profile(foreign_draft, tmp_path):
   from hitree_jax import tree as tree_lib
   from launch.common import parse_method

@@ -31,15 +31,15 @@ from hitree_jax.vocab import ReducedVocab, spread_probs
 PROFILE_RANKS = 8
 
 
-def position_metrics(target_logits, draft_probs_full, draft_argmax_target, sampling: SamplingParams):
+def position_metrics(target_logits, draft_probs_full, draft_ranked, sampling: SamplingParams):
   """Per position: (greedy agreement [..] bool, expected acceptance [..], profile [.., R]).
 
   target_logits [..., V]; draft_probs_full [..., V] the draft's sampling distribution in target
-  ids; draft_argmax_target [...] the draft's greedy token as a target id."""
+  ids; draft_ranked [..., R] the draft's top-R tokens by logit (its deterministic children, as
+  drafters.draw_children ranks them) as target ids."""
   p = probabilities(target_logits, sampling)
-  agree = jnp.argmax(target_logits, axis=-1) == draft_argmax_target
-  top = jax.lax.top_k(draft_probs_full, PROFILE_RANKS)[1]          # the draft's ranked children
-  profile = jnp.take_along_axis(p, top, axis=-1)
+  agree = jnp.argmax(target_logits, axis=-1) == draft_ranked[..., 0]
+  profile = jnp.take_along_axis(p, draft_ranked, axis=-1)
   return agree, jnp.sum(jnp.minimum(p, draft_probs_full), axis=-1), profile
 
 
@@ -49,11 +49,11 @@ def _window_metrics(target_params, target_config: ModelConfig, draft_params, dra
   target = full_sequence_logits(target_params, target_config, target_tokens)
   if target_ids is None:  # the draft shares the target's vocabulary
     logits = full_sequence_logits(draft_params, draft_config, target_tokens)
-    return position_metrics(target, probabilities(logits, sampling), jnp.argmax(logits, axis=-1),
-                            sampling)
+    return position_metrics(target, probabilities(logits, sampling),
+                            jax.lax.top_k(logits, PROFILE_RANKS)[1], sampling)
   logits = draft_logits(draft_params, draft_config, draft_ids[target_tokens])
   q = spread_probs(probabilities(logits, sampling), target_ids, target_vocab_size)
-  return position_metrics(target, q, target_ids[jnp.argmax(logits, axis=-1)], sampling)
+  return position_metrics(target, q, target_ids[jax.lax.top_k(logits, PROFILE_RANKS)[1]], sampling)
 
 
 def evaluate_draft(target, draft, vocab: ReducedVocab | None, windows: np.ndarray,
