@@ -156,13 +156,14 @@ def eval_main():
   return evaluate(teacher, tokenizer, draft, FLAGS.draft)
 
 
+def _quiet_orbax(record) -> bool:
+  return record.levelno >= logging.WARNING or "orbax" not in record.pathname
+
+
 def main(argv):
   del argv
-  logging.get_absl_handler()  # orbax logs every save at INFO: keep ours, quiet its
-  import logging as std_logging
-  std_logging.getLogger("absl").setLevel(std_logging.INFO)
-  for noisy in ("orbax", "etils"):
-    std_logging.getLogger(noisy).setLevel(std_logging.WARNING)
+  logging.set_verbosity(logging.INFO)
+  logging.get_absl_handler().addFilter(_quiet_orbax)  # it logs every save step at INFO
   record = eval_main() if FLAGS.eval else train_main()
   if FLAGS.json:
     print(json.dumps(record))

@@ -110,3 +110,16 @@ def test_generate_refuses_a_draft_with_another_vocabulary(foreign_draft):
   proc = launch("generate", "--method=sd", f"--draft={foreign_draft}", "--prompt=hi", timeout=300)
   assert proc.returncode != 0
   assert "vocabularies differ: the draft's has 100 tokens, the target's 49152" in proc.stderr
+
+
+def test_distill_trains_exports_and_evaluates_a_draft(tmp_path):
+  out = tmp_path / "draft.gguf"
+  proc = launch("distill", "--teacher=smollm2", f"--workdir={tmp_path / 'work'}", f"--out={out}",
+                "--layers=0", "--vocab_size=512", "--window=32", "--train_windows=4",
+                "--eval_windows=1", "--steps=2", "--batch=2", "--cost_context=32", "--json")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  record = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert [h["step"] for h in record["history"]] == [2]
+  assert out.is_file() and json.loads(out.with_suffix(".json").read_text())["vocab_size"] == 512
+  assert 0 <= record["greedy_agreement"] <= 1 and 0 < record["cost_ratio"] < 1
+  assert len(record["acceptance_profile"]) == 8

@@ -131,12 +131,13 @@ def batch_indices(n_examples: int, batch: int, step: int, seed: int) -> np.ndarr
 
 
 def evaluate_loss(params, config: ModelConfig, data, batch: int) -> tuple[float, float]:
-  losses, agrees = [], []
-  for i in range(0, len(data[0]) - batch + 1, batch):
+  losses, agrees, sizes = [], [], []
+  for i in range(0, len(data[0]), batch):  # a shorter last batch compiles once more
     loss, agree = eval_step(params, config, *(jnp.asarray(x[i:i + batch]) for x in data))
     losses.append(float(loss))
     agrees.append(float(agree))
-  return float(np.mean(losses)), float(np.mean(agrees))
+    sizes.append(len(data[0][i:i + batch]))
+  return float(np.average(losses, weights=sizes)), float(np.average(agrees, weights=sizes))
 
 
 def train(workdir: pathlib.Path, config: ModelConfig, params, train_data, eval_data, *, steps: int,
