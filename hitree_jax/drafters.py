@@ -134,6 +134,13 @@ class DraftWeights:
   target_ids: jax.Array | None = None  # [V'] ReducedVocab.target_ids, or None: same vocabulary
   draft_ids: jax.Array | None = None   # [V] ReducedVocab.draft_ids
 
+  @classmethod
+  def create(cls, params, vocab=None) -> "DraftWeights":
+    """From a draft's params and its ReducedVocab (None: the target's vocabulary)."""
+    if vocab is None:
+      return cls(params)
+    return cls(params, jnp.asarray(vocab.target_ids), jnp.asarray(vocab.draft_ids))
+
   def to_draft(self, tokens):
     return tokens if self.draft_ids is None else self.draft_ids[tokens]
 

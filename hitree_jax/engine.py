@@ -134,7 +134,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, t
   sampling = sampling or SamplingParams.create()
   drafter.check(tree, config)
   if isinstance(drafter, ModelDrafter) and draft is None:
-    raise ValueError("a ModelDrafter needs its weights: pass draft=DraftWeights(...)")
+    raise ValueError("a ModelDrafter needs its weights: pass draft=DraftWeights.create(params, vocab)")
   batch = decoding.make_batch(prompts, config, max_new_tokens)
   span = tree.size + 1
   compile_before, compiles_before = decoding.COMPILED.compile_s, decoding.COMPILED.compiles

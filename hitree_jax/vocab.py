@@ -13,6 +13,7 @@ the input all embed as row 0, and the draft never proposes it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -47,7 +48,7 @@ class ReducedVocab:
   def size(self) -> int:
     return len(self.target_ids)
 
-  @property
+  @functools.cached_property  # to_draft / coverage use it on every call
   def draft_ids(self) -> np.ndarray:
     """[target vocab] int32: the draft id of every target token (OTHER outside the subset)."""
     table = np.full(self.target_vocab_size, OTHER, np.int32)

@@ -56,15 +56,12 @@ class Method:
       return self
     from hitree_jax.drafters import DraftWeights, ModelDrafter
     from hitree_jax.loading import load_model
-    import jax.numpy as jnp
     model = load_model(self.draft_path)
     vocab = model.vocab
     drafter = ModelDrafter(model.config, self.draft_mode,
                            vocab.target_vocab_size if vocab is not None else None)
     drafter.check(self.tree, target_config)
-    weights = DraftWeights(model.params) if vocab is None else DraftWeights(
-        model.params, jnp.asarray(vocab.target_ids), jnp.asarray(vocab.draft_ids))
-    return dataclasses.replace(self, drafter=drafter, draft=weights)
+    return dataclasses.replace(self, drafter=drafter, draft=DraftWeights.create(model.params, vocab))
 
   def generate(self, params, config, prompts, **kwargs):
     from hitree_jax import decoding, engine

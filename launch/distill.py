@@ -114,8 +114,6 @@ def evaluate(teacher, tokenizer, draft, name: str) -> dict:
   sampling = SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
   windows = corpus.token_windows(tokenizer, "eval", FLAGS.window, FLAGS.eval_windows)
   record = metrics.evaluate_draft(teacher, draft, draft.vocab, windows, sampling)
-  greedy = metrics.evaluate_draft(teacher, draft, draft.vocab, windows, SamplingParams.create(0.0))
-  record["greedy_acceptance_profile"] = greedy["acceptance_profile"]
 
   # Cost: seconds per decoded token of `ar` on the same held-out prompt, draft vs target.
   prompt = corpus.token_windows(tokenizer, "eval", FLAGS.cost_context, 1)[0]

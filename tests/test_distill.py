@@ -116,7 +116,7 @@ def test_position_metrics_match_brute_force():
   q = np.pad(q, ((0, 0), (0, metrics.PROFILE_RANKS - 6)))  # 8 ranks: two never-drafted tokens
   target = np.pad(target, ((0, 0), (0, metrics.PROFILE_RANKS - 6)), constant_values=-1e9)
   ranked = np.argsort(-q, axis=-1, kind="stable")  # the draft's children, best first
-  agree, accept, profile = metrics.position_metrics(
+  agree, accept, profile, greedy_profile = metrics.position_metrics(
       jnp.asarray(target, jnp.float32), jnp.asarray(q, jnp.float32), jnp.asarray(ranked), sampling)
   p = np.asarray(probabilities(jnp.asarray(target, jnp.float32), sampling), np.float64)
   for i in range(50):
@@ -131,6 +131,10 @@ def test_position_metrics_match_brute_force():
       assert abs(float(profile[i, rank]) - accepted) < 1e-5
       reach -= accepted
       residual[x] = 0.0
+  # Greedy: the same walk with the target's one-hot p is "is x_r the target's argmax".
+  one_hot = np.asarray(probabilities(jnp.asarray(target, jnp.float32), SamplingParams.create(0.0)))
+  np.testing.assert_array_equal(np.asarray(greedy_profile),
+                                np.take_along_axis(one_hot, ranked, axis=-1) > 0)
 
 
 def test_evaluate_draft_matches_position_by_position_brute_force(teacher_params, data):

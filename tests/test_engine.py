@@ -58,7 +58,7 @@ def model_draft(params, config, vocab: ReducedVocab | None = None, mode="determi
   if not config.tie_word_embeddings:
     params["lm_head"] = {"kernel": params["lm_head"]["kernel"][:, rows]}
   return (ModelDrafter(config.replace(vocab_size=vocab.size), mode, vocab.target_vocab_size),
-          DraftWeights(params, jnp.asarray(vocab.target_ids), jnp.asarray(vocab.draft_ids)))
+          DraftWeights.create(params, vocab))
 
 
 @pytest.mark.parametrize("tree", [tree_lib.chain(3), tree_lib.kary(2, 2)], ids=["chain3", "binary2x2"])

@@ -32,15 +32,16 @@ PROFILE_RANKS = 8
 
 
 def position_metrics(target_logits, draft_probs_full, draft_ranked, sampling: SamplingParams):
-  """Per position: (greedy agreement [..] bool, expected acceptance [..], profile [.., R]).
+  """Per position: (greedy agreement [..] bool, expected acceptance [..], profile [.., R],
+  greedy profile [.., R]: the profile when the target decodes greedily, p one-hot).
 
   target_logits [..., V]; draft_probs_full [..., V] the draft's sampling distribution in target
   ids; draft_ranked [..., R] the draft's top-R tokens by logit (its deterministic children, as
   drafters.draw_children ranks them) as target ids."""
   p = probabilities(target_logits, sampling)
-  agree = jnp.argmax(target_logits, axis=-1) == draft_ranked[..., 0]
+  hits = draft_ranked == jnp.argmax(target_logits, axis=-1)[..., None]
   profile = jnp.take_along_axis(p, draft_ranked, axis=-1)
-  return agree, jnp.sum(jnp.minimum(p, draft_probs_full), axis=-1), profile
+  return hits[..., 0], jnp.sum(jnp.minimum(p, draft_probs_full), axis=-1), profile, hits
 
 
 @functools.partial(jax.jit, static_argnums=(1, 3, 7))
@@ -61,19 +62,21 @@ def evaluate_draft(target, draft, vocab: ReducedVocab | None, windows: np.ndarra
   """Greedy agreement and expected acceptance of a draft over every position of windows [N, T].
 
   target / draft: LoadedModel-like (config, params); vocab: the draft's subset, or None."""
-  agree, accept, profile = [], [], []
+  agree, accept, profile, greedy_profile = [], [], [], []
   ids = table = None
   if vocab is not None:
     ids, table = jnp.asarray(vocab.target_ids), jnp.asarray(vocab.draft_ids)
   for i in range(0, len(windows), batch):
-    a, e, r = _window_metrics(target.params, target.config, draft.params, draft.config,
+    a, e, r, g = _window_metrics(target.params, target.config, draft.params, draft.config,
                               jnp.asarray(windows[i:i + batch]), ids, table,
                               target.config.vocab_size, sampling)
     agree.append(np.asarray(a).ravel())
     accept.append(np.asarray(e).ravel())
     profile.append(np.asarray(r).reshape(-1, PROFILE_RANKS))
+    greedy_profile.append(np.asarray(g).reshape(-1, PROFILE_RANKS))
   return {"greedy_agreement": float(np.mean(np.concatenate(agree))),
           "expected_acceptance": float(np.mean(np.concatenate(accept))),
           "acceptance_profile": np.concatenate(profile).mean(0).round(5).tolist(),
+          "greedy_acceptance_profile": np.concatenate(greedy_profile).mean(0).round(5).tolist(),
           "positions": int(sum(len(a) for a in agree)),
           "vocab_coverage": 1.0 if vocab is None else vocab.coverage(windows)}
