@@ -15,7 +15,8 @@ from hitree_jax.kv_cache import KVCache, causal_attend
 from hitree_jax.loading import load_model, smollm2_gguf_path
 from hitree_jax.loading.checkpoint import load_checkpoint, save_checkpoint
 from hitree_jax.loading.gguf import load_gguf, save_gguf, unpermute_rope_rows
-from hitree_jax.model import forward, init_params
+from hitree_jax.model import (forward, init_params, logits_from_hidden, with_decode_head,
+                              without_decode_head)
 from hitree_jax.tokenizer import load_tokenizer
 from hitree_jax.vocab import ReducedVocab
 
@@ -52,18 +53,32 @@ def test_safetensors_folder_matches_transformers(tmp_path, tied, shard):
   np.testing.assert_allclose(our_logits(model, tokens), expected, atol=2e-4, rtol=1e-4)
 
 
-def test_orbax_round_trip_is_exact(tmp_path):
-  hf = tiny_hf(False)
+@pytest.mark.parametrize("tied", [False, True])
+def test_orbax_round_trip_is_exact(tmp_path, tied):
+  hf = tiny_hf(tied)
   hf.save_pretrained(tmp_path / "hf")
   model = load_model(str(tmp_path / "hf"))
   save_checkpoint(tmp_path / "ckpt", model.config, model.params)
   config, params = load_checkpoint(tmp_path / "ckpt")
   assert config == model.config
-  for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(params)):
+  assert ("lm_head" in params) == (not tied)  # a tied model's decode head is not saved
+  for a, b in zip(jax.tree.leaves(without_decode_head(model.params, config)), jax.tree.leaves(params)):
     np.testing.assert_array_equal(np.asarray(a), b)
   restored = load_model(str(tmp_path / "ckpt"))
   tokens = [1, 5, 9, 2]
   np.testing.assert_array_equal(our_logits(restored, tokens), our_logits(model, tokens))
+
+
+def test_decode_head_gives_the_tied_embeddings_logits():
+  config = ModelConfig(vocab_size=67, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6,
+                       num_kv_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True)
+  params = init_params(config, jax.random.key(0))
+  with_head = with_decode_head(params, config)
+  assert with_head["lm_head"]["kernel"].shape == (48, 67) and "lm_head" not in params
+  hidden = jax.random.normal(jax.random.key(1), (3, 5, 48))
+  np.testing.assert_allclose(logits_from_hidden(with_head, config, hidden),
+                             logits_from_hidden(params, config, hidden), rtol=1e-5, atol=1e-5)
+  assert without_decode_head(with_head, config).keys() == params.keys()
 
 
 def test_bfloat16_parameters_run_close_to_float32(tmp_path):

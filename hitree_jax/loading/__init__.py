@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from hitree_jax.config import ModelConfig
+from hitree_jax.model import with_decode_head
 from hitree_jax.loading import checkpoint, gguf, hf
 from hitree_jax.vocab import ReducedVocab
 
@@ -66,4 +67,4 @@ def load_model(spec: str, dtype: str = "float32") -> LoadedModel:
   else:
     config, params = hf.load_safetensors_dir(path, dtype)
   params = jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(dtype)), params)
-  return LoadedModel(config, params, path, vocab)
+  return LoadedModel(config, with_decode_head(params, config), path, vocab)

@@ -16,6 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hitree_jax.config import ModelConfig
+from hitree_jax.model import without_decode_head
 
 CONFIG_FILE = "hitree_config.json"
 
@@ -28,6 +29,7 @@ def save_checkpoint(path: str | pathlib.Path, config: ModelConfig, params, token
   path = pathlib.Path(path).resolve()
   path.mkdir(parents=True, exist_ok=True)
   checkpointer = ocp.StandardCheckpointer()
+  params = without_decode_head(params, config)  # load_model adds it back
   checkpointer.save(path / "params", jax.tree.map(np.asarray, params), force=True)
   checkpointer.wait_until_finished()
   (path / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2))
