@@ -67,13 +67,19 @@ def _filter_top_k_top_p(probs: jax.Array, top_k: jax.Array, top_p: jax.Array) ->
   Token x is kept by top-k iff fewer than k tokens are strictly more likely,
   and by top-p iff the mass strictly more likely than x is below top_p.
   """
-  k = jnp.where(top_k > 0, top_k, probs.shape[-1])
-  count_above = lambda v: jnp.sum(probs > v, axis=-1, keepdims=True)
-  probs = jnp.where(probs >= _smallest_passing(probs, lambda v: count_above(v) < k), probs, 0.0)
-  total = jnp.sum(probs, axis=-1, keepdims=True)
-  mass_above = lambda v: jnp.sum(jnp.where(probs > v, probs, 0.0), axis=-1, keepdims=True)
-  threshold = _smallest_passing(probs, lambda v: mass_above(v) < top_p * total)
-  return jnp.where(probs >= threshold, probs, 0.0)
+  def keep_top_k(probs):
+    count_above = lambda v: jnp.sum(probs > v, axis=-1, keepdims=True)
+    return jnp.where(probs >= _smallest_passing(probs, lambda v: count_above(v) < top_k), probs, 0.0)
+
+  def keep_nucleus(probs):
+    total = jnp.sum(probs, axis=-1, keepdims=True)
+    mass_above = lambda v: jnp.sum(jnp.where(probs > v, probs, 0.0), axis=-1, keepdims=True)
+    threshold = _smallest_passing(probs, lambda v: mass_above(v) < top_p * total)
+    return jnp.where(probs >= threshold, probs, 0.0)
+
+  # Each bisection is 32 passes over the vocabulary: skip the one that is off.
+  probs = jax.lax.cond(top_k > 0, keep_top_k, lambda p: p, probs)
+  return jax.lax.cond(top_p < 1.0, keep_nucleus, lambda p: p, probs)
 
 
 def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
