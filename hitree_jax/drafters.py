@@ -17,7 +17,9 @@ what exact verification needs (verify.py).
                    the longest (<= n) suffix of prompt + output (a chain).
 
 `propose` returns (tokens [B, N] target ids, q [B, N+1, V] or None, the
-drafter's recent cache after the round or None).
+drafter's recent cache after the round or None). Model drafters also grow
+DynamicTrees: `propose_dynamic` returns (tokens, parents [B, N], node depths
+[B, N], the drafter's recent cache or None), each row its own tree.
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hitree_jax import dynamic_tree
 from hitree_jax.config import ModelConfig
 from hitree_jax.kv_cache import KVCache
-from hitree_jax.model import forward
+from hitree_jax.model import forward, hidden_states
 from hitree_jax.sampling import SamplingParams, draw, probabilities
-from hitree_jax.tree import TokenTree
+from hitree_jax.tree import DynamicTree, TokenTree
 from hitree_jax.vocab import OTHER, spread_probs
 
 
@@ -43,7 +46,7 @@ class NGramDrafter:
   mode: str = "deterministic"
 
   def check(self, tree: TokenTree, config: ModelConfig) -> None:
-    if any(p != i - 1 for i, p in enumerate(tree.parents)):
+    if isinstance(tree, DynamicTree) or any(p != i - 1 for i, p in enumerate(tree.parents)):
       raise ValueError("the n-gram drafter proposes a chain: use --tree=chain:N (or --method=sd)")
     if self.max_ngram < 1:
       raise ValueError(f"max_ngram={self.max_ngram} must be >= 1")
@@ -76,6 +79,7 @@ class SelfDrafter:
   def check(self, tree: TokenTree, config: ModelConfig) -> None:
     if not 1 <= self.num_layers < config.num_layers:
       raise ValueError(f"self-draft layers={self.num_layers} must be in [1, {config.num_layers})")
+    _check_dynamic_mode(tree, self.mode)
 
   def propose(self, key, tree: TokenTree, *, params, config: ModelConfig, root, positions,
               long: KVCache, recent: KVCache, sampling: SamplingParams, **unused):
@@ -96,6 +100,32 @@ class SelfDrafter:
     scratch = KVCache.init(config.replace(num_layers=k), batch, n + 1)
     tokens, q, _ = fill_tree(key, tree, root, step, scratch, config.vocab_size, sampling, self.mode)
     return tokens, q, None
+
+
+  def propose_dynamic(self, tree: DynamicTree, *, params, config: ModelConfig, root, base,
+                      long: KVCache, recent: KVCache, **unused):
+    """A DynamicTree per row, grown on a scratch cache that reads the target's first k layers."""
+    del unused
+    k = self.num_layers
+    cut = lambda c: c.replace(keys=c.keys[:k], values=c.values[:k])
+
+    def run(scratch, fed, depth, first, attend):
+      logits, _, scratch = forward(params, config, fed, _positions(base, depth, fed), scratch, attend,
+                                   write_at=jnp.full_like(base, first), context=(cut(long), cut(recent)))
+      return logits, scratch
+
+    scratch = KVCache.init(config.replace(num_layers=k), root.shape[0], dynamic_tree.scratch_slots(tree))
+    return (*dynamic_tree.grow(tree, root, run, scratch), None)
+
+
+def _positions(base, depth: int, fed):
+  return jnp.broadcast_to(base[:, None] + depth, fed.shape)
+
+
+def _check_dynamic_mode(tree, mode: str) -> None:
+  if isinstance(tree, DynamicTree) and mode != "deterministic":
+    raise ValueError(f"a dynamic tree proposes the draft's top-{tree.width} tokens at each node: "
+                     f"draw mode {mode!r} does not apply (use deterministic)")
 
 
 def fill_tree(key, tree: TokenTree, root, step, state, vocab_size: int, sampling: SamplingParams,
@@ -160,6 +190,7 @@ class ModelDrafter:
       raise ValueError(f"draft and target vocabularies differ: the draft's has {target_vocab} "
                        f"tokens, the target's {config.vocab_size}; a draft must use the target's "
                        "tokenizer (or a reduced vocabulary mapped onto it)")
+    _check_dynamic_mode(tree, self.mode)
 
   def propose(self, key, tree: TokenTree, *, root, positions, sampling: SamplingParams,
               draft: DraftWeights, draft_long: KVCache, draft_recent: KVCache, **unused):
@@ -168,14 +199,13 @@ class ModelDrafter:
     del unused
     config = self.config
     width = draft_recent.keys[0].shape[2]
-    attend_all = round_attend(draft_recent.lengths, width, tree)      # [B, N+1, W]
-    other = jnp.arange(config.vocab_size) == OTHER                    # never proposed
+    attend_all = round_attend(draft_recent.lengths, width, tree_attend_mask(tree))  # [B, N+1, W]
 
     def step(cache, fed, pos_idx):
       logits, _, cache = forward(draft.params, config, fed, positions[:, pos_idx], cache,
                                  attend_all[:, pos_idx], write_at=cache.lengths + int(pos_idx[0]),
                                  context=(draft_long,))
-      return (logits if draft.target_ids is None else jnp.where(other, -jnp.inf, logits)), cache
+      return self._never_other(draft, logits), cache
 
     tokens, q_all, draft_recent = fill_tree(key, tree, draft.to_draft(root), step, draft_recent,
                                             config.vocab_size, sampling, self.mode,
@@ -184,15 +214,51 @@ class ModelDrafter:
       q_all = spread_probs(q_all, draft.target_ids, self.target_vocab_size)
     return draft.to_target(tokens), q_all, draft_recent
 
+  def propose_dynamic(self, tree: DynamicTree, *, root, base, draft: DraftWeights,
+                      draft_long: KVCache, draft_recent: KVCache, **unused):
+    """A DynamicTree per row, grown on a scratch cache; then one forward of the chosen tree
+    writes its keys/values at the target's slots, so the draft cache commits like the target's."""
+    del unused
+    config = self.config
 
-def round_attend(recent_lengths, width: int, tree: TokenTree):
+    def run(scratch, fed, depth, first, attend):
+      logits, _, scratch = forward(draft.params, config, fed, _positions(base, depth, fed), scratch,
+                                   attend, write_at=jnp.full_like(base, first),
+                                   context=(draft_long, draft_recent))
+      return self._never_other(draft, logits), scratch
+
+    scratch = KVCache.init(config, root.shape[0], dynamic_tree.scratch_slots(tree))
+    root = draft.to_draft(root)
+    tokens, parents, depth = dynamic_tree.grow(tree, root, run, scratch)
+    nodes_attend, _ = dynamic_tree.topology(parents, tree.width, tree.max_depth)
+    fed = jnp.concatenate([root[:, None], tokens], axis=1)
+    positions = base[:, None] + jnp.pad(depth, ((0, 0), (1, 0)))
+    width = draft_recent.keys[0].shape[2]
+    _, draft_recent = hidden_states(draft.params, config, fed, positions, draft_recent,
+                                    round_attend(draft_recent.lengths, width, nodes_attend),
+                                    context=(draft_long,))
+    # A token outside a reduced vocabulary is never ranked above a real one; if one still
+    # fills a slot (a vocabulary smaller than the width), any target token keeps this exact.
+    return jnp.maximum(draft.to_target(tokens), 0), parents, depth, draft_recent
+
+  def _never_other(self, draft: DraftWeights, logits):
+    """A reduced vocabulary's OTHER id stands for every token outside it: never proposed."""
+    if draft.target_ids is None:
+      return logits
+    return jnp.where(jnp.arange(self.config.vocab_size) == OTHER, -jnp.inf, logits)
+
+
+def round_attend(recent_lengths, width: int, tree_mask):
   """[B, N+1, W] mask of a round's root + nodes, written at recent_lengths[b] + 0..N of a
-  W-slot recent cache: each sees the committed slots and its tree ancestors (and itself)."""
-  span = tree.size + 1
-  mask = jnp.asarray(tree_attend_mask(tree))
+  W-slot recent cache: each sees the committed slots and what tree_mask ([N+1, N+1], or per
+  row [B, N+1, N+1]: `tree_attend_mask`) allows among the round's slots."""
+  batch, span = recent_lengths.shape[0], tree_mask.shape[-1]
+  mask = jnp.broadcast_to(jnp.asarray(tree_mask), (batch, span, span))
   slot = jnp.arange(width)[None, None, :] - recent_lengths[:, None, None]
   in_round = (slot >= 0) & (slot < span)
-  return (slot < 0) | (in_round & mask[jnp.arange(span)[None, :, None], jnp.clip(slot, 0, span - 1)])
+  own = jnp.take_along_axis(mask, jnp.broadcast_to(jnp.clip(slot, 0, span - 1), (batch, span, width)),
+                            axis=2)
+  return (slot < 0) | (in_round & own)
 
 
 def draw_children(key, q, n: int, mode: str, logits=None):

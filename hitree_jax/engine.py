@@ -7,6 +7,10 @@ next token; `commit` gathers the root's and the accepted nodes' keys/values
 into contiguous slots. Rows accept different numbers of tokens: each has its
 own cache length and output cursor, nothing changes shape.
 
+A DynamicTree (EAGLE-2) is chosen by the drafter in the round, per row: the
+round then reads each row's own depths, mask and children (dynamic_tree.py)
+instead of the static tree's; shapes are the same, so nothing recompiles.
+
 Caches as in decoding.py: the long cache is read-only inside a block of
 rounds, whose keys/values go to a short `recent` cache that is appended to the
 long one when it could not hold another round.
@@ -23,23 +27,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hitree_jax import decoding
+from hitree_jax import decoding, dynamic_tree
 from hitree_jax.config import ModelConfig
-from hitree_jax.drafters import DraftWeights, ModelDrafter, round_attend
+from hitree_jax.drafters import DraftWeights, ModelDrafter, round_attend, tree_attend_mask
 from hitree_jax.kv_cache import KVCache
 from hitree_jax.model import forward
 from hitree_jax.sampling import SamplingParams, probabilities, sample
-from hitree_jax.tree import TokenTree
+from hitree_jax.tree import DynamicTree, TokenTree
 from hitree_jax.verify import verify
 
 
-def recent_slots(tree: TokenTree) -> int:
+def recent_slots(tree: TokenTree | DynamicTree) -> int:
   return max(decoding.RECENT_SLOTS, 4 * (tree.size + 1))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 5, 6, 7))
 def _spec_loop(params, config: ModelConfig, cache: KVCache, first_logits, sampling: SamplingParams,
-               max_new_tokens: int, tree: TokenTree, drafter, eos_id, key, history, history_len,
+               max_new_tokens: int, tree: TokenTree | DynamicTree, drafter, eos_id, key, history, history_len,
                draft: DraftWeights | None, draft_cache: KVCache | None):
   """Returns (tokens [B, N + slack] (-1 padded), n_tokens [B], rounds [B], accepted_per_depth [D]).
 
@@ -49,7 +53,7 @@ def _spec_loop(params, config: ModelConfig, cache: KVCache, first_logits, sampli
   batch, n_nodes = first_logits.shape[0], tree.size
   span = n_nodes + 1                                    # root + nodes written per round
   width = recent_slots(tree)
-  depth_of = jnp.asarray(np.concatenate([[0], tree.depth]), jnp.int32)
+  dynamic = isinstance(tree, DynamicTree)   # each row's tree is chosen in the round
   rows = jnp.arange(batch)
 
   key, sub = jax.random.split(key)
@@ -67,15 +71,22 @@ def _spec_loop(params, config: ModelConfig, cache: KVCache, first_logits, sampli
     key, k_draft, k_verify = jax.random.split(key, 3)
     root = history[rows, history_len - 1]
     base = cache.lengths + recent.lengths                              # committed tokens
-    positions = base[:, None] + depth_of[None, :]                      # [B, span]
-    tokens, q, draft_recent = drafter.propose(
-        k_draft, tree, history=history, history_len=history_len, params=params, config=config,
-        root=root, positions=positions, long=cache, recent=recent, sampling=sampling,
-        draft=draft, draft_long=draft_cache, draft_recent=draft_recent)
+    inputs = dict(history=history, history_len=history_len, params=params, config=config,
+                  root=root, base=base, long=cache, recent=recent, sampling=sampling,
+                  draft=draft, draft_long=draft_cache, draft_recent=draft_recent)
+    if dynamic:
+      tokens, parents, depth, draft_recent = drafter.propose_dynamic(tree, **inputs)
+      tree_mask, children = dynamic_tree.topology(parents, tree.width, tree.max_depth)
+      positions, q = base[:, None] + jnp.pad(depth, ((0, 0), (1, 0))), None  # [B, span]
+    else:
+      positions = base[:, None] + jnp.asarray(np.concatenate([[0], tree.depth]), jnp.int32)
+      tokens, q, draft_recent = drafter.propose(k_draft, tree, positions=positions, **inputs)
+      tree_mask, children = tree_attend_mask(tree), None
     fed = jnp.concatenate([root[:, None], tokens], axis=1)             # [B, span]
-    attend = round_attend(recent.lengths, width, tree)
+    attend = round_attend(recent.lengths, width, tree_mask)
     logits, _, recent = forward(params, config, fed, positions, recent, attend, context=(cache,))
-    verdict = verify(k_verify, tree, tokens, probabilities(logits, sampling), q, drafter.mode)
+    verdict = verify(k_verify, tree, tokens, probabilities(logits, sampling), q, drafter.mode,
+                     children)
 
     # Commit root + accepted path; emit accepted tokens + the next token.
     n_acc = jnp.where(done, 0, verdict.n_accepted)
@@ -123,7 +134,7 @@ def _spec_loop(params, config: ModelConfig, cache: KVCache, first_logits, sampli
   return out, jnp.minimum(n_out, max_new_tokens), rounds, per_depth
 
 
-def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, tree: TokenTree,
+def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, tree: TokenTree | DynamicTree,
              drafter, max_new_tokens: int, sampling: SamplingParams | None = None, seed: int = 0,
              stop_at_eos: bool = True, draft: DraftWeights | None = None
              ) -> decoding.GenerationResult:

@@ -159,6 +159,44 @@ def kary(k: int, depth: int) -> TokenTree:
   return TokenTree(tuple(parents))
 
 
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+  """EAGLE-2's tree, chosen at run time per row (dynamic_tree.py): `budget` nodes.
+
+  The draft grows candidates one depth per forward: the `width` best tokens
+  after the root, then, at each further depth, the `width` best children of
+  each of the `width` best candidates of the depth before (by cumulative draft
+  log-probability). Of all candidates the `budget` most probable form the tree
+  the target verifies; a child is never more probable than its parent, so
+  they make a tree. Shapes stay static: the budget, not the tree, is fixed.
+  """
+  budget: int
+  max_depth: int
+  width: int = 4
+
+  def __post_init__(self):
+    _check_positive(budget=self.budget, max_depth=self.max_depth, width=self.width)
+    if self.budget > self.pool_size:
+      raise ValueError(
+          f"dynamic tree: budget={self.budget} nodes do not fit in the {self.pool_size} candidates "
+          f"that width={self.width} and depth={self.max_depth} grow (width + (depth - 1) * width^2); "
+          "lower the budget or raise the depth or width")
+
+  @property
+  def size(self) -> int:
+    return self.budget
+
+  @property
+  def pool_size(self) -> int:
+    return self.width + (self.max_depth - 1) * self.width ** 2
+
+  @functools.cached_property
+  def pool_depth(self) -> np.ndarray:
+    """[pool_size] int32: the depth of each candidate, candidates in order of depth."""
+    sizes = [self.width] + [self.width ** 2] * (self.max_depth - 1)
+    return _frozen(np.repeat(np.arange(1, self.max_depth + 1, dtype=np.int32), sizes))
+
+
 def _check_acceptance(acceptance: Sequence[float]) -> np.ndarray:
   p = np.asarray(acceptance, np.float64)
   if p.ndim != 1 or p.size == 0:
@@ -257,17 +295,17 @@ def from_acceptance(acceptance: Sequence[float], budget: int, max_depth: int) ->
   return _from_nested(build(budget, max_depth))
 
 
-TreeSpec = Union[TokenTree, tuple[str, int, int]]
+TreeSpec = Union[TokenTree, DynamicTree, tuple[str, int, int]]
 
 
 def parse_tree_spec(spec: str) -> TreeSpec:
-  """Command-line tree spec -> a TokenTree, or ("sequoia" | "dynamic", budget, depth).
+  """Command-line tree spec -> a TokenTree, a DynamicTree, or ("sequoia", budget, depth).
 
   "chain:N" and "kary:KxD" (e.g. kary:2x3) are static topologies and return
-  a TokenTree. "sequoia:BUDGET,DEPTH" and "dynamic:BUDGET,DEPTH" need
-  measured acceptance rates (built elsewhere, e.g. with `from_acceptance`), so
-  they return the tuple (kind, budget, depth). Anything else raises a
-  ValueError naming the spec.
+  a TokenTree; "dynamic:BUDGET,DEPTH" returns a DynamicTree (chosen per round
+  at run time). "sequoia:BUDGET,DEPTH" needs measured acceptance rates (built
+  elsewhere, with `from_acceptance`), so it returns the tuple. Anything else
+  raises a ValueError naming the spec.
   """
   forms = '"chain:N", "kary:KxD", "sequoia:BUDGET,DEPTH" or "dynamic:BUDGET,DEPTH" (positive integers)'
   text = spec.strip() if isinstance(spec, str) else ""
@@ -284,5 +322,7 @@ def parse_tree_spec(spec: str) -> TreeSpec:
       return chain(*numbers)
     if kind == "kary":
       return kary(*numbers)
+    if kind == "dynamic":
+      return DynamicTree(*numbers)
     return (kind, *numbers)
   raise ValueError(f"bad tree spec {spec!r}: expected {forms}")

@@ -49,7 +49,7 @@ def _renormalise(q: jax.Array) -> jax.Array:
 
 
 def verify(key: jax.Array, tree: TokenTree, draft_tokens: jax.Array, target_probs: jax.Array,
-           draft_probs: jax.Array | None, mode: str) -> Verdict:
+           draft_probs: jax.Array | None, mode: str, children: jax.Array | None = None) -> Verdict:
   """Accepts a path of the drafted tree and draws the next token, per row.
 
   draft_tokens [B, N]: the token at each tree node.
@@ -57,13 +57,16 @@ def verify(key: jax.Array, tree: TokenTree, draft_tokens: jax.Array, target_prob
     and after each node (index i+1), i.e. what it would emit next there.
   draft_probs [B, N+1, V]: the distribution the children of each position were
     drawn from (unused, may be None, in "deterministic" mode).
+  children [B, N+1, K]: each row's own tree (a DynamicTree's, see dynamic_tree.py);
+    default: `tree.children`, the same for every row.
   """
   if mode not in MODES:
     raise ValueError(f"mode={mode!r}: expected one of {MODES}")
   batch = draft_tokens.shape[0]
   rows = jnp.arange(batch)
-  children = jnp.asarray(tree.children)  # [N+1, K]: children of each position
-  depth, width = tree.max_depth, children.shape[1]
+  if children is None:
+    children = jnp.broadcast_to(jnp.asarray(tree.children), (batch, *tree.children.shape))
+  depth, width = tree.max_depth, children.shape[2]              # children [B, N+1, K]
   keys = jax.random.split(key, depth + 2)
 
   pos = jnp.zeros((batch,), jnp.int32)                # current position (0 = root)
@@ -78,7 +81,7 @@ def verify(key: jax.Array, tree: TokenTree, draft_tokens: jax.Array, target_prob
     uniforms = jax.random.uniform(keys[d], (batch, width))
     chosen = jnp.full((batch,), -1, jnp.int32)
     for r in range(width if d < depth else 0):
-      node = children[pos, r]                         # [B]
+      node = children[rows, pos, r]                   # [B]
       live = (node >= 0) & (chosen < 0) & ~stopped
       x = draft_tokens[rows, jnp.maximum(node, 0)]
       if mode == "deterministic":

@@ -26,8 +26,9 @@ def define_speculation_flags():
                       "(the target's first K layers), ngram[:N] (prompt lookup), or PATH[,mode]: "
                       "a separate draft model (e.g. drafts/smollm2-draft.gguf).")
   flags.DEFINE_integer("gamma", 4, "Draft tokens per round for --method=sd.")
-  flags.DEFINE_string("tree", "kary:2x2", "Tree for --method=tree: chain:N, kary:KxD or "
-                      "sequoia:BUDGET,DEPTH (the best tree for --acceptance).")
+  flags.DEFINE_string("tree", "kary:2x2", "Tree for --method=tree: chain:N, kary:KxD, "
+                      "sequoia:BUDGET,DEPTH (the best tree for --acceptance) or dynamic:BUDGET,DEPTH "
+                      "(EAGLE-2: the BUDGET most probable of the draft's candidates, chosen each round).")
   flags.DEFINE_string("acceptance", None, "Sequoia trees: the draft's per-rank acceptance "
                       "probabilities, comma-separated, or a JSON file holding 'acceptance_profile' "
                       "(launch.distill writes DRAFT.json next to each draft: the default for a draft "
@@ -151,10 +152,7 @@ def parse_method(spec: str, draft: str, gamma: int, tree: str, acceptance: str |
   else:
     shape = shape or tree
     token_tree = tree_lib.parse_tree_spec(shape)
-    if not isinstance(token_tree, tree_lib.TokenTree) and token_tree[0] == "sequoia":
+    if isinstance(token_tree, tuple):  # ("sequoia", budget, depth)
       profile = acceptance_profile(acceptance, draft_path, greedy)
       token_tree = tree_lib.from_acceptance(profile, *token_tree[1:])
-    if not isinstance(token_tree, tree_lib.TokenTree):
-      raise ValueError(f"--tree={shape}: {token_tree[0]} trees are not supported yet; "
-                       "use chain:N, kary:KxD or sequoia:BUDGET,DEPTH")
   return Method(name, drafter, token_tree, f"{name}/{draft}/{shape}", draft_path, mode)

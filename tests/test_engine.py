@@ -23,6 +23,7 @@ SETUPS = {
     "self1-chain3": (tree_lib.chain(3), SelfDrafter(1)),
     "self2-binary2x2": (tree_lib.kary(2, 2), SelfDrafter(2)),
     "self1-ragged-iid": (tree_lib.TokenTree((-1, -1, 0, 0, 1, 2)), SelfDrafter(1, "iid")),
+    "self2-dynamic6x3": (tree_lib.DynamicTree(6, 3, width=2), SelfDrafter(2)),
 }
 
 
@@ -61,7 +62,8 @@ def model_draft(params, config, vocab: ReducedVocab | None = None, mode="determi
           DraftWeights.create(params, vocab))
 
 
-@pytest.mark.parametrize("tree", [tree_lib.chain(3), tree_lib.kary(2, 2)], ids=["chain3", "binary2x2"])
+@pytest.mark.parametrize("tree", [tree_lib.chain(3), tree_lib.kary(2, 2), tree_lib.DynamicTree(6, 3, 2)],
+                         ids=["chain3", "binary2x2", "dynamic6x3"])
 def test_model_drafter_greedy_equals_ar(params, ar_tokens, tree):
   # The target as its own draft accepts every node, so the draft cache's mirrored commits
   # (including the deepest level's keys/values) are exercised in every round.
@@ -123,6 +125,12 @@ def test_bad_drafter_settings_are_named(params):
                     max_new_tokens=4)
   with pytest.raises(ValueError, match="bad draft spec 'selfie'"):
     parse_draft_spec("selfie")
+  with pytest.raises(ValueError, match="chain"):
+    engine.generate(params, CONFIG, [[1, 2]], tree=tree_lib.DynamicTree(4, 2), drafter=NGramDrafter(),
+                    max_new_tokens=4)
+  with pytest.raises(ValueError, match="dynamic tree.*draw mode 'iid'"):
+    engine.generate(params, CONFIG, [[1, 2]], tree=tree_lib.DynamicTree(4, 2),
+                    drafter=SelfDrafter(1, "iid"), max_new_tokens=4)
 
 
 # --- sampling: the joint law of the first three generated tokens, enumerated exactly ---
@@ -168,16 +176,19 @@ def chi_square_pvalue(samples, law):
     (tree_lib.TokenTree((-1, -1, 0, 0, 1, 2)), SelfDrafter(1, "iid"), 1.3, 0.95),
     (tree_lib.chain(2), "model-iid", 1.0, 1.0),
     (tree_lib.kary(2, 2), "reduced-wor", 0.8, 0.95),
+    (tree_lib.DynamicTree(4, 2, width=2), SelfDrafter(1), 1.0, 1.0),
+    (tree_lib.DynamicTree(5, 2, width=3), "model-det", 0.8, 0.9),
 ], ids=["ngram-chain", "self-chain-iid", "self-binary-wor", "self-binary-det-topp", "self-ragged-iid",
-        "model-chain-iid", "reduced-vocab-binary-wor"])
+        "model-chain-iid", "reduced-vocab-binary-wor", "self-dynamic", "model-dynamic-topp"])
 def test_sampling_is_exact(tree, drafter, temperature, top_p):
   params = init_params(SMALL, jax.random.key(2))
   params = jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x, params)
   prompt = [1, 4, 2, 5, 1, 4]  # repeats, so the n-gram drafter proposes something
   sampling = SamplingParams.create(temperature, top_p)
   weights = None
-  if drafter == "model-iid":   # another random model as the draft
-    drafter, weights = model_draft(init_params(SMALL, jax.random.key(7)), SMALL, mode="iid")
+  if drafter in ("model-iid", "model-det"):   # another random model as the draft
+    mode = "iid" if drafter == "model-iid" else "deterministic"
+    drafter, weights = model_draft(init_params(SMALL, jax.random.key(7)), SMALL, mode=mode)
   elif drafter == "reduced-wor":  # the target on 4 of its 6 tokens (+ OTHER)
     vocab = ReducedVocab(np.array([-1, 0, 1, 4, 5], np.int32), SMALL.vocab_size)
     drafter, weights = model_draft(params, SMALL, vocab, mode="without_replacement")

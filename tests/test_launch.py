@@ -43,7 +43,7 @@ def test_benchmark_writes_json_and_table(tmp_path):
     (["--temperature=-1", "--prompt=hi"], "temperature=-1.0"),
     (["--top_p=1.5", "--prompt=hi"], "top_p=1.5"),
     (["--method=beam", "--prompt=hi"], "method 'beam' is not available"),
-    (["--method=tree", "--tree=dynamic:16,4", "--prompt=hi"], "dynamic trees are not supported yet"),
+    (["--method=tree", "--tree=dynamic:60,2", "--prompt=hi"], "budget=60 nodes do not fit"),
     (["--method=tree", "--tree=sequoia:16,4", "--prompt=hi"], "need the draft's acceptance profile"),
     (["--method=sd", "--draft=selfie", "--prompt=hi"], "bad draft spec 'selfie'"),
     (["--model=/no/such/model.gguf", "--prompt=hi"], "/no/such/model.gguf"),

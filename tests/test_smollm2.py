@@ -92,7 +92,7 @@ DRAFT = "drafts/smollm2-draft.gguf"
 
 
 @pytest.mark.parametrize("method", ["sd/ngram/4", "tree/self:8/kary:2x2", f"sd/{DRAFT}/3",
-                                    f"tree/{DRAFT}/sequoia:8,4"])
+                                    f"tree/{DRAFT}/sequoia:8,4", f"tree/{DRAFT}/dynamic:10,4"])
 def test_speculative_greedy_equals_ar(ours, prompt, method, monkeypatch):
   from launch.common import parse_method
   monkeypatch.chdir(pathlib.Path(__file__).resolve().parent.parent)

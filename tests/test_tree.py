@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hitree_jax.tree import (TokenTree, chain, expected_accepted, from_acceptance, kary,
+from hitree_jax import dynamic_tree
+from hitree_jax.drafters import tree_attend_mask
+from hitree_jax.tree import (DynamicTree, TokenTree, chain, expected_accepted, from_acceptance, kary,
                              parse_tree_spec)
 
 
@@ -309,7 +311,7 @@ def test_parse_tree_spec():
   assert parse_tree_spec("kary:2x3") == kary(2, 3)
   assert parse_tree_spec(" kary:3x1 ") == kary(3, 1)
   assert parse_tree_spec("sequoia:64,8") == ("sequoia", 64, 8)
-  assert parse_tree_spec("dynamic:32,6") == ("dynamic", 32, 6)
+  assert parse_tree_spec("dynamic:32,6") == DynamicTree(32, 6)
   for bad in ("chain", "chain:", "chain:0", "chain:-1", "chain:x", "kary:2", "kary:2x",
               "kary:0x3", "kary:2,3", "sequoia:64", "sequoia:0,8", "dynamic:8x2",
               "tree:4", "", "CHAIN:4"):
@@ -317,3 +319,64 @@ def test_parse_tree_spec():
       parse_tree_spec(bad)
   with pytest.raises(ValueError, match="'chain:x'"):
     parse_tree_spec("chain:x")
+  with pytest.raises(ValueError, match="budget=21 nodes do not fit in the 20 candidates"):
+    parse_tree_spec("dynamic:21,2")  # width 4: 4 + 16 candidates
+
+
+# --- dynamic (EAGLE-2) trees, chosen at run time ---
+
+def test_dynamic_topology_matches_the_static_tree_arrays():
+  rng = np.random.default_rng(3)
+  trees = [TokenTree(tuple(random_parents(rng, 9))) for _ in range(4)]
+  trees = [t for t in trees if t.max_branching <= 4][:3] + [chain(9)]
+  parents = jnp.asarray([t.parents for t in trees])
+  attend, children = dynamic_tree.topology(parents, 4, 9)
+  for b, t in enumerate(trees):
+    np.testing.assert_array_equal(attend[b], tree_attend_mask(t))
+    expected = np.full((10, 4), -1)
+    expected[:, :t.max_branching] = t.children
+    np.testing.assert_array_equal(children[b], expected)
+
+
+def eagle2_reference(table, root, tree: DynamicTree):
+  """Plain-Python EAGLE-2 selection for a draft whose log-probs depend only on the last token:
+  the set of kept candidate paths (token tuples)."""
+  logp = lambda path: table[path[-1]]
+  best = lambda path: sorted(range(table.shape[1]), key=lambda x: (-logp(path)[x], x))[:tree.width]
+  pool = [((x,), logp((root,))[x]) for x in best((root,))]
+  frontier = pool
+  for d in range(1, tree.max_depth):
+    children = [(path + (x,), score + logp(path)[x]) for path, score in frontier for x in best(path)]
+    pool += children
+    frontier = sorted(children, key=lambda c: -c[1])[:tree.width]
+  kept = sorted(pool, key=lambda c: -c[1])[:tree.budget]
+  return {path for path, _ in kept}
+
+
+@pytest.mark.parametrize("shape", [(6, 3, 2), (9, 3, 3), (3, 1, 3)])
+def test_dynamic_tree_keeps_the_most_probable_candidates(shape):
+  tree = DynamicTree(*shape)
+  vocab = 11
+  rng = np.random.default_rng(sum(shape))
+  table = np.asarray(jax.nn.log_softmax(rng.normal(size=(vocab, vocab)) * 3, axis=-1))
+  roots = jnp.array([2, 7])
+
+  def run(scratch, fed, depth, first, attend):
+    # Each fed token sees its own slot, the root and its ancestors: depth + 1 scratch slots.
+    attend, t = np.asarray(attend), fed.shape[1]
+    assert attend.shape == (2, t, dynamic_tree.scratch_slots(tree))
+    assert (attend.sum(-1) == depth + 1).all() and attend[:, np.arange(t), first + np.arange(t)].all()
+    return jnp.asarray(table)[fed], scratch
+
+  tokens, parents, depth = dynamic_tree.grow(tree, roots, run, None)
+  for b, root in enumerate(roots.tolist()):
+    paths = set()
+    for i in range(tree.budget):
+      p = int(parents[b, i])
+      assert p < i and int(depth[b, i]) == (1 if p < 0 else int(depth[b, p]) + 1)
+      path, node = [], i
+      while node >= 0:
+        path.append(int(tokens[b, node]))
+        node = int(parents[b, node])
+      paths.add(tuple(reversed(path)))
+    assert paths == eagle2_reference(table, root, tree)
