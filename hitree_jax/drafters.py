@@ -17,8 +17,8 @@ what exact verification needs (verify.py).
                    the longest (<= n) suffix of prompt + output (a chain).
 
 `propose` returns (tokens [B, N] target ids, q [B, N+1, V] or None, the
-drafter's recent cache after the round or None). Model drafters also grow
-DynamicTrees: `propose_dynamic` returns (tokens, parents [B, N], node depths
+drafter's recent cache after the round or None). The self-draft and a draft
+model also grow DynamicTrees: `propose_dynamic` returns (tokens, parents [B, N], node depths
 [B, N], the drafter's recent cache or None), each row its own tree.
 """
 
@@ -100,7 +100,6 @@ class SelfDrafter:
     scratch = KVCache.init(config.replace(num_layers=k), batch, n + 1)
     tokens, q, _ = fill_tree(key, tree, root, step, scratch, config.vocab_size, sampling, self.mode)
     return tokens, q, None
-
 
   def propose_dynamic(self, tree: DynamicTree, *, params, config: ModelConfig, root, base,
                       long: KVCache, recent: KVCache, **unused):

@@ -108,8 +108,9 @@ def test_stops_at_eos_like_ar(params, ar_tokens):
   assert got == expected and got[0][-1] == eos
 
 
-def test_second_generation_compiles_nothing(params):
-  tree, drafter = SETUPS["self2-binary2x2"]
+@pytest.mark.parametrize("setup", ["self2-binary2x2", "self2-dynamic6x3"])
+def test_second_generation_compiles_nothing(params, setup):
+  tree, drafter = SETUPS[setup]
   engine.generate(params, CONFIG, [[1, 2, 3]], tree=tree, drafter=drafter, max_new_tokens=16)
   again = engine.generate(params, CONFIG, [[4, 5, 6, 7]], tree=tree, drafter=drafter, max_new_tokens=16,
                           sampling=SamplingParams.create(0.8, 0.9), seed=1)
