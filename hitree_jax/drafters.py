@@ -18,8 +18,8 @@ what exact verification needs (verify.py).
 
 `propose` returns (tokens [B, N] target ids, q [B, N+1, V] or None, the
 drafter's recent cache after the round or None). The self-draft and a draft
-model also grow DynamicTrees: `propose_dynamic` returns (tokens, parents [B, N], node depths
-[B, N], the drafter's recent cache or None), each row its own tree.
+model also grow DynamicTrees: `propose_dynamic` returns (tokens, each row's
+tree as dynamic_tree.RowTrees, the drafter's recent cache or None).
 """
 
 from __future__ import annotations
@@ -86,7 +86,6 @@ class SelfDrafter:
     """One draft forward per depth. root [B]; positions [B, N+1]. -> tokens [B, N], q [B, N+1, V]."""
     del unused
     k = self.num_layers
-    cut = lambda c: c.replace(keys=c.keys[:k], values=c.values[:k])
     batch, n = root.shape[0], tree.size
     full_mask = jnp.asarray(tree_attend_mask(tree))                   # [N+1, N+1]
 
@@ -94,7 +93,7 @@ class SelfDrafter:
       attend = jnp.broadcast_to(full_mask[pos_idx], (batch, len(pos_idx), n + 1))
       logits, _, scratch = forward(params, config, fed, positions[:, pos_idx], scratch, attend,
                                    write_at=jnp.full((batch,), int(pos_idx[0]), jnp.int32),
-                                   context=(cut(long), cut(recent)))
+                                   context=(_first_layers(long, k), _first_layers(recent, k)))
       return logits, scratch
 
     scratch = KVCache.init(config.replace(num_layers=k), batch, n + 1)
@@ -106,15 +105,20 @@ class SelfDrafter:
     """A DynamicTree per row, grown on a scratch cache that reads the target's first k layers."""
     del unused
     k = self.num_layers
-    cut = lambda c: c.replace(keys=c.keys[:k], values=c.values[:k])
+    context = (_first_layers(long, k), _first_layers(recent, k))
 
     def run(scratch, fed, depth, first, attend):
       logits, _, scratch = forward(params, config, fed, _positions(base, depth, fed), scratch, attend,
-                                   write_at=jnp.full_like(base, first), context=(cut(long), cut(recent)))
+                                   write_at=jnp.full_like(base, first), context=context)
       return logits, scratch
 
     scratch = KVCache.init(config.replace(num_layers=k), root.shape[0], dynamic_tree.scratch_slots(tree))
     return (*dynamic_tree.grow(tree, root, run, scratch), None)
+
+
+def _first_layers(cache: KVCache, k: int) -> KVCache:
+  """The self-draft's view of a target cache: its first k layers' keys/values."""
+  return cache.replace(keys=cache.keys[:k], values=cache.values[:k])
 
 
 def _positions(base, depth: int, fed):
@@ -228,17 +232,16 @@ class ModelDrafter:
 
     scratch = KVCache.init(config, root.shape[0], dynamic_tree.scratch_slots(tree))
     root = draft.to_draft(root)
-    tokens, parents, depth = dynamic_tree.grow(tree, root, run, scratch)
-    nodes_attend, _ = dynamic_tree.topology(parents, tree.width, tree.max_depth)
+    tokens, trees = dynamic_tree.grow(tree, root, run, scratch)
     fed = jnp.concatenate([root[:, None], tokens], axis=1)
-    positions = base[:, None] + jnp.pad(depth, ((0, 0), (1, 0)))
+    positions = base[:, None] + jnp.pad(trees.depth, ((0, 0), (1, 0)))
     width = draft_recent.keys[0].shape[2]
     _, draft_recent = hidden_states(draft.params, config, fed, positions, draft_recent,
-                                    round_attend(draft_recent.lengths, width, nodes_attend),
+                                    round_attend(draft_recent.lengths, width, trees.attend),
                                     context=(draft_long,))
     # A token outside a reduced vocabulary is never ranked above a real one; if one still
     # fills a slot (a vocabulary smaller than the width), any target token keeps this exact.
-    return jnp.maximum(draft.to_target(tokens), 0), parents, depth, draft_recent
+    return jnp.maximum(draft.to_target(tokens), 0), trees, draft_recent
 
   def _never_other(self, draft: DraftWeights, logits):
     """A reduced vocabulary's OTHER id stands for every token outside it: never proposed."""

@@ -4,9 +4,9 @@
 depth over the `width` best candidates of the depth before, writing their
 keys/values into a scratch cache whose slots hold, in order, the root and the
 expanded candidates of depths 1 .. D-1 (`width` each). The `budget` most
-probable candidates become the row's tree. `topology` turns each row's tree
-into the arrays a verification round reads: node depths, the attention mask
-and the children lists, per row.
+probable candidates become the row's tree, returned as `RowTrees`: the
+arrays a verification round reads (node depths, the attention mask and the
+children lists, per row), built once by `topology`.
 
 Children are the draft's top-`width` tokens: a deterministic proposal, which
 verify.py's "deterministic" rule accepts exactly whatever the tree is.
@@ -14,11 +14,20 @@ verify.py's "deterministic" rule accepts exactly whatever the tree is.
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hitree_jax.tree import DynamicTree
+
+
+@flax.struct.dataclass
+class RowTrees:
+  """Each row's own tree of N nodes, in the arrays that drafting and verification read."""
+  parents: jax.Array   # [B, N] node index, -1 = the root; parents before children
+  depth: jax.Array     # [B, N] 1 for children of the root
+  attend: jax.Array    # [B, N+1, N+1] over (root, nodes): the root, ancestors and itself
+  children: jax.Array  # [B, N+1, width] -1 padded, in node order; row 0 the root's
 
 
 def scratch_slots(tree: DynamicTree) -> int:
@@ -26,7 +35,7 @@ def scratch_slots(tree: DynamicTree) -> int:
 
 
 def grow(tree: DynamicTree, root, run, scratch):
-  """-> (tokens [B, N] draft ids, parents [B, N] node index (-1 = the root), node depth [B, N]).
+  """-> (tokens [B, N] draft ids, RowTrees).
 
   run(scratch, fed [B, T], depth d, first slot, attend [B, T, S]) -> (logits [B, T, V], scratch):
   a draft forward of tokens at depth d (positions: committed length + d), written at scratch
@@ -64,7 +73,9 @@ def grow(tree: DynamicTree, root, run, scratch):
   parent_pool = jnp.take_along_axis(jnp.concatenate(pool_parent, axis=1), kept, axis=1)
   parents = jnp.where(parent_pool < 0, -1,
                       jnp.argmax(kept[:, None, :] == parent_pool[:, :, None], axis=2)).astype(jnp.int32)
-  return tokens.astype(jnp.int32), parents, jnp.asarray(tree.pool_depth)[kept]
+  attend, children = topology(parents, width, tree.max_depth)
+  return tokens.astype(jnp.int32), RowTrees(parents, jnp.asarray(tree.pool_depth)[kept], attend,
+                                            children)
 
 
 def _log_probs(logits):

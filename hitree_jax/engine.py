@@ -8,7 +8,7 @@ into contiguous slots. Rows accept different numbers of tokens: each has its
 own cache length and output cursor, nothing changes shape.
 
 A DynamicTree (EAGLE-2) is chosen by the drafter in the round, per row: the
-round then reads each row's own depths, mask and children (dynamic_tree.py)
+round then reads each row's own depths, mask and children (dynamic_tree.RowTrees)
 instead of the static tree's; shapes are the same, so nothing recompiles.
 
 Caches as in decoding.py: the long cache is read-only inside a block of
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hitree_jax import decoding, dynamic_tree
+from hitree_jax import decoding
 from hitree_jax.config import ModelConfig
 from hitree_jax.drafters import DraftWeights, ModelDrafter, round_attend, tree_attend_mask
 from hitree_jax.kv_cache import KVCache
@@ -75,9 +75,9 @@ def _spec_loop(params, config: ModelConfig, cache: KVCache, first_logits, sampli
                   root=root, base=base, long=cache, recent=recent, sampling=sampling,
                   draft=draft, draft_long=draft_cache, draft_recent=draft_recent)
     if dynamic:
-      tokens, parents, depth, draft_recent = drafter.propose_dynamic(tree, **inputs)
-      tree_mask, children = dynamic_tree.topology(parents, tree.width, tree.max_depth)
-      positions, q = base[:, None] + jnp.pad(depth, ((0, 0), (1, 0))), None  # [B, span]
+      tokens, trees, draft_recent = drafter.propose_dynamic(tree, **inputs)
+      tree_mask, children = trees.attend, trees.children
+      positions, q = base[:, None] + jnp.pad(trees.depth, ((0, 0), (1, 0))), None  # [B, span]
     else:
       positions = base[:, None] + jnp.asarray(np.concatenate([[0], tree.depth]), jnp.int32)
       tokens, q, draft_recent = drafter.propose(k_draft, tree, positions=positions, **inputs)

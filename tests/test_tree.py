@@ -368,7 +368,8 @@ def test_dynamic_tree_keeps_the_most_probable_candidates(shape):
     assert (attend.sum(-1) == depth + 1).all() and attend[:, np.arange(t), first + np.arange(t)].all()
     return jnp.asarray(table)[fed], scratch
 
-  tokens, parents, depth = dynamic_tree.grow(tree, roots, run, None)
+  tokens, trees = dynamic_tree.grow(tree, roots, run, None)
+  parents, depth = trees.parents, trees.depth
   for b, root in enumerate(roots.tolist()):
     paths = set()
     for i in range(tree.budget):
