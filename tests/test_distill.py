@@ -48,6 +48,26 @@ def test_teacher_topk_is_the_top_of_the_full_distribution(teacher_params, data):
   assert np.all(np.diff(log_probs, axis=-1) <= 0)
 
 
+def test_labelling_resumes_from_the_saved_chunks(tmp_path, teacher_params, data):
+  windows, ids, log_probs, _ = data
+  path = tmp_path / "labels.npz"
+  labels = distill.label_windows(path, windows, teacher_params, TEACHER, k=8, chunk=16)
+  np.testing.assert_array_equal(labels["ids"], ids)
+  np.testing.assert_allclose(labels["log_probs"], log_probs, atol=1e-2)  # stored as float16
+  assert path.is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["labels.npz"]
+
+  # An interrupted run left chunk 1 on disk: the rerun takes it as it is and labels the rest.
+  marked = labels["ids"][16:32] + 1
+  np.savez(tmp_path / "labels.part00001.npz", ids=marked, log_probs=labels["log_probs"][16:32])
+  path.unlink()
+  resumed = distill.label_windows(path, windows, teacher_params, TEACHER, k=8, chunk=16)
+  np.testing.assert_array_equal(resumed["ids"][16:32], marked)
+  np.testing.assert_array_equal(np.delete(resumed["ids"], np.s_[16:32], 0),
+                                np.delete(ids, np.s_[16:32], 0))
+  with np.load(path) as saved:
+    np.testing.assert_array_equal(saved["ids"], resumed["ids"])
+
+
 def test_sparse_targets_drop_tokens_outside_the_subset(data):
   windows, ids, log_probs, vocab = data
   draft_ids, probs = distill.sparse_targets(ids, log_probs, vocab)

@@ -12,6 +12,7 @@ Pipeline (launch/distill.py drives it):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pathlib
 import time
@@ -39,13 +40,41 @@ def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, 
   windows = corpus.token_windows(tokenizer, split, window, n_windows)
   logging.info("labelling %d %s windows of %d tokens with the teacher's top-%d", n_windows, split,
                window, k)
-  ids, log_probs = teacher.teacher_topk(teacher_model.params, teacher_model.config, windows, k)
-  labels = {"tokens": windows, "ids": ids, "log_probs": log_probs.astype(np.float16)}
+  return label_windows(path, windows, teacher_model.params, teacher_model.config, k)
+
+
+def label_windows(path: pathlib.Path, windows: np.ndarray, params, config: ModelConfig, k: int,
+                  chunk: int = 64) -> dict:
+  """Labels windows [N, T] with the teacher's top-k and saves them at path.
+
+  Labelling is the slow part of distillation (the teacher runs at ~190 tokens/s on two cores), so
+  each `chunk` of windows is saved as it is done and a rerun after an interruption labels only
+  the chunks that are missing; the parts are merged into `path` at the end."""
+  path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix(".tmp.npz")
-  np.savez(tmp, **labels)
-  tmp.rename(path)
+  parts = []
+  for start in range(0, len(windows), chunk):
+    part = path.with_name(f"{path.stem}.part{start // chunk:05d}.npz")
+    if not part.is_file():
+      ids, log_probs = teacher.teacher_topk(params, config, windows[start:start + chunk], k)
+      _save_npz(part, ids=ids, log_probs=log_probs.astype(np.float16))
+      logging.info("labelled windows %d-%d of %d", start, start + len(ids), len(windows))
+    parts.append(part)
+  with contextlib.ExitStack() as stack:
+    loaded = [stack.enter_context(np.load(part)) for part in parts]
+    labels = {"tokens": windows, **{key: np.concatenate([f[key] for f in loaded])
+                                    for key in ("ids", "log_probs")}}
+  _save_npz(path, **labels)
+  for part in parts:
+    part.unlink()
   return labels
+
+
+def _save_npz(path: pathlib.Path, **arrays):
+  """Writes then renames, so an interrupted save never leaves a truncated file under path."""
+  tmp = path.with_name(path.stem + ".tmp.npz")
+  np.savez(tmp, **arrays)
+  tmp.rename(path)
 
 
 # --- the student ---
