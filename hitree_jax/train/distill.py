@@ -174,7 +174,7 @@ def train(workdir: pathlib.Path, config: ModelConfig, params, train_data, eval_d
           eval_every: int = 50, log_every: int = 5, until: int | None = None):
   """Trains (or resumes) in workdir/ckpt; returns (params, history of logged metrics).
 
-  `until`: stop after that step (and save), e.g. to train in slices of a session;
+  `until`: stop after that step (and save), e.g. to train in slices of a session (0: none);
   rerunning with the same settings continues exactly where it stopped.
 
   train_data / eval_data: (tokens [N,T], target ids [N,T,k], target probs [N,T,k]) in draft ids.
@@ -190,7 +190,7 @@ def train(workdir: pathlib.Path, config: ModelConfig, params, train_data, eval_d
     logging.info("resumed from step %d", int(state["step"]))
   history = []
   start, tic = int(state["step"]), time.perf_counter()
-  for step in range(start, min(steps, until or steps)):
+  for step in range(start, steps if until is None else min(steps, until)):
     idx = batch_indices(len(train_data[0]), batch, step, seed)
     state, loss, agree = train_step(state, config, tx, *(jnp.asarray(x[idx]) for x in train_data))
     record = {"step": step + 1}
