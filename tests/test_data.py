@@ -13,113 +13,113 @@ from hitree_jax import data
 from launch import fetch_assets
 
 KNOWN_PHRASES = {
-    "austen": "It is a truth universally acknowledged",
-    "shakespeare": "To be, or not to be,--that is the question",
-    "milton": "Of Mans First Disobedience",
+  "austen": "It is a truth universally acknowledged",
+  "shakespeare": "To be, or not to be,--that is the question",
+  "milton": "Of Mans First Disobedience",
 }
 
 
 @pytest.fixture(scope="session", autouse=True)
 def books():
-    """Fetches any corpus that is missing (downloads for about 10 s, once)."""
-    books_dir = data.assets_dir() / "books"
-    if not all((books_dir / corpus).is_dir() for corpus in data.CORPORA):
-        fetch_assets.fetch_all(data.assets_dir())
-    return books_dir
+  """Fetches any corpus that is missing (downloads for about 10 s, once)."""
+  books_dir = data.assets_dir() / "books"
+  if not all((books_dir / corpus).is_dir() for corpus in data.CORPORA):
+    fetch_assets.fetch_all(data.assets_dir())
+  return books_dir
 
 
 class WordTokenizer:
-    """Maps each whitespace-separated word to a stable id (a hash), so results do not depend on call order."""
+  """Maps each whitespace-separated word to a stable id (a hash), so results do not depend on call order."""
 
-    def __init__(self):
-        self.words: dict[int, str] = {}
+  def __init__(self):
+    self.words: dict[int, str] = {}
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        assert add_special_tokens is False
-        ids = []
-        for word in text.split():
-            ids.append(zlib.crc32(word.encode()))
-            self.words[ids[-1]] = word
-        return ids
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    assert add_special_tokens is False
+    ids = []
+    for word in text.split():
+      ids.append(zlib.crc32(word.encode()))
+      self.words[ids[-1]] = word
+    return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return " ".join(self.words[i] for i in ids)
+  def decode(self, ids: list[int]) -> str:
+    return " ".join(self.words[i] for i in ids)
 
 
 def test_corpora_order():
-    assert data.CORPORA == ("austen", "shakespeare", "milton")
+  assert data.CORPORA == ("austen", "shakespeare", "milton")
 
 
 @pytest.mark.parametrize("corpus", data.CORPORA)
 def test_book_text(corpus):
-    text = data.book_text(corpus)
-    assert len(text) > 1_000_000
-    assert KNOWN_PHRASES[corpus] in text
-    assert "\r" not in text
-    assert data.book_text(corpus) is text  # Cached.
+  text = data.book_text(corpus)
+  assert len(text) > 1_000_000
+  assert KNOWN_PHRASES[corpus] in text
+  assert "\r" not in text
+  assert data.book_text(corpus) is text  # Cached.
 
 
 @pytest.mark.parametrize("corpus", data.CORPORA)
 @pytest.mark.parametrize("n_tokens,n_prompts", [(1, 3), (64, 8), (2048, 4)])
 def test_book_prompts(corpus, n_tokens, n_prompts):
-    tok = WordTokenizer()
-    prompts = data.book_prompts(tok, n_tokens, n_prompts, corpus=corpus)
-    assert len(prompts) == n_prompts
-    assert all(len(p) == n_tokens for p in prompts)
-    assert len({tuple(p) for p in prompts}) == n_prompts
-    assert data.book_prompts(WordTokenizer(), n_tokens, n_prompts, corpus=corpus) == prompts
+  tok = WordTokenizer()
+  prompts = data.book_prompts(tok, n_tokens, n_prompts, corpus=corpus)
+  assert len(prompts) == n_prompts
+  assert all(len(p) == n_tokens for p in prompts)
+  assert len({tuple(p) for p in prompts}) == n_prompts
+  assert data.book_prompts(WordTokenizer(), n_tokens, n_prompts, corpus=corpus) == prompts
 
 
 class UnevenTokenizer(WordTokenizer):
-    """Has 1 token per 2 words in the sampled middle of the corpus but 1 per 4 elsewhere, so windows must grow."""
+  """Has 1 token per 2 words in the sampled middle of the corpus but 1 per 4 elsewhere, so windows must grow."""
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = super().encode(text, add_special_tokens)
-        return ids[:: 2 if len(text) == data._SAMPLE_CHARS else 4]
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    ids = super().encode(text, add_special_tokens)
+    return ids[:: 2 if len(text) == data._SAMPLE_CHARS else 4]
 
 
 def test_book_prompts_when_estimate_is_low():
-    prompts = data.book_prompts(UnevenTokenizer(), 4096, 16, corpus="milton")
-    assert [len(p) for p in prompts] == [4096] * 16
-    assert len({tuple(p) for p in prompts}) == 16
+  prompts = data.book_prompts(UnevenTokenizer(), 4096, 16, corpus="milton")
+  assert [len(p) for p in prompts] == [4096] * 16
+  assert len({tuple(p) for p in prompts}) == 16
 
 
 def test_prompts_are_book_text_from_line_starts():
-    tok = WordTokenizer()
-    text = data.book_text("austen")
-    words = " ".join(text.split())
-    line_starts = {line.split()[0] for line in text.splitlines() if line.strip()}
-    for prompt in data.book_prompts(tok, 32, 5):
-        passage = tok.decode(prompt)
-        assert passage in words
-        assert passage.split()[0] in line_starts
+  tok = WordTokenizer()
+  text = data.book_text("austen")
+  words = " ".join(text.split())
+  line_starts = {line.split()[0] for line in text.splitlines() if line.strip()}
+  for prompt in data.book_prompts(tok, 32, 5):
+    passage = tok.decode(prompt)
+    assert passage in words
+    assert passage.split()[0] in line_starts
 
 
 def test_book_passage():
-    tok = WordTokenizer()
-    passage = data.book_passage(16, tok, index=2)
-    assert len(passage.split()) == 16
-    assert passage == tok.decode(data.book_prompts(tok, 16, 3)[2])
+  tok = WordTokenizer()
+  passage = data.book_passage(16, tok, index=2)
+  assert len(passage.split()) == 16
+  assert passage == tok.decode(data.book_prompts(tok, 16, 3)[2])
 
 
 def test_bad_corpus():
-    with pytest.raises(ValueError, match="'nope'.*austen"):
-        data.book_text("nope")
-    with pytest.raises(ValueError, match="'nope'"):
-        data.book_prompts(WordTokenizer(), 8, 2, corpus="nope")
+  with pytest.raises(ValueError, match="'nope'.*austen"):
+    data.book_text("nope")
+  with pytest.raises(ValueError, match="'nope'"):
+    data.book_prompts(WordTokenizer(), 8, 2, corpus="nope")
 
 
 @pytest.mark.parametrize(
-    "n_tokens,n_prompts",
-    [(0, 4), (-1, 4), (8, 0), (10_000_000, 1), (1, 10_000_000)],
+  "n_tokens,n_prompts",
+  [(0, 4), (-1, 4), (8, 0), (10_000_000, 1), (1, 10_000_000)],
 )
 def test_bad_sizes(n_tokens, n_prompts):
-    with pytest.raises(ValueError, match=rf"n_tokens={n_tokens}|{n_prompts} distinct prompts of {n_tokens} tokens"):
-        data.book_prompts(WordTokenizer(), n_tokens, n_prompts, corpus="milton")
+  with pytest.raises(ValueError, match=rf"n_tokens={n_tokens}|{n_prompts} distinct prompts of {n_tokens} tokens"):
+    data.book_prompts(WordTokenizer(), n_tokens, n_prompts, corpus="milton")
 
 
 def test_missing_assets(tmp_path, monkeypatch):
-    monkeypatch.setenv("HITREE_ASSETS", str(tmp_path))
-    assert data.assets_dir() == tmp_path
-    with pytest.raises(FileNotFoundError, match=r"python -m launch\.fetch_assets"):
-        data.book_text("austen")
+  monkeypatch.setenv("HITREE_ASSETS", str(tmp_path))
+  assert data.assets_dir() == tmp_path
+  with pytest.raises(FileNotFoundError, match=r"python -m launch\.fetch_assets"):
+    data.book_text("austen")
