@@ -39,11 +39,15 @@ class Tokenizer(Encoder, Protocol):
 
 
 def assets_dir() -> pathlib.Path:
-  """Returns the assets root: `$HITREE_ASSETS` if set, else `<repo root>/assets`."""
+  """The assets root: `$HITREE_ASSETS` if set, else `<repo root>/assets` in a checkout, else
+  `~/.cache/hitree_jax` (an installed package has no repository around it)."""
   env = os.environ.get("HITREE_ASSETS")
   if env:
     return pathlib.Path(env).expanduser()
-  return pathlib.Path(__file__).resolve().parent.parent / "assets"
+  root = pathlib.Path(__file__).resolve().parent.parent
+  if (root / "pyproject.toml").is_file():
+    return root / "assets"
+  return pathlib.Path("~/.cache/hitree_jax").expanduser()
 
 
 def book_text(corpus: str) -> str:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hitree_jax import compile_cache
 from hitree_jax.config import ModelConfig
 from hitree_jax.kv_cache import KVCache, causal_attend
 from hitree_jax.model import forward, hidden_states, logits_from_hidden
@@ -105,20 +106,33 @@ def compiler_options() -> dict:
 
 
 class _Compiled:
-  """Memo of AOT-compiled programs, with the time spent compiling."""
+  """Memo of AOT-compiled programs, with the time spent compiling.
+
+  compiles counts programs XLA really compiled; cache_loads those the
+  persistent compilation cache (compile_cache.enable) served from disk.
+  """
 
   def __init__(self):
     self._programs = {}
     self.compile_s = 0.0
     self.compiles = 0
+    self.cache_loads = 0
 
   def get(self, key, jitted, *example_args):
     if key not in self._programs:
       start = time.perf_counter()
+      hits, misses = compile_cache.EVENTS.hits, compile_cache.EVENTS.misses
       self._programs[key] = jitted.lower(*example_args).compile(compiler_options())
       self.compile_s += time.perf_counter() - start
-      self.compiles += 1
+      if compile_cache.EVENTS.hits > hits and compile_cache.EVENTS.misses == misses:
+        self.cache_loads += 1
+      else:
+        self.compiles += 1
     return self._programs[key]
+
+  def counts(self) -> tuple[float, int, int]:
+    """(compile_s, compiles, cache_loads) so far; subtract two to get one call's share."""
+    return self.compile_s, self.compiles, self.cache_loads
 
 
 COMPILED = _Compiled()
@@ -223,11 +237,12 @@ class GenerationResult:
   prefill_s: float
   decode_s: float
   compile_s: float          # compile time spent inside this call
-  compiles: int             # programs compiled inside this call
+  compiles: int             # programs XLA compiled inside this call
   # Speculative methods only:
   target_forwards: int | None = None           # batched target forwards in the decode loop
   rounds_per_row: list[int] | None = None      # target forwards while each row was generating
   accepted_per_depth: list[int] | None = None  # draft tokens accepted at each tree depth, all rows
+  cache_loads: int = 0      # programs the persistent compilation cache served inside this call
 
   @property
   def mean_accepted(self) -> float | None:
@@ -250,13 +265,13 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
   """Autoregressive (`ar`) generation for a batch of prompts of any lengths."""
   sampling = sampling or SamplingParams.create()
   batch = make_batch(prompts, config, max_new_tokens)
-  compile_before, compiles_before = COMPILED.compile_s, COMPILED.compiles
+  counts_before = COMPILED.counts()
   cache = KVCache.init(config, batch.batch, cache_slots(batch.tokens.shape[1], max_new_tokens))
 
   start = time.perf_counter()
   first_logits, cache = prefill(params, config, cache, batch)
   first_logits.block_until_ready()
-  prefill_s = time.perf_counter() - start - (COMPILED.compile_s - compile_before)
+  prefill_s = time.perf_counter() - start - (COMPILED.compile_s - counts_before[0])
 
   eos = jnp.int32(config.eos_token_id if stop_at_eos and config.eos_token_id is not None else -1)
   key = jax.random.key(seed)
@@ -269,5 +284,10 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
   return GenerationResult(
       tokens=[out[b, :n_tokens[b]].tolist() for b in range(batch.batch)],
       prefill_s=prefill_s, decode_s=decode_s,
-      compile_s=COMPILED.compile_s - compile_before,
-      compiles=COMPILED.compiles - compiles_before)
+      **compile_counts(counts_before))
+
+
+def compile_counts(before: tuple[float, int, int]) -> dict:
+  """GenerationResult's compile fields for what COMPILED did since `before` (COMPILED.counts())."""
+  compile_s, compiles, loads = (now - then for now, then in zip(COMPILED.counts(), before))
+  return dict(compile_s=compile_s, compiles=compiles, cache_loads=loads)

@@ -148,7 +148,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, t
     raise ValueError("a ModelDrafter needs its weights: pass draft=DraftWeights.create(params, vocab)")
   batch = decoding.make_batch(prompts, config, max_new_tokens)
   span = tree.size + 1
-  compile_before, compiles_before = decoding.COMPILED.compile_s, decoding.COMPILED.compiles
+  counts_before = decoding.COMPILED.counts()
   # Room for a round's candidates past the last kept token.
   slots = decoding.cache_slots(batch.tokens.shape[1], max_new_tokens, extra=recent_slots(tree))
   cache = KVCache.init(config, batch.batch, slots)
@@ -163,7 +163,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, t
   else:
     draft = None
   first_logits.block_until_ready()
-  prefill_s = time.perf_counter() - start - (decoding.COMPILED.compile_s - compile_before)
+  prefill_s = time.perf_counter() - start - (decoding.COMPILED.compile_s - counts_before[0])
 
   history_width = decoding.round_up(batch.tokens.shape[1] + max_new_tokens + span, 128)
   history = np.zeros((batch.batch, history_width), np.int32)
@@ -181,7 +181,6 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, t
   return decoding.GenerationResult(
       tokens=[out[b, :n_tokens[b]].tolist() for b in range(batch.batch)],
       prefill_s=prefill_s, decode_s=decode_s,
-      compile_s=decoding.COMPILED.compile_s - compile_before,
-      compiles=decoding.COMPILED.compiles - compiles_before,
+      **decoding.compile_counts(counts_before),
       target_forwards=int(np.max(rounds)), rounds_per_row=np.asarray(rounds).tolist(),
       accepted_per_depth=np.asarray(per_depth).tolist())

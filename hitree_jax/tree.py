@@ -298,6 +298,18 @@ def from_acceptance(acceptance: Sequence[float], budget: int, max_depth: int) ->
 TreeSpec = Union[TokenTree, DynamicTree, tuple[str, int, int]]
 
 
+MAX_TREE_NODES = 512  # one round verifies every node: [B, N+1, V] probabilities, N+1 tokens' forward
+
+
+def _tree_nodes(kind: str, numbers: tuple[int, ...]) -> int:
+  """Nodes a spec asks for (at least its depth), computed without building anything
+  (kary:10x10 is 10^10)."""
+  if kind == "kary":
+    k, depth = numbers
+    return depth if k == 1 else (k ** (depth + 1) - k) // (k - 1)
+  return max(numbers)
+
+
 def parse_tree_spec(spec: str) -> TreeSpec:
   """Command-line tree spec -> a TokenTree, a DynamicTree, or ("sequoia", budget, depth).
 
@@ -318,6 +330,10 @@ def parse_tree_spec(spec: str) -> TreeSpec:
     numbers = tuple(int(x) for x in match.groups())
     if min(numbers) < 1:
       raise ValueError(f"bad tree spec {spec!r}: sizes must be positive; expected {forms}")
+    nodes = _tree_nodes(kind, numbers)
+    if nodes > MAX_TREE_NODES:
+      raise ValueError(f"tree spec {spec!r} asks for {nodes} nodes; a round verifies at most "
+                       f"{MAX_TREE_NODES}")
     if kind == "chain":
       return chain(*numbers)
     if kind == "kary":

@@ -1,18 +1,22 @@
-"""Decode speed on deterministic book prompts, written as JSON (and a markdown table).
+"""Decode speed on deterministic book prompts, written as JSON, a markdown table and PNG plots.
 
   python -m launch.benchmark --model=smollm2 --methods=ar --prompt_tokens=512,2048,6000 \
-      --new_tokens=128 --n_prompts=3 --out=results.json
+      --max_new_tokens=128 --n_prompts=3 --out=results.json
   python -m launch.benchmark --methods=ar,sd/ngram/4,tree/self:8/kary:2x2 --prompt_tokens=512 \
       --temperature=0.6 --top_p=0.9
 
 Each (method, prompt length) is compiled and warmed up on its first prompt
 before anything is timed; EOS is ignored so every run decodes exactly
---new_tokens tokens. Speeds are decode tokens/s (prefill excluded).
+--max_new_tokens tokens. Speeds are decode tokens/s (prefill excluded).
+--out=results.json also writes results.md, results_speed.png (tok/s and speedup
+vs ar per prompt length) and results_acceptance.png (speculative methods:
+draft tokens accepted per round at each tree depth).
 """
 
 from __future__ import annotations
 
 import json
+import pathlib
 import platform
 import statistics
 import time
@@ -20,22 +24,25 @@ import time
 from absl import app, flags, logging
 
 from launch import common
+from launch.progress import Progress
 
+common.define_config_flag()
 common.define_model_flags()
 common.define_sampling_flags()
 common.define_speculation_flags()
 flags.DEFINE_list("methods", ["ar"], "Configurations to compare: ar, sd[/DRAFT[/GAMMA]], "
                   "tree[/DRAFT[/TREE]] (missing parts from --draft, --gamma, --tree).")
 flags.DEFINE_list("prompt_tokens", ["512", "2048"], "Prompt lengths in tokens.")
-flags.DEFINE_integer("new_tokens", 128, "Tokens generated per prompt.")
+flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt (EOS is ignored).")
 flags.DEFINE_integer("n_prompts", 3, "Prompts per length.")
-flags.DEFINE_enum("corpus", "austen", ["austen", "shakespeare", "milton"], "Book corpus of the prompts.")
-flags.DEFINE_string("out", "results.json", "Where to write the JSON results.")
+flags.DEFINE_enum("book", "austen", ["austen", "shakespeare", "milton"], "Book corpus of the prompts.")
+flags.DEFINE_string("out", "results.json", "Where to write the JSON results (the table and plots "
+                    "go beside it: OUT.md, OUT_speed.png, OUT_acceptance.png).")
 FLAGS = flags.FLAGS
 
 
 def run_one(model, method, ids, sampling):
-  return method.generate(model.params, model.config, [ids], max_new_tokens=FLAGS.new_tokens,
+  return method.generate(model.params, model.config, [ids], max_new_tokens=FLAGS.max_new_tokens,
                          sampling=sampling, seed=FLAGS.seed, stop_at_eos=False)
 
 
@@ -52,8 +59,43 @@ def markdown(rows) -> str:
   return "\n".join(lines)
 
 
+def check_flags() -> list[int]:
+  """Fails fast, before the slow model load, on a bad count; returns --prompt_tokens as numbers."""
+  if not FLAGS.methods:
+    raise app.UsageError("--methods: give at least one method (e.g. ar,sd/ngram/4)")
+  try:
+    lengths = [int(n) for n in FLAGS.prompt_tokens]
+  except ValueError:
+    raise app.UsageError(f"--prompt_tokens={','.join(FLAGS.prompt_tokens)}: expected "
+                         "comma-separated integers") from None
+  if not lengths:
+    raise app.UsageError("--prompt_tokens: give at least one length")
+  for name, value in [("prompt_tokens", min(lengths)),
+                      ("max_new_tokens", FLAGS.max_new_tokens), ("n_prompts", FLAGS.n_prompts)]:
+    if value < 1:
+      raise app.UsageError(f"--{name}={value} must be >= 1")
+  return lengths
+
+
+def write_outputs(record: dict) -> None:
+  """OUT.json, OUT.md and the plots, all named from --out."""
+  from launch import plots
+  out = pathlib.Path(FLAGS.out)
+  beside = lambda tail: out.with_name(out.stem + tail)  # results.json -> results_speed.png
+  out.write_text(json.dumps(record, indent=2))
+  table = markdown(record["results"])
+  beside(".md").write_text(table + "\n")
+  plots.speed_figure(record, beside("_speed.png"))
+  written = [out, beside(".md"), beside("_speed.png")]
+  if plots.acceptance_figure(record, beside("_acceptance.png")):
+    written.append(beside("_acceptance.png"))
+  print(table)
+  logging.info("wrote %s", ", ".join(map(str, written)))
+
+
 def main(argv):
   del argv
+  lengths = check_flags()
   greedy = FLAGS.temperature == 0
   methods = [common.parse_method(m, FLAGS.draft, FLAGS.gamma, FLAGS.tree, FLAGS.acceptance, greedy)
              for m in common.join_method_specs(FLAGS.methods)]
@@ -67,18 +109,21 @@ def main(argv):
   tokenizer = load_tokenizer(model.path)
   methods = [method.load_draft(model.config) for method in methods]
   rows = []
-  for n_tokens in map(int, FLAGS.prompt_tokens):
-    prompts = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts, corpus=FLAGS.corpus)
+  progress = Progress("benchmark", len(lengths) * len(methods) * (FLAGS.n_prompts + 1))
+  for n_tokens in lengths:
+    prompts = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts, corpus=FLAGS.book)
     for method in methods:
       warm = run_one(model, method, prompts[0], sampling)  # compiles; not timed
+      progress.step(detail=f"{method.label} P={n_tokens} warm-up ({warm.compile_s:.1f} s compiling)")
       runs = []
       for i, ids in enumerate(prompts):
         r = run_one(model, method, ids, sampling)
         runs.append({"prompt": i, "prefill_s": r.prefill_s, "decode_s": r.decode_s,
                      "new_tokens": len(r.tokens[0]), "decode_tokens_per_s": r.decode_tokens_per_s,
-                     "compiles": r.compiles, "target_forwards": r.target_forwards,
+                     "compiles": r.compiles, "cache_loads": r.cache_loads, "target_forwards": r.target_forwards,
                      "mean_accepted": r.mean_accepted, "accepted_per_depth": r.accepted_per_depth})
-        logging.info("%s P=%d prompt %d: %.2f tok/s", method.label, n_tokens, i, r.decode_tokens_per_s)
+        progress.step(detail=f"{method.label} P={n_tokens} prompt {i}: "
+                             f"{r.decode_tokens_per_s:.2f} tok/s")
       accepted = [x["mean_accepted"] for x in runs if x["mean_accepted"] is not None]
       rows.append({
           "method": method.label, "prompt_tokens": n_tokens, "runs": runs, "compile_s": warm.compile_s,
@@ -86,18 +131,17 @@ def main(argv):
           "median_mean_accepted": statistics.median(accepted) if accepted else None,
           "median_prefill_s": statistics.median(x["prefill_s"] for x in runs)})
   record = {
-      "model": FLAGS.model, "dtype": FLAGS.dtype, "new_tokens": FLAGS.new_tokens,
-      "corpus": FLAGS.corpus, "temperature": FLAGS.temperature, "top_p": FLAGS.top_p,
+      "model": FLAGS.model, "dtype": FLAGS.dtype, "max_new_tokens": FLAGS.max_new_tokens,
+      "book": FLAGS.book, "temperature": FLAGS.temperature, "top_p": FLAGS.top_p,
       "top_k": FLAGS.top_k, "seed": FLAGS.seed, "backend": jax.default_backend(),
       "devices": [str(d) for d in jax.devices()], "machine": platform.processor() or platform.machine(),
       "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": rows}
-  with open(FLAGS.out, "w") as f:
-    json.dump(record, f, indent=2)
-  table = markdown(rows)
-  with open(FLAGS.out.rsplit(".", 1)[0] + ".md", "w") as f:
-    f.write(table + "\n")
-  print(table)
+  write_outputs(record)
+
+
+def run():
+  common.run(main)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run()

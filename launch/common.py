@@ -1,12 +1,109 @@
-"""Flags and helpers shared by the launchers."""
+"""Flags and helpers shared by the launchers.
+
+`run(main)` is every launcher's entry point: it parses the flags, applies a
+`--config` file (ml_collections; see configs/), turns on the persistent
+compilation cache, and turns a user's mistake (a ValueError,
+FileNotFoundError or flag error) into one line on stderr and exit code 2
+instead of a traceback. `HITREE_TRACEBACK=1` shows the traceback.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 
-from absl import flags
+from absl import app, flags
+from ml_collections import config_flags
 
 METHODS = ("ar", "sd", "tree")
+USAGE_ERROR = 2  # exit code of a user's mistake (as argparse uses)
+
+
+def define_config_flag():
+  config_flags.DEFINE_config_file(
+      "config", None, "An ml_collections config file (configs/*.py[:PRESET]) whose fields set this "
+      "launcher's flags of the same names; flags given on the command line win, and "
+      "--config.NAME=VALUE overrides one field.", lock_config=True)
+
+
+def _fail(error) -> None:
+  """One line on stderr and exit code 2 (a config file's error arrives with its traceback:
+  keep its first line and its last, the exception itself)."""
+  if os.environ.get("HITREE_TRACEBACK"):
+    raise error
+  lines = [line for line in str(error).strip().splitlines() if line.strip()] or [repr(error)]
+  message = lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(USAGE_ERROR)
+
+
+def _parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(e)
+  except (AttributeError, KeyError) as e:  # --config.NAME=... for a field the config lacks
+    _fail(ValueError(f"a --config.NAME override names a field the config does not have: {e}"))
+
+
+def apply_config() -> None:
+  """Sets every flag named in --config (that the command line did not set) to the config's value."""
+  FLAGS = flags.FLAGS
+  config = FLAGS["config"].value if "config" in FLAGS else None
+  if config is None:
+    return
+  for name, value in config.items():
+    if name not in FLAGS:
+      raise ValueError(f"the config sets {name!r}, which this launcher has no flag for")
+    FLAGS.set_default(name, value)  # validated by the flag's parser; an explicit flag keeps its value
+
+
+def given_flags() -> set[str]:
+  """Names of the flags set on the command line (a --config only sets defaults: a pair of
+  model and draft serves every method, `ar` included)."""
+  FLAGS = flags.FLAGS
+  return {name for name in FLAGS if FLAGS[name].present}
+
+
+def launcher_settings() -> dict:
+  """The launcher's own flag values (not absl's or jax's): the JSON record's settings."""
+  FLAGS = flags.FLAGS
+  by_module = FLAGS.flags_by_module_dict()
+  return {f.name: f.value for module, fs in by_module.items() if "launch" in module
+          for f in fs if f.name != "config"}
+
+
+def check_method_flags(method_name: str, given: set[str]) -> None:
+  """A flag that the chosen method would silently ignore is a mistake: say so."""
+  ignored = {"ar": ("draft", "gamma", "tree", "acceptance"), "sd": ("tree", "acceptance"),
+             "tree": ("gamma",)}.get(method_name, ())
+  for name in ignored:
+    if name in given:
+      hint = {"tree": "a tree needs --method=tree", "gamma": "--gamma sets the chain of --method=sd",
+              "acceptance": "--acceptance shapes a sequoia tree (--method=tree)",
+              "draft": "--method=ar uses no draft"}[name]
+      raise ValueError(f"--{name} does not apply to --method={method_name} ({hint})")
+
+
+def run(main) -> None:
+  """app.run(main) with --config applied, the compilation cache on, and one-line usage errors."""
+
+  def checked(argv):
+    if len(argv) > 1:
+      _fail(app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}"))
+    try:
+      apply_config()
+    except OSError as e:  # a --config file that does not exist or does not load
+      _fail(e)
+    try:
+      from hitree_jax import compile_cache
+      compile_cache.enable()
+      return main(argv)
+    except (ValueError, FileNotFoundError, app.UsageError, flags.Error) as e:
+      _fail(e)
+
+  app.run(checked, flags_parser=_parse_flags)
 
 
 def define_model_flags():
@@ -50,6 +147,26 @@ class Method:
   draft_path: str | None = None  # a separate draft model, loaded by `load_draft`
   draft_mode: str = "deterministic"
   draft: object = None           # its DraftWeights once loaded
+
+  def check_draft(self, target_config, target_tokenizer):
+    """Checks a separate draft against the target from metadata (no weights): its vocabulary,
+    tokenizer and tree settings. Returns the draft's config, or None for other drafters."""
+    if self.draft_path is None:
+      return None
+    from hitree_jax.drafters import ModelDrafter
+    from hitree_jax.loading import load_config, load_vocab
+    from hitree_jax.tokenizer import load_tokenizer, same_tokenizer
+    config, vocab = load_config(self.draft_path), load_vocab(self.draft_path)
+    ModelDrafter(config, self.draft_mode, vocab and vocab.target_vocab_size).check(self.tree, target_config)
+    try:
+      draft_tokenizer = load_tokenizer(self.draft_path)
+    except FileNotFoundError as e:
+      raise ValueError(f"--draft={self.draft_path}: cannot check that it shares the target's "
+                       f"tokenizer ({e})") from None
+    if not same_tokenizer(draft_tokenizer, target_tokenizer):
+      raise ValueError(f"--draft={self.draft_path} has a different tokenizer from the target's: "
+                       "a draft must tokenize text exactly as its target does")
+    return config
 
   def load_draft(self, target_config):
     """Loads a separate draft model (slow: after every flag is validated); others pass through."""
@@ -146,8 +263,8 @@ def parse_method(spec: str, draft: str, gamma: int, tree: str, acceptance: str |
       n = int(shape) if shape else gamma
     except ValueError:
       raise ValueError(f"sd gamma {shape!r} must be an integer") from None
-    if n < 1:
-      raise ValueError(f"gamma={n} must be >= 1")
+    if not 1 <= n <= tree_lib.MAX_TREE_NODES:
+      raise ValueError(f"gamma={n} must be in [1, {tree_lib.MAX_TREE_NODES}] (draft tokens per round)")
     token_tree, shape = tree_lib.chain(n), str(n)
   else:
     shape = shape or tree

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from launch import common
 
@@ -29,5 +29,9 @@ def main(argv):
   logging.info("wrote %s in %.1f s", FLAGS.out, time.perf_counter() - start)
 
 
+def run():
+  common.run(main)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  run()

@@ -8,7 +8,8 @@ Evaluate a draft on held-out books (agreement, acceptance, cost ratio):
 
 Data: token windows cut evenly from every training book of the three corpora
 (held-out books in hitree_jax/train/corpus.py), labelled once with the
-teacher's top-k next-token log-probabilities (cached in workdir).
+teacher's top-k next-token log-probabilities (cached in workdir). Every flag is
+checked before the teacher loads; labelling and training log progress with an ETA.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import numpy as np
 from absl import app, flags, logging
 
 from launch import common
+from launch.progress import Progress
+
+common.define_config_flag()
 
 flags.DEFINE_string("teacher", "smollm2", "The target model to imitate (any --model spec).")
 flags.DEFINE_string("workdir", "runs/draft", "Labels, orbax checkpoints and logs (resumable).")
@@ -39,7 +43,8 @@ flags.DEFINE_integer("until", None, "Stop after this step (resume later with the
 flags.DEFINE_integer("seed", 0, "Data order seed.")
 flags.DEFINE_bool("quantize", True, "Export weight matrices as Q8_0 (else float32).")
 flags.DEFINE_bool("eval", False, "Evaluate --draft against --teacher instead of training.")
-flags.DEFINE_string("draft", None, "--eval: the draft (a GGUF from this launcher, or self:K).")
+flags.DEFINE_string("draft", None, "--eval: the draft, as --draft of launch.generate: PATH (a GGUF "
+                    "from this launcher) or self:K (the teacher's first K layers).")
 flags.DEFINE_float("temperature", 0.6, "--eval: sampling temperature of the acceptance metric.")
 flags.DEFINE_float("top_p", 0.9, "--eval: nucleus mass of the acceptance metric.")
 flags.DEFINE_integer("cost_context", 512, "--eval: prompt tokens when timing a decode step.")
@@ -61,7 +66,8 @@ def train_main():
   vocab = ReducedVocab.most_frequent(corpus.token_counts(tokenizer, teacher.config.vocab_size),
                                      FLAGS.vocab_size)
   labels = {split: distill.prepare_labels(workdir, split, teacher, tokenizer, window=FLAGS.window,
-                                          n_windows=n, k=FLAGS.topk)
+                                          n_windows=n, k=FLAGS.topk,
+                                          progress=Progress(f"labelling {split} windows").update)
             for split, n in (("train", FLAGS.train_windows), ("eval", FLAGS.eval_windows))}
   data = {split: (vocab.to_draft(l["tokens"]), *distill.sparse_targets(l["ids"], l["log_probs"], vocab))
           for split, l in labels.items()}
@@ -72,7 +78,8 @@ def train_main():
   start = time.perf_counter()
   params, history = distill.train(workdir, config, params, data["train"], data["eval"],
                                   steps=FLAGS.steps, batch=FLAGS.batch, lr=FLAGS.lr,
-                                  warmup=FLAGS.warmup, seed=FLAGS.seed, until=FLAGS.until)
+                                  warmup=FLAGS.warmup, seed=FLAGS.seed, until=FLAGS.until,
+                                  progress=Progress("training", min_interval_s=30).update)
   record = {"train_s_this_run": time.perf_counter() - start, "history": history,
             "layers": layers, "vocab_size": vocab.size}
   if FLAGS.until is not None and FLAGS.until < FLAGS.steps:
@@ -138,8 +145,6 @@ def eval_main():
   from hitree_jax.loading import LoadedModel, load_model
   from hitree_jax.tokenizer import load_tokenizer
 
-  if not FLAGS.draft:
-    raise app.UsageError("--eval needs --draft=PATH (or self:K)")
   teacher = load_model(FLAGS.teacher)
   tokenizer = load_tokenizer(teacher.path)
   if FLAGS.draft.startswith("self:"):
@@ -154,6 +159,74 @@ def eval_main():
   return evaluate(teacher, tokenizer, draft, FLAGS.draft)
 
 
+def check_flags() -> None:
+  """Fails fast on a bad flag: before the teacher loads, hours of labelling and training, and
+  the evaluation at the end that reads --temperature and --top_p."""
+  from hitree_jax.sampling import SamplingParams
+  try:
+    SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
+  except ValueError as e:
+    raise app.UsageError(f"--{e}") from None
+  least = {"window": 1, "eval_windows": 1, "topk": 1, "cost_context": 1}
+  if not FLAGS.eval:
+    least.update(train_windows=1, steps=1, batch=1, vocab_size=2, warmup=0, until=0)
+  for name, bound in least.items():
+    value = getattr(FLAGS, name)
+    if value is not None and value < bound:
+      raise app.UsageError(f"--{name}={value} must be >= {bound}")
+  if FLAGS.eval:
+    check_draft()
+    return
+  if not FLAGS.lr > 0:
+    raise app.UsageError(f"--lr={FLAGS.lr} must be > 0")
+  if FLAGS.batch > FLAGS.train_windows:
+    raise app.UsageError(f"--batch={FLAGS.batch} must be <= --train_windows={FLAGS.train_windows}")
+  if pathlib.Path(FLAGS.out).suffix != ".gguf":
+    raise app.UsageError(f"--out={FLAGS.out} must end in .gguf (the draft is exported as GGUF)")
+  try:
+    layers = [int(x) for x in FLAGS.layers]
+  except ValueError:
+    raise app.UsageError(f"--layers={','.join(FLAGS.layers)}: expected comma-separated "
+                         "integers") from None
+  n = teacher_num_layers()
+  if not layers or not all(0 <= x < n for x in layers):
+    raise app.UsageError(f"--layers={','.join(FLAGS.layers)}: the teacher has layers 0..{n - 1}")
+
+
+def teacher_num_layers() -> int:
+  """From the teacher's config alone (no weight is read; a GGUF header parsed here is cached
+  for the load that follows)."""
+  from hitree_jax.loading import load_config
+  try:
+    return load_config(FLAGS.teacher).num_layers
+  except (FileNotFoundError, ValueError) as e:
+    raise app.UsageError(f"--teacher={FLAGS.teacher}: {e}") from None
+
+
+def check_draft() -> None:
+  """--eval's draft: a self-draft within the teacher, or a model file that exists."""
+  from hitree_jax.drafters import SelfDrafter, parse_draft_spec
+  from hitree_jax.loading import resolve
+  if not FLAGS.draft:
+    raise app.UsageError("--eval needs --draft=PATH (or self:K)")
+  if FLAGS.draft.startswith(("self:", "ngram")):
+    try:
+      drafter = parse_draft_spec(FLAGS.draft)
+    except ValueError as e:
+      raise app.UsageError(f"--draft: {e}") from None
+    if not isinstance(drafter, SelfDrafter):
+      raise app.UsageError(f"--draft={FLAGS.draft}: --eval measures a draft model (PATH or "
+                           "self:K); n-gram lookup has no distribution to compare")
+    n = teacher_num_layers()
+    if not 1 <= drafter.num_layers < n:
+      raise app.UsageError(f"--draft={FLAGS.draft}: K must be in [1, {n}) for this teacher")
+    return
+  try:
+    resolve(FLAGS.draft)
+  except (FileNotFoundError, ValueError) as e:
+    raise app.UsageError(f"--draft={FLAGS.draft}: {e}") from None
+
+
 def _quiet_orbax(record) -> bool:
   return record.levelno >= logging.WARNING or "orbax" not in record.pathname
 
@@ -162,10 +235,15 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(_quiet_orbax)  # it logs every save step at INFO
+  check_flags()
   record = eval_main() if FLAGS.eval else train_main()
   if FLAGS.json:
     print(json.dumps(record))
 
 
+def run():
+  common.run(main)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  run()

@@ -28,9 +28,10 @@ import tempfile
 import time
 import zlib
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from hitree_jax import data
+from launch import common
 
 _ASSETS_DIR = flags.DEFINE_string(
   "assets_dir", None, "Assets root; defaults to $HITREE_ASSETS, else <repo root>/assets."
@@ -170,13 +171,16 @@ def fetch_all(assets_dir: pathlib.Path | None = None) -> pathlib.Path:
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  del argv
   root = pathlib.Path(_ASSETS_DIR.value) if _ASSETS_DIR.value else data.assets_dir()
   start = time.perf_counter()
   books = fetch_all(root)
   logging.info("books are in %s (%.1f s)", books, time.perf_counter() - start)
 
 
+def run():
+  common.run(main)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  run()

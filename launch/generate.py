@@ -14,10 +14,11 @@ import json
 import pathlib
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from launch import common
 
+common.define_config_flag()
 common.define_model_flags()
 common.define_sampling_flags()
 common.define_speculation_flags()
@@ -39,13 +40,15 @@ def check_prompt_flags() -> None:
   """Fails fast, before the slow model load, on a bad prompt source."""
   given = [n for n in ("prompt", "prompt_file", "book") if getattr(FLAGS, n) is not None]
   if len(given) != 1:
-    raise app.UsageError(f"give exactly one of --prompt, --prompt_file, --book (got {given or 'none'})")
+    raise ValueError(f"give exactly one of --prompt, --prompt_file, --book (got {given or 'none'})")
   if FLAGS.prompt_file and not pathlib.Path(FLAGS.prompt_file).is_file():
-    raise app.UsageError(f"--prompt_file={FLAGS.prompt_file}: no such file")
+    raise ValueError(f"--prompt_file={FLAGS.prompt_file}: no such file")
+  if FLAGS.prompt == "" or (FLAGS.prompt_file and not pathlib.Path(FLAGS.prompt_file).read_text()):
+    raise ValueError("the prompt is empty")
   if FLAGS.book and FLAGS.chat:
-    raise app.UsageError("--chat does not apply to --book passages")
+    raise ValueError("--chat does not apply to --book passages")
   if FLAGS.book and FLAGS.prompt_tokens < 1:
-    raise app.UsageError(f"--prompt_tokens={FLAGS.prompt_tokens} must be >= 1")
+    raise ValueError(f"--prompt_tokens={FLAGS.prompt_tokens} must be >= 1")
 
 
 def prompt_ids(tokenizer) -> list[int]:
@@ -62,22 +65,45 @@ def prompt_ids(tokenizer) -> list[int]:
   return tokenizer.encode(text, add_special_tokens=False)
 
 
+def check_prompt(ids: list[int], config, draft_config, is_draft_alone: bool) -> None:
+  """The prompt must fit the target's context, and the draft's, with the tokens asked for."""
+  from hitree_jax import decoding
+  if not ids:
+    raise ValueError("the prompt is empty (0 tokens)")
+  if not is_draft_alone:
+    decoding.make_batch([ids], config, FLAGS.max_new_tokens)
+  for name, c in (("the draft", draft_config), ("the model", config if is_draft_alone else None)):
+    if c is not None and len(ids) + FLAGS.max_new_tokens > c.max_position_embeddings:
+      raise ValueError(f"the prompt has {len(ids)} tokens; with --max_new_tokens="
+                       f"{FLAGS.max_new_tokens} that is {len(ids) + FLAGS.max_new_tokens} > "
+                       f"{name}'s context of {c.max_position_embeddings}")
+
+
 def main(argv):
   del argv
+  common.check_method_flags(FLAGS.method.partition("/")[0], common.given_flags())
   method = common.parse_method(FLAGS.method, FLAGS.draft, FLAGS.gamma, FLAGS.tree,
                                FLAGS.acceptance, FLAGS.temperature == 0)
   check_prompt_flags()
-  sampling = common.sampling_from_flags(FLAGS)  # validate before the slow load
-  from hitree_jax.loading import load_model
+  sampling = common.sampling_from_flags(FLAGS)
+  if FLAGS.max_new_tokens < 1:
+    raise ValueError(f"--max_new_tokens={FLAGS.max_new_tokens} must be >= 1")
+  from hitree_jax.loading import load_config, load_model, load_vocab, resolve
   from hitree_jax.tokenizer import load_tokenizer
 
-  model = load_model(FLAGS.model, FLAGS.dtype)
-  tokenizer = load_tokenizer(model.path)
-  method = method.load_draft(model.config)
+  # Everything a user can get wrong is checked from metadata, before the slow weight load.
+  config = load_config(FLAGS.model, FLAGS.dtype)
+  tokenizer = load_tokenizer(resolve(FLAGS.model))
+  draft_config = method.check_draft(config, tokenizer)
+  is_draft_alone = load_vocab(FLAGS.model) is not None
+  if is_draft_alone and method.name != "ar":
+    raise ValueError(f"--model={FLAGS.model} has a reduced vocabulary (a draft): "
+                     "it can run --method=ar, or serve as --draft of its target")
   ids = prompt_ids(tokenizer)
-  if model.vocab is not None and method.name != "ar":
-    raise app.UsageError(f"--model={FLAGS.model} has a reduced vocabulary (a draft): "
-                         "it can run --method=ar, or serve as --draft of its target")
+  check_prompt(ids, config, draft_config, is_draft_alone)
+
+  model = load_model(FLAGS.model, FLAGS.dtype)
+  method = method.load_draft(model.config)
   model_ids = ids if model.vocab is None else model.vocab.to_draft(ids).tolist()  # a draft alone
   result = method.generate(model.params, model.config, [model_ids],
                            max_new_tokens=FLAGS.max_new_tokens, sampling=sampling, seed=FLAGS.seed,
@@ -86,19 +112,27 @@ def main(argv):
   text = tokenizer.decode(tokens, skip_special_tokens=True)
   print(text)
   spec = f", {result.mean_accepted:.2f} tokens per target forward" if result.mean_accepted else ""
+  compiled = (f"compile {result.compile_s:.1f} s ({result.compiles} compiled, "
+              f"{result.cache_loads} from the compilation cache)")
   print(f"\n[{method.label}] prompt {len(ids)} tokens, generated {len(tokens)}: "
         f"prefill {result.prefill_s:.2f} s, decode {result.decode_s:.2f} s "
-        f"({result.decode_tokens_per_s:.1f} tok/s{spec}), compile {result.compile_s:.1f} s",
+        f"({result.decode_tokens_per_s:.1f} tok/s{spec}), {compiled}",
         file=sys.stderr if FLAGS.json else sys.stdout)
   if FLAGS.json:
     print(json.dumps({
         "model": FLAGS.model, "method": method.label, "prompt_ids": ids, "tokens": tokens,
         "text": text, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
         "decode_tokens_per_s": result.decode_tokens_per_s, "compile_s": result.compile_s,
+        "compiles": result.compiles, "cache_loads": result.cache_loads,
         "temperature": FLAGS.temperature, "top_p": FLAGS.top_p, "top_k": FLAGS.top_k,
         "seed": FLAGS.seed, "target_forwards": result.target_forwards,
-        "mean_accepted": result.mean_accepted, "accepted_per_depth": result.accepted_per_depth}))
+        "mean_accepted": result.mean_accepted, "accepted_per_depth": result.accepted_per_depth,
+        "settings": common.launcher_settings()}))
+
+
+def run():
+  common.run(main)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run()

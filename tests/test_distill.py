@@ -106,6 +106,7 @@ def test_training_lowers_the_loss(tmp_path, teacher_params, data):
   assert after - entropy < 0.8 * (before - entropy), (before, after, entropy)
 
 
+@pytest.mark.slow
 def test_interrupted_training_resumes_to_the_same_weights(tmp_path, teacher_params, data):
   config, params = distill.student_from_teacher(teacher_params, TEACHER, (0,), data[3])
   train = student_data(data)
@@ -157,6 +158,7 @@ def test_position_metrics_match_brute_force():
                                 np.take_along_axis(one_hot, ranked, axis=-1) > 0)
 
 
+@pytest.mark.slow
 def test_evaluate_draft_matches_position_by_position_brute_force(teacher_params, data):
   windows, _, _, vocab = data
   config, params = distill.student_from_teacher(teacher_params, TEACHER, (0, 2), vocab)

@@ -4,6 +4,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -26,17 +27,66 @@ def test_generate_json_record():
   assert record["compile_s"] > 0 and record["decode_tokens_per_s"] > 0
 
 
-def test_benchmark_writes_json_and_table(tmp_path):
+def test_benchmark_writes_json_table_and_plots(tmp_path):
   out = tmp_path / "bench.json"
-  proc = launch("benchmark", "--model=smollm2", "--methods=ar", "--prompt_tokens=32,48",
-                "--new_tokens=4", "--n_prompts=2", f"--out={out}")
+  proc = launch("benchmark", "--model=smollm2", "--methods=ar,sd/ngram/2", "--prompt_tokens=32,48",
+                "--max_new_tokens=4", "--n_prompts=2", "--book=austen", f"--out={out}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   record = json.loads(out.read_text())
-  assert [r["prompt_tokens"] for r in record["results"]] == [32, 48]
+  assert record["max_new_tokens"] == 4 and record["book"] == "austen"
+  assert "new_tokens" not in record and "corpus" not in record
+  assert [(r["method"], r["prompt_tokens"]) for r in record["results"]] == [
+      ("ar", 32), ("sd/ngram/2", 32), ("ar", 48), ("sd/ngram/2", 48)]
   for row in record["results"]:
     assert len(row["runs"]) == 2 and row["median_decode_tokens_per_s"] > 0
     assert all(run["new_tokens"] == 4 and run["compiles"] == 0 for run in row["runs"])
   assert "| ar | 32 |" in (tmp_path / "bench.md").read_text()
+  for name in ("bench_speed.png", "bench_acceptance.png"):
+    png = (tmp_path / name).read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, name
+  # 2 lengths x 2 methods x (warm-up + 2 prompts) timed runs, each a progress line with an ETA.
+  assert "benchmark 1/12 (8%) elapsed" in proc.stderr and "benchmark 12/12 (100%)" in proc.stderr
+
+
+def test_plots_normalise_acceptance_per_round(tmp_path):
+  from launch import plots
+  run = lambda per_depth, rounds: {"accepted_per_depth": per_depth, "target_forwards": rounds}
+  rows = [{"method": "ar", "prompt_tokens": 8, "median_decode_tokens_per_s": 10.0,
+           "runs": [{"accepted_per_depth": None, "target_forwards": None}]},
+          {"method": "sd/ngram/2", "prompt_tokens": 8, "median_decode_tokens_per_s": 12.0,
+           "runs": [run([3, 1], 4), run([5, 2], 6)]}]
+  assert plots.acceptance_per_depth(rows[1:]) == [0.8, 0.3]  # (3+5)/10, (1+2)/10
+  assert plots.acceptance_per_depth(rows[:1]) is None
+  record = {"model": "m", "temperature": 0.0, "results": rows}
+  assert plots.acceptance_figure(record, tmp_path / "a.png") and (tmp_path / "a.png").is_file()
+  assert not plots.acceptance_figure({**record, "results": rows[:1]}, tmp_path / "b.png")
+  assert not (tmp_path / "b.png").exists()
+
+
+def test_progress_reports_elapsed_and_eta():
+  from launch.progress import Progress, duration
+  assert [duration(s) for s in (0, 45, 80, 240, 3725)] == ["0s", "45s", "1m20s", "4m00s", "1h02m"]
+  now, lines = [100.0], []
+  progress = Progress("benchmark", 12, clock=lambda: now[0], log=lambda fmt, line: lines.append(line))
+  now[0] += 80
+  progress.step(3, "tree/self:8/kary:2x2 P=2048 prompt 1")
+  assert lines[-1] == ("benchmark 3/12 (25%) elapsed 1m20s, ETA 4m00s: "
+                       "tree/self:8/kary:2x2 P=2048 prompt 1")
+  now[0] += 240
+  progress.step(9)
+  assert lines[-1] == "benchmark 12/12 (100%) elapsed 5m20s"
+  # Library loops call back with (done, total, detail); done=0 restarts the clock, and
+  # min_interval_s keeps a fast loop to a line now and then (always the last).
+  training = Progress("training", min_interval_s=30, clock=lambda: now[0],
+                      log=lambda fmt, line: lines.append(line))
+  now[0] += 1000
+  training.update(0, 100)
+  for step in range(1, 101):
+    now[0] += 1
+    training.update(step, 100, f"step {step}")
+  logged = [line for line in lines if line.startswith("training")]
+  assert logged[0] == "training 1/100 (1%) elapsed 1s, ETA 1m39s: step 1"
+  assert len(logged) == 5 and logged[-1] == "training 100/100 (100%) elapsed 1m40s: step 100"
 
 
 @pytest.mark.parametrize("args,message", [
@@ -112,6 +162,14 @@ def test_generate_refuses_a_draft_with_another_vocabulary(foreign_draft):
   assert "vocabularies differ: the draft's has 100 tokens, the target's 49152" in proc.stderr
 
 
+def test_distill_checks_sampling_flags_before_any_slow_work(tmp_path):
+  tic = time.perf_counter()
+  proc = launch("distill", "--temperature=-1", f"--workdir={tmp_path / 'work'}", timeout=120)
+  assert proc.returncode != 0 and "temperature=-1" in proc.stderr + proc.stdout
+  assert time.perf_counter() - tic < 30  # the teacher would take longer to load, labels hours
+  assert not (tmp_path / "work").exists()
+
+
 def test_distill_trains_exports_and_evaluates_a_draft(tmp_path):
   out = tmp_path / "draft.gguf"
   proc = launch("distill", "--teacher=smollm2", f"--workdir={tmp_path / 'work'}", f"--out={out}",
@@ -123,3 +181,6 @@ def test_distill_trains_exports_and_evaluates_a_draft(tmp_path):
   assert out.is_file() and json.loads(out.with_suffix(".json").read_text())["vocab_size"] == 512
   assert 0 <= record["greedy_agreement"] <= 1 and 0 < record["cost_ratio"] < 1
   assert len(record["acceptance_profile"]) == 8
+  for line in ("labelling train windows 1/1 (100%)", "labelling eval windows 1/1 (100%)",
+               "training 1/2 (50%) elapsed", "training 2/2 (100%)"):
+    assert line in proc.stderr, line

@@ -275,6 +275,7 @@ def test_gguf_copies_tokenizer_fields_with_their_types(tmp_path):
   assert load_gguf(tmp_path / "m.gguf")[0] == config  # eos 5 kept although the tokenizer says 2
 
 
+@pytest.mark.slow
 def test_copied_smollm2_tokenizer_encodes_the_same(tmp_path):
   """SLOW (~30 s on 2 cores): reads the 100k tokenizer strings of the real GGUF and has
   transformers convert them again; a reduced-vocab draft still carries the full tokenizer."""

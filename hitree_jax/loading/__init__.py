@@ -57,6 +57,22 @@ class LoadedModel:
   vocab: ReducedVocab | None = None  # a draft's subset of its target's vocabulary (GGUF only)
 
 
+def load_config(spec: str, dtype: str = "float32") -> ModelConfig:
+  """The model's config without its weights: what a launcher validates against before loading."""
+  path = resolve(spec)
+  if path.suffix == ".gguf":
+    return gguf.read_config(path, dtype)
+  if checkpoint.is_checkpoint(path):
+    return checkpoint.read_config(path, dtype)
+  return hf.read_config(path, dtype)
+
+
+def load_vocab(spec: str) -> ReducedVocab | None:
+  """A draft's reduced vocabulary (a subset of its target's, GGUF only), without its weights."""
+  path = resolve(spec)
+  return gguf.read_vocab(path) if path.suffix == ".gguf" else None
+
+
 def load_model(spec: str, dtype: str = "float32") -> LoadedModel:
   path = resolve(spec)
   vocab = None

@@ -37,11 +37,16 @@ def save_checkpoint(path: str | pathlib.Path, config: ModelConfig, params, token
     tokenizer.save_pretrained(str(path / "tokenizer"))
 
 
-def load_checkpoint(path: str | pathlib.Path, dtype: str = "float32"):
-  """(config, params as numpy float32) from a folder written by `save_checkpoint`."""
+def read_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:
   path = pathlib.Path(path).resolve()
   if not is_checkpoint(path):
     raise FileNotFoundError(f"{path}: not a hitree_jax checkpoint (no {CONFIG_FILE})")
-  config = ModelConfig.from_dict(json.loads((path / CONFIG_FILE).read_text())).replace(dtype=dtype)
+  return ModelConfig.from_dict(json.loads((path / CONFIG_FILE).read_text())).replace(dtype=dtype)
+
+
+def load_checkpoint(path: str | pathlib.Path, dtype: str = "float32"):
+  """(config, params as numpy float32) from a folder written by `save_checkpoint`."""
+  path = pathlib.Path(path).resolve()
+  config = read_config(path, dtype)
   params = ocp.StandardCheckpointer().restore(path / "params")
   return config, jax.tree.map(np.asarray, params)

@@ -14,6 +14,7 @@ full target's, so when the config's bos/eos ids differ from the copied
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import gguf
@@ -60,6 +61,36 @@ def _scalar(field: gguf.ReaderField):
   return value
 
 
+def open_reader(path: str | pathlib.Path) -> gguf.GGUFReader:
+  """The file's GGUFReader, parsed once per process (and per file version).
+
+  Parsing the header builds one numpy view per vocabulary string and merge
+  (~150k for SmolLM2), several seconds; the config, the tokenizer and the
+  weights all read the same file, so they share one reader (tensors stay
+  memory-mapped, so keeping it costs no copy of the weights).
+  """
+  path = pathlib.Path(path).resolve()
+  if not path.is_file():
+    raise FileNotFoundError(f"GGUF file not found: {path}")
+  stat = path.stat()
+  return _open_reader(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_reader(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+  del size, mtime_ns  # part of the cache key only: a rewritten file is parsed again
+  return gguf.GGUFReader(path)
+
+
+def read_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:
+  """The model's config from the GGUF metadata alone (no tensor is read)."""
+  reader = open_reader(path)
+  tensor_names = {t.name for t in reader.tensors}
+  meta = read_metadata(reader)
+  config = ModelConfig.from_gguf_metadata(meta, dtype=dtype, tied="output.weight" not in tensor_names)
+  return _own_token_ids(config, meta)
+
+
 def read_metadata(reader: gguf.GGUFReader) -> dict:
   meta = {}
   for key, field in reader.fields.items():
@@ -79,7 +110,9 @@ def hf_name(gguf_name: str) -> str | None:
   return mapped and f"{mapped}.{suffix}"
 
 
-def _read_vocab(reader: gguf.GGUFReader) -> ReducedVocab | None:
+def read_vocab(path: str | pathlib.Path) -> ReducedVocab | None:
+  """The draft's reduced vocabulary stored in the file, or None (the full vocabulary)."""
+  reader = open_reader(path)
   if _VOCAB_IDS not in reader.fields:
     return None
   field = reader.fields[_VOCAB_IDS]
@@ -97,16 +130,9 @@ def _own_token_ids(config: ModelConfig, meta: dict) -> ModelConfig:
 
 def load_gguf(path: str | pathlib.Path, dtype: str = "float32"):
   """(config, params, ReducedVocab or None) from a GGUF file of architecture `llama`."""
-  path = pathlib.Path(path)
-  if not path.is_file():
-    raise FileNotFoundError(f"GGUF file not found: {path}")
-  reader = gguf.GGUFReader(str(path))
-  tensor_names = {t.name for t in reader.tensors}
-  meta = read_metadata(reader)
-  config = ModelConfig.from_gguf_metadata(
-      meta, dtype=dtype, tied="output.weight" not in tensor_names)
-  config = _own_token_ids(config, meta)
-  vocab = _read_vocab(reader)
+  reader = open_reader(path)
+  config = read_config(path, dtype)
+  vocab = read_vocab(path)
   if vocab is not None and vocab.size != config.vocab_size:
     raise ValueError(f"{path}: reduced vocabulary of {vocab.size} ids for a model of "
                      f"vocab_size={config.vocab_size}")

@@ -49,16 +49,21 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig)
   return params
 
 
-def load_safetensors_dir(path: str | pathlib.Path, dtype: str = "float32"):
-  """(config, params) from an HF folder: config.json + one or several *.safetensors."""
-  folder = pathlib.Path(path)
-  config_file = folder / "config.json"
+def read_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:
+  """The config of an HF folder, from its config.json."""
+  config_file = pathlib.Path(path) / "config.json"
   if not config_file.is_file():
-    raise FileNotFoundError(f"{folder}: no config.json (expected an HF model folder)")
+    raise FileNotFoundError(f"{path}: no config.json (expected an HF model folder)")
   hf_config = json.loads(config_file.read_text())
   if "tie_word_embeddings" not in hf_config:
     hf_config["tie_word_embeddings"] = False
-  config = ModelConfig.from_hf(hf_config, dtype=dtype)
+  return ModelConfig.from_hf(hf_config, dtype=dtype)
+
+
+def load_safetensors_dir(path: str | pathlib.Path, dtype: str = "float32"):
+  """(config, params) from an HF folder: config.json + one or several *.safetensors."""
+  folder = pathlib.Path(path)
+  config = read_config(folder, dtype)
   files = sorted(folder.glob("*.safetensors"))
   if not files:
     raise FileNotFoundError(f"{folder}: no *.safetensors files")

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import pathlib
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +29,13 @@ from hitree_jax.config import ModelConfig
 from hitree_jax.train import corpus, teacher
 from hitree_jax.vocab import OTHER, ReducedVocab
 
+# progress(done, total, detail): called with done=0 as a loop starts, then after each unit of it.
+# Launchers turn it into log lines with an ETA; the library only counts.
+ProgressFn = Callable[[int, int, str], None]
+
 
 def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, *, window: int,
-                   n_windows: int, k: int) -> dict:
+                   n_windows: int, k: int, progress: ProgressFn | None = None) -> dict:
   """{'tokens' [N,T], 'ids' [N,T,k], 'log_probs' [N,T,k]} for a split, computed once per workdir."""
   path = pathlib.Path(workdir) / f"labels_{split}_{n_windows}x{window}_top{k}.npz"
   if path.is_file():
@@ -40,11 +44,12 @@ def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, 
   windows = corpus.token_windows(tokenizer, split, window, n_windows)
   logging.info("labelling %d %s windows of %d tokens with the teacher's top-%d", n_windows, split,
                window, k)
-  return label_windows(path, windows, teacher_model.params, teacher_model.config, k)
+  return label_windows(path, windows, teacher_model.params, teacher_model.config, k,
+                       progress=progress)
 
 
 def label_windows(path: pathlib.Path, windows: np.ndarray, params, config: ModelConfig, k: int,
-                  chunk: int = 64) -> dict:
+                  chunk: int = 64, progress: ProgressFn | None = None) -> dict:
   """Labels windows [N, T] with the teacher's top-k and saves them at path.
 
   Labelling is the slow part of distillation (the teacher runs at ~190 tokens/s on two cores), so
@@ -52,14 +57,19 @@ def label_windows(path: pathlib.Path, windows: np.ndarray, params, config: Model
   the chunks that are missing; the parts are merged into `path` at the end."""
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  parts = []
-  for start in range(0, len(windows), chunk):
-    part = path.with_name(f"{path.stem}.part{start // chunk:05d}.npz")
-    if not part.is_file():
-      ids, log_probs = teacher.teacher_topk(params, config, windows[start:start + chunk], k)
-      _save_npz(part, ids=ids, log_probs=log_probs.astype(np.float16))
-      logging.info("labelled windows %d-%d of %d", start, start + len(ids), len(windows))
-    parts.append(part)
+  parts = [path.with_name(f"{path.stem}.part{i:05d}.npz") for i in range(-(-len(windows) // chunk))]
+  todo = [i for i, part in enumerate(parts) if not part.is_file()]
+  if progress:
+    progress(0, len(todo), "")
+  for done, i in enumerate(todo, 1):
+    start = i * chunk
+    ids, log_probs = teacher.teacher_topk(params, config, windows[start:start + chunk], k)
+    _save_npz(parts[i], ids=ids, log_probs=log_probs.astype(np.float16))
+    detail = f"labelled windows {start}-{start + len(ids)} of {len(windows)}"
+    if progress:
+      progress(done, len(todo), detail)
+    else:
+      logging.info("%s", detail)
   with contextlib.ExitStack() as stack:
     loaded = [stack.enter_context(np.load(part)) for part in parts]
     labels = {"tokens": windows, **{key: np.concatenate([f[key] for f in loaded])
@@ -171,11 +181,13 @@ def evaluate_loss(params, config: ModelConfig, data, batch: int) -> tuple[float,
 
 def train(workdir: pathlib.Path, config: ModelConfig, params, train_data, eval_data, *, steps: int,
           batch: int, lr: float, warmup: int, seed: int, save_every: int = 25,
-          eval_every: int = 50, log_every: int = 5, until: int | None = None):
+          eval_every: int = 50, log_every: int = 5, until: int | None = None,
+          progress: ProgressFn | None = None):
   """Trains (or resumes) in workdir/ckpt; returns (params, history of logged metrics).
 
   `until`: stop after that step (and save), e.g. to train in slices of a session (0: none);
   rerunning with the same settings continues exactly where it stopped.
+  `progress`: told of each step this run takes (see ProgressFn).
 
   train_data / eval_data: (tokens [N,T], target ids [N,T,k], target probs [N,T,k]) in draft ids.
   """
@@ -190,7 +202,10 @@ def train(workdir: pathlib.Path, config: ModelConfig, params, train_data, eval_d
     logging.info("resumed from step %d", int(state["step"]))
   history = []
   start, tic = int(state["step"]), time.perf_counter()
-  for step in range(start, steps if until is None else min(steps, until)):
+  end = steps if until is None else min(steps, until)
+  if progress:
+    progress(0, max(end - start, 0), "")
+  for step in range(start, end):
     idx = batch_indices(len(train_data[0]), batch, step, seed)
     state, loss, agree = train_step(state, config, tx, *(jnp.asarray(x[idx]) for x in train_data))
     record = {"step": step + 1}
@@ -204,6 +219,8 @@ def train(workdir: pathlib.Path, config: ModelConfig, params, train_data, eval_d
       logging.info("step %s", " ".join(f"{k}={v:.4g}" for k, v in record.items()))
       history.append(record)
     manager.save(step + 1, args=ocp.args.StandardSave(state), force=step + 1 == until)
+    if progress:
+      progress(step + 1 - start, end - start, f"step {step + 1} of {steps}")
   manager.wait_until_finished()
   manager.close()
   return state["params"], history

@@ -1,0 +1,205 @@
+"""TriForce's retrieval cache: the target's own weights over a budget of chosen KV chunks.
+
+After prefill, each row's committed slots of the target's full cache are cut
+into chunks of `chunk` slots. A chunk's score is the post-RoPE query of the
+last prompt token dotted with the mean of the chunk's post-RoPE keys, per
+layer and KV head (with GQA, the scores of the query heads sharing a KV head
+are summed). What is kept, within a static `budget` (a multiple of `chunk`):
+
+  * chunk 0, the attention sink;
+  * the row's last chunk, possibly partial: the tokens right before the ones
+    being drafted are the ones a next token attends to most reliably, and a
+    partial chunk's mean is not comparable with full chunks' anyway. A partial
+    last chunk does not give its unused slots to another chunk, so a row keeps
+    `budget - (chunk - its last chunk's size)` slots (at most `budget`);
+  * the top-scoring complete chunks in between, as many as fit.
+
+A row whose committed length is <= budget keeps everything, so a budget >=
+the context gives exactly the full cache's attention.
+
+Each (layer, KV head) gathers its own chunks, packed in ascending chunk order
+into slots [0, kept[b]) of a buffer of `budget + tail` slots; every head of a
+row keeps the same number of slots, so `lengths` stays per row and the result
+is a KVCache: model.forward reads it as a `context` cache, and `append`
+writes generated tokens into the tail after the kept slots (never over chosen
+chunks). Keys stay post-RoPE at their original positions, so a new token's
+position is `lengths + dropped`, not `lengths`.
+
+The model does not return queries; `last_token_queries` recomputes the last
+prompt token once against the prefilled cache and captures the `q_proj`
+outputs with flax's `capture_intermediates`, then applies the model's RoPE.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from hitree_jax.config import ModelConfig
+from hitree_jax.kv_cache import KVCache
+from hitree_jax.model import apply_rope, llama, rope_inv_freq
+
+
+@flax.struct.dataclass
+class RetrievalCache(KVCache):
+  """A KVCache of kept chunks (slots [0, budget)) plus a tail for generated tokens.
+
+  Inherits append/commit/advance: they act on slots after `lengths`, i.e. the tail.
+  """
+  chunks: jax.Array   # [L, B, KVH, budget // chunk] int32: kept chunk indices, ascending
+  dropped: jax.Array  # [B] int32: full-cache slots not kept (position = slot + dropped past the kept ones)
+  chunk: int = flax.struct.field(pytree_node=False)
+
+  @property
+  def budget(self) -> int:
+    return self.chunks.shape[-1] * self.chunk
+
+  @property
+  def tail(self) -> int:
+    return self.max_len - self.budget
+
+  @property
+  def next_positions(self) -> jax.Array:
+    """[B] original position of the next token written at slot `lengths`."""
+    return self.lengths + self.dropped
+
+
+def chunk_scores(query: jax.Array, keys: jax.Array, lengths: jax.Array, chunk: int) -> jax.Array:
+  """Scores [B, KVH, C] float32 of each chunk: (sum of the group's queries) . (mean committed key).
+
+  query [B, H, D] post-RoPE; keys [B, KVH, S, D] with S a multiple of chunk.
+  The mean is taken over the chunk's committed slots (a chunk without any
+  scores 0). Dot-then-average equals average-then-dot and needs no [.., D] temporary.
+  """
+  batch, kvh, slots, _ = keys.shape
+  grouped = query.reshape(batch, kvh, -1, query.shape[-1]).sum(axis=2)  # [B, KVH, D]
+  per_slot = jnp.einsum("bkd,bksd->bks", grouped, keys, preferred_element_type=jnp.float32)
+  committed = jnp.arange(slots)[None, :] < lengths[:, None]               # [B, S]
+  per_slot = jnp.where(committed[:, None, :], per_slot, 0.0)
+  counts = committed.reshape(batch, 1, slots // chunk, chunk).sum(axis=-1)  # [B, 1, C]
+  return per_slot.reshape(batch, kvh, slots // chunk, chunk).sum(axis=-1) / jnp.maximum(counts, 1)
+
+
+def choose_chunks(scores: jax.Array, lengths: jax.Array, chunk: int, budget: int) -> jax.Array:
+  """Kept chunk indices [B, KVH, budget // chunk] int32, ascending: sink, top-k middle, last.
+
+  A row with lengths <= budget keeps chunks 0 .. budget//chunk - 1 (all of it;
+  indices past the row's end are harmless, `lengths` hides their slots).
+  """
+  batch, kvh, n_chunks = scores.shape
+  n_keep = budget // chunk
+  everything = jnp.broadcast_to(jnp.arange(n_keep, dtype=jnp.int32), (batch, kvh, n_keep))
+  if n_keep >= n_chunks:  # no row can be longer than the budget
+    return everything
+  last = (jnp.maximum(lengths, 1) - 1) // chunk                                    # [B]
+  index = jnp.arange(n_chunks)
+  middle = (index[None, :] >= 1) & (index[None, :] < last[:, None])               # [B, C]
+  candidates = jnp.where(middle[:, None, :], scores, -jnp.inf)
+  _, top = jax.lax.top_k(candidates, n_keep - 2)                                  # [B, KVH, k]
+  sink = jnp.zeros((batch, kvh, 1), jnp.int32)
+  recent = jnp.broadcast_to(last[:, None, None], (batch, kvh, 1)).astype(jnp.int32)
+  chosen = jnp.concatenate([sink, jnp.sort(top, axis=-1).astype(jnp.int32), recent], axis=-1)
+  return jnp.where((lengths <= budget)[:, None, None], everything, chosen)
+
+
+def kept_lengths(lengths: jax.Array, chunk: int, budget: int) -> jax.Array:
+  """[B] slots a row keeps: all of them, less the complete middle chunks that did not fit."""
+  n_chunks = (lengths + chunk - 1) // chunk
+  return lengths - jnp.maximum(n_chunks - budget // chunk, 0) * chunk
+
+
+def _gather_chunks(buf: jax.Array, chunks: jax.Array, chunk: int, tail: int) -> jax.Array:
+  """buf [B, KVH, S, D], chunks [B, KVH, N] -> [B, KVH, N * chunk + tail, D] (tail zeroed)."""
+  batch, kvh, slots, _ = buf.shape
+  index = chunks[..., None] * chunk + jnp.arange(chunk)                  # [B, KVH, N, chunk]
+  index = jnp.minimum(index.reshape(batch, kvh, -1), slots - 1)          # past-the-end: hidden by lengths
+  kept = jnp.take_along_axis(buf, index[..., None], axis=2)
+  return jnp.pad(kept, ((0, 0), (0, 0), (0, tail), (0, 0)))
+
+
+def select(full: KVCache, queries: jax.Array, budget: int, chunk: int = 8,
+           tail: int = 0) -> RetrievalCache:
+  """Builds the retrieval cache from a full cache and per-layer queries [L, B, H, D] (post-RoPE).
+
+  budget, chunk, tail are static. full.max_len must be a multiple of chunk.
+  """
+  if chunk < 1 or budget % chunk or budget < 2 * chunk:
+    raise ValueError(f"budget={budget} must be a multiple of chunk={chunk} and hold >= 2 chunks "
+                     "(the sink and the last chunk)")
+  if full.max_len % chunk:
+    raise ValueError(f"the full cache's {full.max_len} slots are not a multiple of chunk={chunk}")
+  if tail < 0:
+    raise ValueError(f"tail={tail} must be >= 0")
+  chunks, keys, values = [], [], []
+  for query, k_buf, v_buf in zip(queries, full.keys, full.values):
+    chosen = choose_chunks(chunk_scores(query, k_buf, full.lengths, chunk), full.lengths, chunk, budget)
+    chunks.append(chosen)
+    keys.append(_gather_chunks(k_buf, chosen, chunk, tail))
+    values.append(_gather_chunks(v_buf, chosen, chunk, tail))
+  kept = kept_lengths(full.lengths, chunk, budget)
+  return RetrievalCache(keys=tuple(keys), values=tuple(values), lengths=kept,
+                        chunks=jnp.stack(chunks), dropped=full.lengths - kept, chunk=chunk)
+
+
+def _rope(config: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
+  """The model's RoPE (as in Llama.__call__) for x [B, T, H, D] at positions [B, T]."""
+  angles = positions[..., None].astype(jnp.float32) * rope_inv_freq(config)
+  angles = jnp.concatenate([angles, angles], axis=-1)
+  return apply_rope(x, jnp.cos(angles), jnp.sin(angles))
+
+
+def last_token_projections(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array,
+                           names: tuple[str, ...] = ("q_proj",)) -> dict[str, jax.Array]:
+  """Post-RoPE projections {name: [L, B, heads, D]} of each row's last committed token.
+
+  Reruns last_tokens [B] (the tokens at slots lengths-1) at their positions,
+  seeing the full cache's slots before them as read-only context and their own
+  key through a 1-slot cache, i.e. exactly the computation prefill did for
+  them. `q_proj`/`k_proj` outputs are captured with flax's capture_intermediates.
+  """
+  batch = full.batch
+  position = jnp.maximum(full.lengths - 1, 0)[:, None]                  # [B, 1]
+  own = KVCache.init(config, batch, 1, full.keys[0].dtype)
+  context = ((full.keys, full.values, position[:, 0]),)
+  wanted = lambda module, method: method == "__call__" and module.name in names
+  _, state = llama(config).apply(
+      {"params": params}, last_tokens[:, None].astype(jnp.int32), position,
+      jnp.ones((batch, 1, 1), bool), own.keys, own.values, own.lengths, context,
+      capture_intermediates=wanted, mutable=["intermediates"])
+  captured = state["intermediates"]
+  out = {}
+  for name in names:
+    per_layer = []
+    for i in range(config.num_layers):
+      x = captured[f"layers_{i}"]["self_attn"][name]["__call__"][0]     # [B, 1, heads * D]
+      x = x.reshape(batch, 1, -1, config.head_dim)
+      per_layer.append(_rope(config, x, position)[:, 0])                 # [B, heads, D]
+    out[name] = jnp.stack(per_layer)
+  return out
+
+
+def last_token_queries(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array) -> jax.Array:
+  """Post-RoPE queries [L, B, H, D] of each row's last committed token (see last_token_projections)."""
+  return last_token_projections(params, config, full, last_tokens)["q_proj"]
+
+
+def from_full(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array, budget: int,
+              chunk: int = 8, tail: int = 0) -> RetrievalCache:
+  """The retrieval cache of a prefilled full cache, chosen by its last tokens' queries.
+
+  last_tokens [B]: the token at slot lengths-1 of each row (the last prompt token).
+  """
+  return select(full, last_token_queries(params, config, full, last_tokens), budget, chunk, tail)
+
+
+def reselect(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array, budget: int,
+             chunk: int = 8, tail: int = 0) -> RetrievalCache:
+  """Rebuilds the selection with a newer query (TriForce describes this, does not do it).
+
+  `full` must hold every committed token (append the decoder's recent cache
+  first); last_tokens [B] are the tokens at its slots lengths-1. The old
+  retrieval cache, tail included, is superseded: its tokens are in `full`.
+  Costs one single-token forward over `full` plus the gathers.
+  """
+  return from_full(params, config, full, last_tokens, budget, chunk, tail)

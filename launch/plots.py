@@ -1,0 +1,133 @@
+"""PNG figures of a launch.benchmark record (its JSON as a dict), readable without the table.
+
+  speed_figure(record, "results_speed.png")            decode tok/s and speedup vs ar
+  acceptance_figure(record, "results_acceptance.png")  accepted draft tokens per round, by depth
+
+They take the record rather than the runs so that a saved results.json can be
+plotted again, and later records (per-level acceptance) can add figures here.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on servers and in tests
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+
+def title(record: dict) -> str:
+  sampling = ("greedy" if not record.get("temperature") else
+              f"temperature {record['temperature']:g}, top_p {record.get('top_p', 1.0):g}")
+  return (f"{record.get('model', '?')} ({record.get('dtype', '?')}, {record.get('backend', '?')}): "
+          f"{sampling}, {record.get('max_new_tokens', '?')} new tokens")
+
+
+def by_method(rows: list[dict]) -> dict[str, list[dict]]:
+  """Rows grouped per method (first-seen order), each group sorted by prompt length."""
+  groups: dict[str, list[dict]] = {}
+  for row in rows:
+    groups.setdefault(row["method"], []).append(row)
+  return {m: sorted(g, key=lambda r: r["prompt_tokens"]) for m, g in groups.items()}
+
+
+def colors(groups: dict) -> dict[str, str]:
+  """One colour per method, the same in every figure (the acceptance figure leaves out ar)."""
+  cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  return {m: cycle[i % len(cycle)] for i, m in enumerate(groups)}
+
+
+def _prompt_axis(ax, lengths):
+  ax.set_xscale("log")
+  ax.set_xticks(lengths, [str(n) for n in lengths])
+  ax.minorticks_off()
+  ax.set_xlabel("prompt tokens")
+  ax.grid(True, alpha=0.3)
+
+
+def speed_figure(record: dict, path: str | pathlib.Path) -> None:
+  """Median decode tok/s per method against prompt length; beside it the speedup vs `ar`."""
+  groups = by_method(record["results"])
+  color = colors(groups)
+  base = {r["prompt_tokens"]: r["median_decode_tokens_per_s"] for r in groups.get("ar", [])}
+  lengths = sorted({r["prompt_tokens"] for r in record["results"]})
+  panels = 2 if base and len(groups) > 1 else 1
+  fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8), squeeze=False)
+  speed = axes[0][0]
+  for method, rows in groups.items():
+    speed.plot([r["prompt_tokens"] for r in rows], [r["median_decode_tokens_per_s"] for r in rows],
+               marker="o", color=color[method], label=method)
+  speed.set_ylabel("decode tokens/s (median over prompts)")
+  speed.set_title("decode speed")
+  speed.set_ylim(bottom=0)
+  _prompt_axis(speed, lengths)
+  if panels == 2:
+    ratio = axes[0][1]
+    for method, rows in groups.items():
+      rows = [r for r in rows if r["prompt_tokens"] in base]
+      ratio.plot([r["prompt_tokens"] for r in rows],
+                 [r["median_decode_tokens_per_s"] / base[r["prompt_tokens"]] for r in rows],
+                 marker="o", color=color[method], label=method)
+    ratio.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ratio.set_ylabel("speedup vs ar (x)")
+    ratio.set_title("speedup over autoregressive decoding")
+    ratio.set_ylim(bottom=0)
+    _prompt_axis(ratio, lengths)
+  _legend_below(fig, speed)
+  _save(fig, record, path)
+
+
+def acceptance_per_depth(rows: list[dict]) -> list[float] | None:
+  """Draft tokens accepted at each tree depth per round (target forward), pooled over the runs.
+
+  At most one token per depth is accepted in a round, so this is the rate at which a round's
+  accepted path reaches that depth. None for methods without it (ar)."""
+  runs = [run for row in rows for run in row["runs"]
+          if run.get("accepted_per_depth") and run.get("target_forwards")]
+  if not runs:
+    return None
+  depth = max(len(run["accepted_per_depth"]) for run in runs)
+  accepted = [sum(run["accepted_per_depth"][d] for run in runs if d < len(run["accepted_per_depth"]))
+              for d in range(depth)]
+  rounds = sum(run["target_forwards"] for run in runs)
+  return [a / rounds for a in accepted]
+
+
+def acceptance_figure(record: dict, path: str | pathlib.Path) -> bool:
+  """Per speculative method, accepted draft tokens per round at each depth; False (no file) if
+  the record has no speculative method."""
+  groups = by_method(record["results"])
+  color = colors(groups)
+  curves = {m: acceptance_per_depth(rows) for m, rows in groups.items()}
+  curves = {m: c for m, c in curves.items() if c}
+  if not curves:
+    return False
+  fig, ax = plt.subplots(figsize=(7, 4.8))
+  for method, rates in curves.items():
+    ax.plot(range(1, len(rates) + 1), rates, marker="o", color=color[method],
+            label=f"{method} ({sum(rates):.2f} draft tokens/round)")
+  depth = max(len(c) for c in curves.values())
+  ax.set_xticks(range(1, depth + 1))
+  ax.set_xlabel("tree depth")
+  ax.set_ylabel("draft tokens accepted per round")
+  ax.set_ylim(0, 1.05)
+  ax.grid(True, alpha=0.3)
+  ax.set_title("acceptance by depth (all prompts)")
+  _legend_below(fig, ax)
+  _save(fig, record, path)
+  return True
+
+
+def _legend_below(fig, ax):
+  """Method labels (with draft paths) can be long: a legend under the axes hides no data."""
+  handles, labels = ax.get_legend_handles_labels()
+  fig.tight_layout()
+  fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), frameon=False,
+             ncol=1 if max(map(len, labels)) > 40 else 2, fontsize="small")
+
+
+def _save(fig, record, path):
+  fig.suptitle(title(record), fontsize="medium", y=1.02)
+  fig.savefig(path, dpi=120, bbox_inches="tight")  # grows the canvas to the legend and title
+  plt.close(fig)

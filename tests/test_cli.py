@@ -1,0 +1,238 @@
+"""A new user's first hour: the README, config files, clean errors, the compilation cache, packaging."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from hitree_jax import tree as tree_lib
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text()
+
+
+def launch(module, *args, env=None, cwd=REPO, timeout=600):
+  return subprocess.run([sys.executable, "-m", f"launch.{module}", *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=timeout,
+                        env={**os.environ, **(env or {})})
+
+
+def code_blocks(language: str) -> list[str]:
+  return re.findall(rf"```{language}\n(.*?)```", README, re.S)
+
+
+# ---- the README stands alone ----
+
+def test_readme_points_only_inside_the_repository():
+  assert "../" not in README and "shared/" not in README
+  for target in re.findall(r"\]\(([^)#]+)\)", README):
+    if not target.startswith("http"):
+      assert (REPO / target).exists(), target
+
+
+def test_readme_first_block_is_the_two_ci_commands():
+  """.ci/run runs the first bash block's two commands; both must be what the README says."""
+  commands = [line for line in code_blocks("bash")[0].splitlines()
+              if line.strip() and not line.startswith("#")]
+  assert len(commands) == 2
+  assert commands[0].startswith("./setup.sh && ") and "launch.generate --model=smollm2" in commands[0]
+  assert commands[1].startswith("./setup.sh --test && ") and "pytest" in commands[1]
+
+
+def test_readme_launcher_flags_exist():
+  """Every --flag in the README's command examples is a flag of the launcher it is given to."""
+  import shlex
+  known = {}
+  for block in code_blocks("bash"):
+    for line in block.splitlines():
+      words = shlex.split(line, comments=True)
+      for i, word in enumerate(words):
+        if word == "-m" and words[i + 1].startswith("launch."):
+          module = words[i + 1].split(".")[1]
+          args = [w for w in words[i + 2:] if w.startswith("--")]
+          names = {a[2:].split("=")[0].split(".")[0] for a in args}
+          known.setdefault(module, _flag_names(module))
+          assert names <= known[module], (module, names - known[module])
+
+
+def _flag_names(module: str) -> set[str]:
+  proc = launch(module, "--helpfull", timeout=120)
+  return set(re.findall(r"^\s+--(?:\[no\])?([\w]+)", proc.stdout, re.M))
+
+
+@pytest.mark.slow
+def test_readme_library_example_runs(tmp_path):
+  (example,) = code_blocks("python")
+  proc = subprocess.run([sys.executable, "-c", example], cwd=REPO, capture_output=True, text=True,
+                        timeout=900, env={**os.environ, "HITREE_COMPILE_CACHE": str(tmp_path)})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  printed = proc.stdout.strip().splitlines()
+  assert len(printed) == 2
+  assert 0 < float(printed[0].rsplit(" ", 1)[1])           # ar: decode tokens per second
+  assert 1.0 <= float(printed[1].rsplit(" ", 1)[1]) <= 3.0  # sd: tokens per target forward
+
+
+# ---- config files ----
+
+CONFIGS = {"methods.py": "generate", "models.py": "generate", "benchmarks.py": "benchmark",
+           "distill_smollm2.py": "distill"}
+
+
+@pytest.mark.parametrize("name,module", CONFIGS.items())
+def test_every_config_preset_names_only_flags_of_its_launcher(name, module):
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(name[:-3], REPO / "configs" / name)
+  config_module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(config_module)
+  presets = [p for p in ("PRESETS", "PAIRS", "SUITES") if hasattr(config_module, p)]
+  arguments = list(getattr(config_module, presets[0])) if presets else [None]
+  known = _flag_names(module)
+  for argument in arguments:
+    config = config_module.get_config(argument) if argument else config_module.get_config()
+    assert set(config.keys()) <= known, (name, argument, set(config.keys()) - known)
+
+
+def test_config_sets_flags_and_the_command_line_wins():
+  """--config presets set flags; an explicit flag or --config.NAME override beats them."""
+  proc = launch("generate", "--config=configs/methods.py:sd", "--config.gamma=600", "--book=austen")
+  assert proc.returncode == 2 and "gamma" in proc.stderr  # the override reached the flag
+  proc = launch("generate", "--config=configs/methods.py:sd", "--tree=kary:2x2", "--book=austen")
+  assert proc.returncode == 2 and "--tree does not apply to --method=sd" in proc.stderr
+
+
+# ---- mistakes: one line, exit code 2, before the model loads ----
+
+@pytest.mark.parametrize("args,message", [
+    (["--book=austen", "--method=sd", "--tree=kary:2x2"], "--tree does not apply to --method=sd"),
+    (["--book=austen", "--method=tree", "--tree=kary:10x10"], "asks for 11111111110 nodes"),
+    (["--book=austen", "--method=tree", "--tree=kary:2"], "bad tree spec 'kary:2'"),
+    (["--prompt="], "the prompt is empty"),
+    (["--prompt=hi", "--temperature=-1"], "temperature=-1.0"),
+    (["--prompt=hi", "--top_p=1.5"], "top_p=1.5"),
+    (["--prompt=hi", "--max_new_tokens=0"], "--max_new_tokens=0"),
+    (["--book=austen", "--prompt_tokens=8190", "--max_new_tokens=128"], "8318 > the model's context of 8192"),
+    (["--book=milton", "--model=no/such/model.gguf"], "model 'no/such/model.gguf' not found"),
+    (["--book=austen", "--method=sd", "--draft=no_such_draft.gguf"], "not found"),
+    (["--book=nope"], "--book=nope"),
+    (["--prompt=hi", "extra"], "unexpected arguments: extra"),
+    (["--config=configs/no_such.py", "--prompt=hi"], "no_such.py"),
+])
+def test_user_mistakes_are_one_line_and_exit_2(args, message):
+  proc = launch("generate", *args, env={"HITREE_COMPILE_CACHE": "off"})
+  lines = [line for line in proc.stderr.splitlines() if not re.match(r"[IWE]\d{4} ", line)]
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+@pytest.mark.slow
+def test_draft_with_another_tokenizer_is_refused(tmp_path):
+  """A draft whose tokenizer differs (here: one merge rule dropped) is named before any load."""
+  import gguf
+  from hitree_jax.loading import smollm2_gguf_path
+  from hitree_jax.loading.gguf import open_reader
+  reader = open_reader(smollm2_gguf_path())
+  writer = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "llama")
+  for key, field in reader.fields.items():
+    if key.startswith("GGUF.") or key == "general.architecture":
+      continue
+    value = field.contents()
+    if key == "tokenizer.ggml.merges":
+      value = value[:-1]
+    writer.add_key_value(key, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  proc = launch("generate", "--book=austen", "--method=sd", f"--draft={tmp_path / 'other.gguf'}",
+                env={"HITREE_COMPILE_CACHE": "off"})
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "has a different tokenizer from the target's" in proc.stderr
+
+
+def test_tree_spec_size_is_checked_before_building():
+  with pytest.raises(ValueError, match="asks for 1022 nodes"):
+    tree_lib.parse_tree_spec("kary:2x9")
+  assert tree_lib.parse_tree_spec("kary:2x8").size == 510
+  with pytest.raises(ValueError, match="asks for 600 nodes"):
+    tree_lib.parse_tree_spec("dynamic:10,600")
+
+
+# ---- the persistent compilation cache ----
+
+@pytest.mark.slow
+def test_second_run_compiles_nothing(tmp_path):
+  args = ("--book=austen", "--prompt_tokens=32", "--max_new_tokens=4", "--method=sd",
+          "--draft=ngram", "--gamma=2", "--json")
+  env = {"HITREE_COMPILE_CACHE": str(tmp_path / "xla")}
+  first, second = (json.loads(launch("generate", *args, env=env).stdout.splitlines()[-1])
+                   for _ in range(2))
+  assert first["compiles"] >= 3 and first["cache_loads"] == 0
+  assert second["compiles"] == 0 and second["cache_loads"] == first["compiles"]
+  assert second["tokens"] == first["tokens"]
+
+
+# ---- packaging ----
+
+@pytest.mark.slow
+def test_installed_package_runs_its_launchers_outside_the_repository(tmp_path):
+  """The wheel holds both packages, the pinned dependencies and console scripts, and a launcher
+  imported from the installed copy (not the checkout) runs from another folder."""
+  import shutil
+  source = tmp_path / "source"  # setuptools builds in the source tree: build a copy
+  shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+      ".*", "assets", "build", "*.egg-info", "runs", "checkpoints", "results*", "__pycache__"))
+  build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                          str(tmp_path / "dist"), str(source)], capture_output=True, text=True,
+                         timeout=600)
+  assert build.returncode == 0, build.stderr[-3000:]
+  (wheel,) = (tmp_path / "dist").glob("hitree_jax-*.whl")
+  with zipfile.ZipFile(wheel) as z:
+    names = z.namelist()
+    meta = z.read(next(n for n in names if n.endswith("METADATA"))).decode()
+    scripts = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+  assert "launch/generate.py" in names and "hitree_jax/engine.py" in names
+  assert "Requires-Dist: jax==0.10.2" in meta and "Requires-Dist: ml_collections==1.1.0" in meta
+  assert "torch" not in meta.split("Provides-Extra: test")[0]
+  assert "hitree-generate = launch.generate:run" in scripts
+  target = tmp_path / "site"
+  install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                            str(target), str(wheel)], capture_output=True, text=True, timeout=600)
+  assert install.returncode == 0, install.stderr[-3000:]
+  code = ("import sys, launch.generate as g; assert g.__file__.startswith(sys.argv[1]), g.__file__; "
+          "sys.argv = ['hitree-generate', '--prompt=']; g.run()")
+  proc = subprocess.run([sys.executable, "-c", code, str(target)], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(target)})
+  assert proc.returncode == 2 and "error: the prompt is empty" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_distill_recipe_is_the_shipped_drafts():
+  """configs/distill_smollm2.py reproduces drafts/smollm2-draft.gguf: its settings are what the
+  draft's evaluation recorded, and the launcher's defaults are the recipe's."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("recipe", REPO / "configs" / "distill_smollm2.py")
+  recipe_module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(recipe_module)
+  recipe = recipe_module.get_config()
+  shipped = json.loads((REPO / "drafts" / "smollm2-draft.json").read_text())
+  assert [int(x) for x in recipe.layers.split(",")] == shipped["layers"]
+  for name in ("vocab_size", "window", "eval_windows", "temperature", "top_p", "cost_context", "out"):
+    assert recipe[name] == shipped[name], name
+  command = dict(arg[2:].split("=", 1) for arg in shipped["command"].split()[3:])
+  assert int(command["steps"]) == recipe.steps and int(command["train_windows"]) == recipe.train_windows
+  defaults = _flag_defaults("distill")
+  for name, value in recipe.items():
+    expected = value.split(",") if name == "layers" else value
+    assert name == "workdir" or defaults[name] == expected, (name, defaults[name], value)
+
+
+def _flag_defaults(module: str) -> dict:
+  code = (f"import json, launch.{module}; from absl import flags; "
+          "print(json.dumps({n: flags.FLAGS[n].default for n in flags.FLAGS}, default=str))")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                        timeout=120)
+  return json.loads(proc.stdout.splitlines()[-1])
