@@ -46,8 +46,20 @@ class WordTokenizer:
     return " ".join(self.words[i] for i in ids)
 
 
-def test_corpora_order():
-  assert data.CORPORA == ("austen", "shakespeare", "milton")
+def test_distillation_split_holds_out_whole_books_of_every_corpus():
+  """Each corpus data knows is in both splits, and its held-out books are real files kept out of
+  training: a misspelt held-out name would silently train on every book and evaluate on none."""
+  from hitree_jax.train import corpus
+  assert set(corpus.HELD_OUT_BOOKS) == set(corpus.CORPUS_WEIGHTS) == set(data.CORPORA)
+  assert abs(sum(corpus.CORPUS_WEIGHTS.values()) - 1.0) < 1e-9
+  train, held_out = corpus.split_texts("train"), corpus.split_texts("eval")
+  assert list(train) == list(held_out) == list(data.CORPORA)
+  for name in data.CORPORA:
+    assert len(train[name]) > 100_000 and len(held_out[name]) > 10_000, name
+    for book in corpus.HELD_OUT_BOOKS[name]:
+      text = (data.assets_dir() / "books" / name / f"{book}.txt").read_text(encoding="utf-8")
+      middle = text[len(text) // 2:len(text) // 2 + 300]
+      assert middle in held_out[name] and middle not in train[name], (name, book)
 
 
 @pytest.mark.parametrize("corpus", data.CORPORA)

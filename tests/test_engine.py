@@ -1,5 +1,8 @@
 """Speculative decoding (sd / tree) on a tiny random model: greedy equals ar, sampling is exact."""
 
+import functools
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +41,11 @@ def ar_tokens(params):
   return decoding.generate(params, CONFIG, PROMPTS, max_new_tokens=40).tokens
 
 
-@pytest.mark.parametrize("setup", list(SETUPS))
+SLOW_SETUPS = ("self1-ragged-iid", "self2-dynamic6x3")  # > 10 s each on a 2-core CPU
+
+
+@pytest.mark.parametrize("setup", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SETUPS else s
+                                   for s in SETUPS])
 def test_greedy_equals_ar(params, ar_tokens, setup):
   tree, drafter = SETUPS[setup]
   result = engine.generate(params, CONFIG, PROMPTS, tree=tree, drafter=drafter, max_new_tokens=40)
@@ -62,6 +69,7 @@ def model_draft(params, config, vocab: ReducedVocab | None = None, mode="determi
           DraftWeights.create(params, vocab))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", [tree_lib.chain(3), tree_lib.kary(2, 2), tree_lib.DynamicTree(6, 3, 2)],
                          ids=["chain3", "binary2x2", "dynamic6x3"])
 def test_model_drafter_greedy_equals_ar(params, ar_tokens, tree):
@@ -80,6 +88,7 @@ def test_model_drafter_greedy_equals_ar(params, ar_tokens, tree):
   assert other.tokens == ar_tokens
 
 
+@pytest.mark.slow
 def test_reduced_vocabulary_draft_greedy_equals_ar(params, ar_tokens):
   # The target restricted to the tokens of the run (ten of its 53 tokens stay out).
   counts = np.bincount(np.concatenate([*PROMPTS, *ar_tokens]), minlength=CONFIG.vocab_size)
@@ -99,6 +108,7 @@ def test_draft_with_another_vocabulary_is_refused(params):
                     draft=weights, max_new_tokens=4)
 
 
+@pytest.mark.slow
 def test_stops_at_eos_like_ar(params, ar_tokens):
   eos = ar_tokens[0][5]
   config = CONFIG.replace(eos_token_id=eos)
@@ -108,6 +118,7 @@ def test_stops_at_eos_like_ar(params, ar_tokens):
   assert got == expected and got[0][-1] == eos
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", ["self2-binary2x2", "self2-dynamic6x3"])
 def test_second_generation_compiles_nothing(params, setup):
   tree, drafter = SETUPS[setup]
@@ -169,6 +180,7 @@ def chi_square_pvalue(samples, law):
   return stats.chisquare(obs[keep], exp[keep]).pvalue
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree,drafter,temperature,top_p", [
     (tree_lib.chain(3), NGramDrafter(2), 1.0, 1.0),
     (tree_lib.chain(3), SelfDrafter(1, "iid"), 1.0, 1.0),
@@ -206,3 +218,89 @@ def test_greedy_siblings_are_ranked_by_the_draft_logits():
   greedy_q = probabilities(logits, SamplingParams.create(0.0))  # one-hot on token 1
   kids = draw_children(jax.random.key(0), greedy_q, 3, "deterministic", logits)
   assert kids.tolist() == [[1, 4, 2]]
+
+
+# --- sampling over several rounds: the joint law of the first N tokens, enumerated exactly ---
+# The short `recent` cache is cut to one round's span, so every round is its own block,
+# appended to the long cache before the next round reads it. A target drafting for itself
+# (q = p) accepts every node, so each of its rounds ends in a bonus token drawn at a
+# full-depth leaf. With top-k the law is the top-k-truncated, temperature-scaled one.
+
+# A config no other test compiles: the engine's programs for it are traced afresh, with the
+# patched recent width, and never shared with another test.
+TINY = CONFIG.replace(vocab_size=4, max_position_embeddings=97)
+N_ROWS_SEVERAL = 8000
+APPENDED_WIDTHS = []  # max_len of each short cache appended to a long one, recorded as it runs
+KV_APPEND = KVCache.append
+
+
+def target_law(logits, temperature, top_k):
+  """The law sampling must follow, computed apart from sampling.py: softmax(logits / temperature)
+  over the top_k most likely tokens (0: all), renormalised."""
+  z = np.asarray(logits, np.float64) / temperature
+  if top_k:
+    z = np.where(z >= np.sort(z, axis=-1)[..., -top_k, None], z, -np.inf)
+  p = np.exp(z - z.max(axis=-1, keepdims=True))
+  return p / p.sum(axis=-1, keepdims=True)
+
+
+def exact_joint_law(params, config, prompt, n, temperature, top_k):
+  """P(x1 .. xn) [V] * n by the chain rule, from one cache-free forward over every context."""
+  v, t = config.vocab_size, len(prompt) + n - 1
+  contexts = [list(c) for k in range(n) for c in itertools.product(range(v), repeat=k)]
+  seqs = np.array([prompt + c + [0] * (n - 1 - len(c)) for c in contexts], np.int32)
+  cache = KVCache.init(config, len(seqs), t)
+  logits, _, _ = jax.jit(forward, static_argnums=1)(
+      params, config, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), seqs.shape), cache,
+      causal_attend(cache.lengths, t, t))
+  last = np.array([len(prompt) - 1 + len(c) for c in contexts])
+  probs = target_law(np.asarray(logits)[np.arange(len(seqs)), last], temperature, top_k)
+  law, start = probs[0], 1
+  for k in range(1, n):  # the contexts of length k come in row-major order of [V] * k
+    law = law[..., None] * probs[start:start + v ** k].reshape((v,) * k + (v,))
+    start += v ** k
+  return law
+
+
+def counting_append(self, other):
+  """KVCache.append that also records, each time the compiled program runs it, the short
+  cache's width: proof that the block-append path really ran."""
+  jax.debug.callback(functools.partial(APPENDED_WIDTHS.append, other.max_len))
+  return KV_APPEND(self, other)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree,draft,temperature,top_k,n", [
+    (tree_lib.chain(2), SelfDrafter(1, "iid"), 1.0, 2, 7),
+    (tree_lib.chain(2), "target-iid", 0.8, 0, 5),
+    (tree_lib.kary(2, 2), "target-wor", 0.7, 2, 7),
+], ids=["self-chain-iid-topk", "target-chain-iid", "target-binary-wor-topk"])
+def test_sampling_is_exact_over_several_rounds(monkeypatch, tree, draft, temperature, top_k, n):
+  params = init_params(TINY, jax.random.key(3))
+  params = jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x, params)
+  prompt = [1, 3, 2, 0, 1, 3]
+  drafter, weights = draft, None
+  if isinstance(draft, str):  # the target as its own draft model, with its own cache
+    mode = {"target-iid": "iid", "target-wor": "without_replacement"}[draft]
+    drafter, weights = model_draft(params, TINY, mode=mode)
+  span = tree.size + 1
+  monkeypatch.setattr(engine, "recent_slots", lambda tree: tree.size + 1)  # one round per block
+  monkeypatch.setattr(decoding, "CACHE_BUCKET", 16)  # long caches no longer than the run needs
+  monkeypatch.setattr(decoding, "COMPILED", decoding._Compiled())  # nothing memoised leaks out
+  monkeypatch.setattr(KVCache, "append", counting_append)
+  APPENDED_WIDTHS.clear()
+  result = engine.generate(params, TINY, [prompt] * N_ROWS_SEVERAL, tree=tree, drafter=drafter,
+                           draft=weights, max_new_tokens=n, sampling=SamplingParams.create(
+                               temperature, top_k=top_k), seed=13, stop_at_eos=False)
+  samples = np.array(result.tokens)
+  assert samples.shape == (N_ROWS_SEVERAL, n)
+  # Several rounds, each its own block: the target's (and a draft model's) recent cache was
+  # appended to the long one after every round.
+  assert result.target_forwards >= 2
+  assert APPENDED_WIDTHS.count(span) == result.target_forwards * (1 if weights is None else 2)
+  full_depth, rounds = result.accepted_per_depth[-1], sum(result.rounds_per_row)
+  assert full_depth > 0  # some rounds drew their bonus token after the deepest draft node
+  if weights is not None:
+    assert full_depth > 0.99 * rounds  # the target's own draft is always accepted
+  law = exact_joint_law(params, TINY, prompt, n, temperature, top_k)
+  assert chi_square_pvalue(samples, law) > 1e-4
