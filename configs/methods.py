@@ -3,7 +3,8 @@
   python -m launch.generate --config=configs/methods.py:sequoia --book=austen
   python -m launch.generate --config=configs/methods.py:sd --config.gamma=3 --book=austen
 
-Each preset sets the flags of the same names (--method, --draft, --gamma, --tree);
+Each preset sets the flags of the same names (--method, --draft, --gamma, --tree,
+--budget, --sinks, --window, --gamma1, --gamma2, --levels);
 a flag given on the command line wins over the preset. The separate draft is the
 distilled SmolLM2 draft shipped in drafts/ (see configs/models.py for pairs).
 """
@@ -25,6 +26,18 @@ PRESETS = {
     "sequoia": dict(method="tree", draft=DRAFT, tree="sequoia:8,4"),
     # EAGLE-2: each round keeps the 10 most probable of the draft's candidates, 4 deep
     "dynamic": dict(method="tree", draft=DRAFT, tree="dynamic:10,4"),
+    # the target over a 1024-slot retrieval cache drafts 6 tokens for itself ("retrieval
+    # without hierarchy" in TriForce's README)
+    "retrieval": dict(method="retrieval", gamma=6, budget=1024),
+    # TriForce: the draft (StreamingLLM cache, 16 sinks + 234 recent) proposes gamma1 = 1 token to
+    # the target's retrieval level, which buffers gamma2 = 6 for the target
+    "triforce": dict(method="triforce", draft=DRAFT, budget=1024, sinks=16, window=234, gamma1=1,
+                     gamma2=6),
+    # HiTree: the same with a binary tree of depth 4 at the bottom, and gamma2 = 12
+    "hitree": dict(method="hitree", draft=DRAFT, tree="kary:2x4", budget=1024, sinks=16, window=234,
+                   gamma2=12),
+    # HSD, any stack: n-gram lookup -> the draft -> the retrieval level -> the target
+    "hsd4": dict(method="hsd", draft=DRAFT, levels="ngram:3/chain:2+draft/3+retrieval:1024/6"),
 }
 
 

@@ -243,6 +243,7 @@ class GenerationResult:
   rounds_per_row: list[int] | None = None      # target forwards while each row was generating
   accepted_per_depth: list[int] | None = None  # draft tokens accepted at each tree depth, all rows
   cache_loads: int = 0      # programs the persistent compilation cache served inside this call
+  levels: list[dict] | None = None  # per verifying level: forwards, proposed, accepted, acceptance
 
   @property
   def mean_accepted(self) -> float | None:

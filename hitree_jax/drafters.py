@@ -6,20 +6,20 @@ of each position were drawn from (None for deterministic proposals), which is
 what exact verification needs (verify.py).
 
   SelfDrafter(k):  the target's own first k layers + final norm + LM head.
-                   Its keys/values for committed tokens ARE the target's first
-                   k layers' cache, so it reads the target's caches and needs
-                   no cache (and no weights) of its own.
-  ModelDrafter:    a separate (small) model with its own cache, which mirrors
-                   the target's: written at the same slots each round and
-                   committed with the same accepted path. Its vocabulary may be
-                   the target's or a subset of it (vocab.py).
+                   Its keys/values for committed tokens ARE the first k layers
+                   of the cache of the level above it (the target's, or the
+                   target's retrieval level), so it has no cache or weights of
+                   its own: a scratch cache holds the round.
+  ModelDrafter:    a separate (small) model with its own cache (full, or
+                   StreamingLLM's), written past its committed length each
+                   round and committed with the path the level above accepts.
+                   Its vocabulary may be the target's or a subset of it (vocab.py).
   NGramDrafter(n): copies the continuation of the latest earlier occurrence of
-                   the longest (<= n) suffix of prompt + output (a chain).
+                   the longest (<= n) suffix of the sequence (a chain).
 
-`propose` returns (tokens [B, N] target ids, q [B, N+1, V] or None, the
-drafter's recent cache after the round or None). The self-draft and a draft
-model also grow DynamicTrees: `propose_dynamic` returns (tokens, each row's
-tree as dynamic_tree.RowTrees, the drafter's recent cache or None).
+`propose(key, tree, DraftInputs) -> Proposal` fills a static tree;
+`propose_dynamic(tree, DraftInputs)` grows a DynamicTree per row (EAGLE-2).
+A drafter's first forward runs its pending tokens (levels.Lead), the root last.
 """
 
 from __future__ import annotations
@@ -34,10 +34,37 @@ import numpy as np
 from hitree_jax import dynamic_tree
 from hitree_jax.config import ModelConfig
 from hitree_jax.kv_cache import KVCache
+from hitree_jax.levels import Lead, LevelCache, round_mask
 from hitree_jax.model import forward, hidden_states
 from hitree_jax.sampling import SamplingParams, draw, probabilities
+from hitree_jax.stack import CacheKind, Full, Retrieval
 from hitree_jax.tree import DynamicTree, TokenTree
 from hitree_jax.vocab import OTHER, spread_probs
+
+
+@flax.struct.dataclass
+class DraftInputs:
+  """What the bottom level reads to propose after the sequence's last token (the root)."""
+  seq: jax.Array                # [B, H] the sequence so far: prompt, output, buffers above
+  end: jax.Array                # [B] its length; the root is seq[end - 1]
+  lead: Lead                    # the pending tokens of the cache the drafter writes or reads
+  cache: LevelCache | None      # a ModelDrafter's own; a SelfDrafter's: the level above's
+  params: dict                  # the target's weights (a SelfDrafter's)
+  draft: "DraftWeights | None"  # a ModelDrafter's weights
+  sampling: SamplingParams
+  config: ModelConfig = flax.struct.field(pytree_node=False)  # the target's
+
+
+@flax.struct.dataclass
+class Proposal:
+  """A drafted tree (or chain) after the root seq[start - 1], with what verification reads."""
+  tokens: jax.Array             # [B, N] target ids
+  q: jax.Array | None           # [B, N+1, V]: the law each position's children came from (None: deterministic)
+  start: jax.Array              # [B] the sequence end the proposal continues
+  depth: jax.Array              # [N] or [B, N]: depth of each node (1 = child of the root)
+  attend: jax.Array             # [N+1, N+1] or [B, N+1, N+1] over (root, nodes): drafters.tree_attend_mask
+  children: jax.Array | None = None  # [B, N+1, K] each row's own children (None: the static tree's)
+  cache: LevelCache | None = None    # a ModelDrafter's cache with the round written past its length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,15 +72,19 @@ class NGramDrafter:
   max_ngram: int = 3
   mode: str = "deterministic"
 
+  def __str__(self) -> str:
+    return f"ngram:{self.max_ngram}"
+
   def check(self, tree: TokenTree, config: ModelConfig) -> None:
     if isinstance(tree, DynamicTree) or any(p != i - 1 for i, p in enumerate(tree.parents)):
       raise ValueError("the n-gram drafter proposes a chain: use --tree=chain:N (or --method=sd)")
     if self.max_ngram < 1:
       raise ValueError(f"max_ngram={self.max_ngram} must be >= 1")
 
-  def propose(self, key, tree: TokenTree, history, history_len, **unused):
-    """history [B, H] (prompt + output, the root token last at history_len - 1) -> tokens [B, N]."""
-    del key, unused
+  def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
+    """Copies what followed the latest earlier match of the sequence's longest (<= n) suffix."""
+    del key
+    history, history_len = inp.seq, inp.end
     batch, width = history.shape
     rows = jnp.arange(batch)[:, None]
     idx = jnp.arange(width)[None, :]
@@ -68,7 +99,18 @@ class NGramDrafter:
       best = jnp.where(latest >= 0, latest, best)
     take = best[:, None] + 1 + jnp.arange(tree.size)[None, :]
     take = jnp.where((best[:, None] >= 0) & (take < history_len[:, None]), take, history_len[:, None] - 1)
-    return history[rows, take].astype(jnp.int32), None, None
+    return _static_proposal(tree, history[rows, take].astype(jnp.int32), None, inp)
+
+
+def _static_proposal(tree: TokenTree, tokens, q, inp: DraftInputs, cache=None) -> Proposal:
+  return Proposal(tokens=tokens, q=q, start=inp.end, depth=jnp.asarray(tree.depth),
+                  attend=jnp.asarray(tree_attend_mask(tree)), cache=cache)
+
+
+def _round_positions(inp: DraftInputs, depth) -> jax.Array:
+  """[B, P+N]: the lead's positions, then each node's (the root's position + its depth)."""
+  depth = jnp.broadcast_to(depth, (inp.end.shape[0], depth.shape[-1]))
+  return jnp.concatenate([inp.lead.positions, inp.end[:, None] - 1 + depth], axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,44 +118,51 @@ class SelfDrafter:
   num_layers: int
   mode: str = "deterministic"  # children = the draft's top-k; or "iid" / "without_replacement" samples
 
+  def __str__(self) -> str:
+    return f"self:{self.num_layers}"
+
   def check(self, tree: TokenTree, config: ModelConfig) -> None:
     if not 1 <= self.num_layers < config.num_layers:
       raise ValueError(f"self-draft layers={self.num_layers} must be in [1, {config.num_layers})")
     _check_dynamic_mode(tree, self.mode)
 
-  def propose(self, key, tree: TokenTree, *, params, config: ModelConfig, root, positions,
-              long: KVCache, recent: KVCache, sampling: SamplingParams, **unused):
-    """One draft forward per depth. root [B]; positions [B, N+1]. -> tokens [B, N], q [B, N+1, V]."""
-    del unused
-    k = self.num_layers
-    batch, n = root.shape[0], tree.size
-    full_mask = jnp.asarray(tree_attend_mask(tree))                   # [N+1, N+1]
+  def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
+    """One forward of the first k layers per depth, on a scratch cache of (lead, nodes) that
+    reads the level above's cache (its first k layers) as context."""
+    k, lead, config = self.num_layers, inp.lead, inp.config
+    batch, p = lead.tokens.shape
+    mask = round_mask(lead.valid, tree_attend_mask(tree))                         # [B, P+N, P+N]
+    positions = _round_positions(inp, jnp.asarray(tree.depth))
+    context = (_first_layers(inp.cache.long, k), _first_layers(inp.cache.recent, k))
 
-    def step(scratch, fed, pos_idx):
-      attend = jnp.broadcast_to(full_mask[pos_idx], (batch, len(pos_idx), n + 1))
-      logits, _, scratch = forward(params, config, fed, positions[:, pos_idx], scratch, attend,
-                                   write_at=jnp.full((batch,), int(pos_idx[0]), jnp.int32),
-                                   context=(_first_layers(long, k), _first_layers(recent, k)))
+    def step(scratch, fed, idx):
+      logits, _, scratch = forward(inp.params, config, fed, positions[:, idx], scratch, mask[:, idx],
+                                   write_at=jnp.full((batch,), int(idx[0]), jnp.int32), context=context)
       return logits, scratch
 
-    scratch = KVCache.init(config.replace(num_layers=k), batch, n + 1)
-    tokens, q, _ = fill_tree(key, tree, root, step, scratch, config.vocab_size, sampling, self.mode)
-    return tokens, q, None
+    scratch = KVCache.init(config.replace(num_layers=k), batch, p + tree.size)
+    tokens, q, _ = fill_tree(key, tree, lead.tokens, step, scratch, config.vocab_size,
+                             inp.sampling, self.mode)
+    return _static_proposal(tree, tokens, q, inp)
 
-  def propose_dynamic(self, tree: DynamicTree, *, params, config: ModelConfig, root, base,
-                      long: KVCache, recent: KVCache, **unused):
+  def propose_dynamic(self, tree: DynamicTree, inp: DraftInputs) -> Proposal:
     """A DynamicTree per row, grown on a scratch cache that reads the target's first k layers."""
-    del unused
-    k = self.num_layers
-    context = (_first_layers(long, k), _first_layers(recent, k))
+    k, base, config = self.num_layers, inp.end - 1, inp.config
+    context = (_first_layers(inp.cache.long, k), _first_layers(inp.cache.recent, k))
 
     def run(scratch, fed, depth, first, attend):
-      logits, _, scratch = forward(params, config, fed, _positions(base, depth, fed), scratch, attend,
+      logits, _, scratch = forward(inp.params, config, fed, _positions(base, depth, fed), scratch, attend,
                                    write_at=jnp.full_like(base, first), context=context)
       return logits, scratch
 
-    scratch = KVCache.init(config.replace(num_layers=k), root.shape[0], dynamic_tree.scratch_slots(tree))
-    return (*dynamic_tree.grow(tree, root, run, scratch), None)
+    scratch = KVCache.init(config.replace(num_layers=k), base.shape[0], dynamic_tree.scratch_slots(tree))
+    tokens, trees = dynamic_tree.grow(tree, inp.lead.root, run, scratch)
+    return _dynamic_proposal(tokens, trees, inp)
+
+
+def _dynamic_proposal(tokens, trees: dynamic_tree.RowTrees, inp: DraftInputs, cache=None) -> Proposal:
+  return Proposal(tokens=tokens, q=None, start=inp.end, depth=trees.depth, attend=trees.attend,
+                  children=trees.children, cache=cache)
 
 
 def _first_layers(cache: KVCache, k: int) -> KVCache:
@@ -131,25 +180,31 @@ def _check_dynamic_mode(tree, mode: str) -> None:
                      f"draw mode {mode!r} does not apply (use deterministic)")
 
 
-def fill_tree(key, tree: TokenTree, root, step, state, vocab_size: int, sampling: SamplingParams,
+def fill_tree(key, tree: TokenTree, lead_tokens, step, state, vocab_size: int, sampling: SamplingParams,
               mode: str, feed_leaves: bool = False):
   """Fills a tree one depth per draft forward: all nodes of a depth in one batch.
 
-  step(state, fed [B, T], pos_idx [T] tree positions (0 = root)) -> (logits [B, T, V], state).
-  feed_leaves: also run the deepest nodes, for their keys/values (a draft with its own cache).
+  The first forward runs the lead tokens [B, P] (pending tokens, the root last); then each
+  depth's nodes. step(state, fed [B, T], idx [T] round slots: P lead slots then the nodes)
+  -> (logits [B, T, V], state). feed_leaves: also run the deepest nodes, for their
+  keys/values (a draft with its own cache).
   Returns (tokens [B, N], q [B, N+1, V]: the distribution each position's children came from, state).
   """
-  batch, n = root.shape[0], tree.size
+  batch, p = lead_tokens.shape
+  n = tree.size
   tokens = jnp.zeros((batch, n), jnp.int32)
   q_all = jnp.zeros((batch, n + 1, vocab_size), jnp.float32)
-  frontier = (-1,)                                                    # positions-1: the root
+  frontier = (-1,)                                                    # node indices; -1: the root
   for d, level in enumerate((*tree.level_nodes, ()) if feed_leaves else tree.level_nodes):
-    pos_idx = np.array([u + 1 for u in frontier])                     # tree positions fed now
-    logits, state = step(state, root[:, None] if d == 0 else tokens[:, pos_idx - 1], pos_idx)
+    if d == 0:
+      logits, state = step(state, lead_tokens, np.arange(p))
+      logits = logits[:, -1:]                                         # the root's
+    else:
+      logits, state = step(state, tokens[:, np.array(frontier)], p + np.array(frontier))
     if not level:
       break                                                           # leaves fed for their K/V
     q = probabilities(logits, sampling)                               # [B, T, V]
-    q_all = q_all.at[:, pos_idx].set(q)
+    q_all = q_all.at[:, np.array([u + 1 for u in frontier])].set(q)
     key, sub = jax.random.split(key)
     for t, parent in enumerate(frontier):
       kids = [c for c in tree.children[parent + 1] if c >= 0]
@@ -180,12 +235,30 @@ class DraftWeights:
   def to_target(self, tokens):
     return tokens if self.target_ids is None else self.target_ids[tokens]
 
+  def never_other(self, logits):
+    """A reduced vocabulary's OTHER id stands for every token outside it: never proposed."""
+    if self.target_ids is None:
+      return logits
+    return jnp.where(jnp.arange(logits.shape[-1]) == OTHER, -jnp.inf, logits)
+
+  def target_probs(self, probs, target_vocab_size: int):
+    """probs [..., V'] over the draft's ids -> [..., V] over the target's."""
+    return probs if self.target_ids is None else spread_probs(probs, self.target_ids, target_vocab_size)
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter:
-  config: ModelConfig                  # the draft's
+  """A model drafting autoregressively over a cache of its own: a separate draft model
+  (weights 'draft', full or StreamingLLM cache), or the target itself over a retrieval
+  cache (weights 'target': TriForce's "retrieval without hierarchy")."""
+  config: ModelConfig                  # the drafting model's
   mode: str = "deterministic"
   target_vocab_size: int | None = None  # set when the draft's vocabulary is a subset (vocab.py)
+  cache: CacheKind = Full()            # its long cache
+  weights: str = "draft"
+
+  def __str__(self) -> str:
+    return f"{self.weights}[{self.cache}]"
 
   def check(self, tree: TokenTree, config: ModelConfig) -> None:
     target_vocab = self.target_vocab_size or self.config.vocab_size
@@ -193,61 +266,60 @@ class ModelDrafter:
       raise ValueError(f"draft and target vocabularies differ: the draft's has {target_vocab} "
                        f"tokens, the target's {config.vocab_size}; a draft must use the target's "
                        "tokenizer (or a reduced vocabulary mapped onto it)")
+    if self.weights not in ("draft", "target"):
+      raise ValueError(f"a drafter's weights are 'draft' or 'target', not {self.weights!r}")
+    if (self.weights == "draft") == isinstance(self.cache, Retrieval):
+      raise ValueError("a retrieval cache is the target's (built from its full cache); a draft "
+                       "model's cache is full or streaming")
     _check_dynamic_mode(tree, self.mode)
 
-  def propose(self, key, tree: TokenTree, *, root, positions, sampling: SamplingParams,
-              draft: DraftWeights, draft_long: KVCache, draft_recent: KVCache, **unused):
-    """Like SelfDrafter, on the draft's own caches; also writes the deepest level's keys/values so
-    the draft cache holds every tree node and commits with the target's accepted path."""
-    del unused
-    config = self.config
-    width = draft_recent.keys[0].shape[2]
-    attend_all = round_attend(draft_recent.lengths, width, tree_attend_mask(tree))  # [B, N+1, W]
+  def _weights(self, inp: DraftInputs) -> "DraftWeights":
+    return DraftWeights(inp.params) if self.weights == "target" else inp.draft
 
-    def step(cache, fed, pos_idx):
-      logits, _, cache = forward(draft.params, config, fed, positions[:, pos_idx], cache,
-                                 attend_all[:, pos_idx], write_at=cache.lengths + int(pos_idx[0]),
-                                 context=(draft_long,))
-      return self._never_other(draft, logits), cache
+  def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
+    """One draft forward per depth on the draft's own cache, which keeps every node (the
+    deepest level too), so it commits with the path the level above accepts."""
+    config, draft, lead, cache = self.config, self._weights(inp), inp.lead, inp.cache
+    recent = cache.recent
+    mask = round_mask(lead.valid, tree_attend_mask(tree))
+    attend_all = round_attend(recent.lengths, recent.max_len, mask)                 # [B, P+N, W]
+    positions = _round_positions(inp, jnp.asarray(tree.depth))
+    base = recent.lengths
 
-    tokens, q_all, draft_recent = fill_tree(key, tree, draft.to_draft(root), step, draft_recent,
-                                            config.vocab_size, sampling, self.mode,
-                                            feed_leaves=True)
-    if draft.target_ids is not None:
-      q_all = spread_probs(q_all, draft.target_ids, self.target_vocab_size)
-    return draft.to_target(tokens), q_all, draft_recent
+    def step(recent, fed, idx):
+      logits, _, recent = forward(draft.params, config, fed, positions[:, idx], recent,
+                                  attend_all[:, idx], write_at=base + int(idx[0]), context=(cache.long,))
+      return draft.never_other(logits), recent
 
-  def propose_dynamic(self, tree: DynamicTree, *, root, base, draft: DraftWeights,
-                      draft_long: KVCache, draft_recent: KVCache, **unused):
+    tokens, q_all, recent = fill_tree(key, tree, draft.to_draft(lead.tokens), step, recent,
+                                      config.vocab_size, inp.sampling, self.mode, feed_leaves=True)
+    q_all = draft.target_probs(q_all, self.target_vocab_size)
+    return _static_proposal(tree, draft.to_target(tokens), q_all, inp, cache.replace(recent=recent))
+
+  def propose_dynamic(self, tree: DynamicTree, inp: DraftInputs) -> Proposal:
     """A DynamicTree per row, grown on a scratch cache; then one forward of the chosen tree
-    writes its keys/values at the target's slots, so the draft cache commits like the target's."""
-    del unused
-    config = self.config
+    writes its keys/values after the root, so the draft cache commits like a static tree's."""
+    config, draft, cache, base = self.config, self._weights(inp), inp.cache, inp.end - 1
+    context = (cache.long, cache.recent)
 
     def run(scratch, fed, depth, first, attend):
       logits, _, scratch = forward(draft.params, config, fed, _positions(base, depth, fed), scratch,
-                                   attend, write_at=jnp.full_like(base, first),
-                                   context=(draft_long, draft_recent))
-      return self._never_other(draft, logits), scratch
+                                   attend, write_at=jnp.full_like(base, first), context=context)
+      return draft.never_other(logits), scratch
 
-    scratch = KVCache.init(config, root.shape[0], dynamic_tree.scratch_slots(tree))
-    root = draft.to_draft(root)
+    scratch = KVCache.init(config, base.shape[0], dynamic_tree.scratch_slots(tree))
+    root = draft.to_draft(inp.lead.root)
     tokens, trees = dynamic_tree.grow(tree, root, run, scratch)
     fed = jnp.concatenate([root[:, None], tokens], axis=1)
     positions = base[:, None] + jnp.pad(trees.depth, ((0, 0), (1, 0)))
-    width = draft_recent.keys[0].shape[2]
-    _, draft_recent = hidden_states(draft.params, config, fed, positions, draft_recent,
-                                    round_attend(draft_recent.lengths, width, trees.attend),
-                                    context=(draft_long,))
+    recent = cache.recent
+    _, recent = hidden_states(draft.params, config, fed, positions, recent,
+                              round_attend(recent.lengths, recent.max_len, trees.attend),
+                              context=(cache.long,))
     # A token outside a reduced vocabulary is never ranked above a real one; if one still
     # fills a slot (a vocabulary smaller than the width), any target token keeps this exact.
-    return jnp.maximum(draft.to_target(tokens), 0), trees, draft_recent
-
-  def _never_other(self, draft: DraftWeights, logits):
-    """A reduced vocabulary's OTHER id stands for every token outside it: never proposed."""
-    if draft.target_ids is None:
-      return logits
-    return jnp.where(jnp.arange(self.config.vocab_size) == OTHER, -jnp.inf, logits)
+    return _dynamic_proposal(jnp.maximum(draft.to_target(tokens), 0), trees, inp,
+                             cache.replace(recent=recent))
 
 
 def round_attend(recent_lengths, width: int, tree_mask):

@@ -1,19 +1,25 @@
-"""Speculative decoding (`sd`: a chain, `tree`: a token tree) as one on-device program.
+"""One decoder for every stack (stack.py): `ar`, `sd` / `tree`, and hierarchies, on device.
 
-Each round: the drafter fills the tree after the last emitted token (the
-root); one target forward runs root + all nodes with the tree mask
-(positions: committed length + depth); `verify` accepts a path and draws the
-next token; `commit` gathers the root's and the accepted nodes' keys/values
-into contiguous slots. Rows accept different numbers of tokens: each has its
-own cache length and output cursor, nothing changes shape.
+Levels M0 (the drafter) < M1 ... < MK (the target), HSD's semantics. A top
+round: the level below the target hands it a proposal -- the drafter's tree,
+or an intermediate level's buffered chain -- and one target forward over
+(root, proposal) with the tree mask is verified exactly (verify.py); the
+accepted tokens and the next token are emitted. An intermediate level j
+builds its chain by rounds of its own: ask level j-1 for a proposal, verify
+it with one forward of its own model over its own cache, append what it
+accepted plus its correction (or bonus) token, and the distribution it would
+have sampled each of those from, until it holds at least gamma_j tokens.
+Those distributions are the q the level above verifies with ("iid" rule on
+a chain), so every level's output is distributed exactly as its own model's
+and the top's as the target's. When a level rejects, every level below rolls
+back to the accepted point (levels.LevelCache.rollback).
 
-A DynamicTree (EAGLE-2) is chosen by the drafter in the round, per row: the
-round then reads each row's own depths, mask and children (dynamic_tree.RowTrees)
-instead of the static tree's; shapes are the same, so nothing recompiles.
-
-Caches as in decoding.py: the long cache is read-only inside a block of
-rounds, whose keys/values go to a short `recent` cache that is appended to the
-long one when it could not hold another round.
+All levels extend one token buffer (`seq`): the prompt, the output, then
+the buffers of the levels above the one working now. Rows keep their own
+lengths and cursors at every level; nothing changes shape, and the whole
+generation is one jitted program of nested while_loops: blocks (long caches
+read-only inside, see levels.py), top rounds, and each intermediate level's
+rounds.
 """
 
 from __future__ import annotations
@@ -23,164 +29,462 @@ import functools
 import time
 from typing import Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hitree_jax import decoding
+from hitree_jax import tree as tree_lib
+from hitree_jax.cache import StreamingCache
+from hitree_jax.cache import retrieval
 from hitree_jax.config import ModelConfig
-from hitree_jax.drafters import DraftWeights, ModelDrafter, round_attend, tree_attend_mask
+from hitree_jax.drafters import (DraftInputs, DraftWeights, ModelDrafter, NGramDrafter, Proposal,
+                                 SelfDrafter, round_attend, tree_attend_mask)
 from hitree_jax.kv_cache import KVCache
+from hitree_jax.levels import Lead, LevelCache, commit, round_mask
 from hitree_jax.model import forward
 from hitree_jax.sampling import SamplingParams, probabilities, sample
+from hitree_jax.stack import Full, Retrieval, Stack, Streaming, Verifier
 from hitree_jax.tree import DynamicTree, TokenTree
 from hitree_jax.verify import verify
 
 
-def recent_slots(tree: TokenTree | DynamicTree) -> int:
-  return max(decoding.RECENT_SLOTS, 4 * (tree.size + 1))
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Static sizes of a stack's levels (index 0 = the drafter ... K = the target)."""
+  stack: Stack
+  target: ModelConfig
+  draft: ModelConfig | None
+
+  @property
+  def top(self) -> int:
+    return self.stack.num_levels - 1
+
+  def config(self, j: int) -> ModelConfig:
+    return self.draft if self.weights(j) == "draft" else self.target
+
+  def weights(self, j: int) -> str | None:
+    if j == self.top:
+      return "target"
+    if j == 0:
+      return self.stack.drafter.weights if isinstance(self.stack.drafter, ModelDrafter) else None
+    return self.stack.verifiers[j - 1].weights
+
+  def cache_kind(self, j: int):
+    """The long cache of level j, or None for a level without one (n-gram, self-draft)."""
+    if j == self.top:
+      return Full()
+    if j == 0:
+      return self.stack.drafter.cache if isinstance(self.stack.drafter, ModelDrafter) else None
+    return self.stack.verifiers[j - 1].cache
+
+  def lead(self, j: int) -> int:
+    """Most pending tokens level j can have: one more for each level above that may accept
+    all it was handed (a drafter keeping its leaves' keys/values starts at none)."""
+    if j == 0 and self.cache_kind(0) is None:
+      return self.lead(1)
+    return self.top - j + (j > 0 or self.top == 0)
+
+  def gamma(self, j: int) -> int:
+    return self.stack.verifiers[j - 1].gamma
+
+  def proposal_depth(self, j: int) -> int:
+    """Most tokens a proposal of level j can hold on one path (its tree's depth, or buffer)."""
+    return self.stack.tree.max_depth if j == 0 else self.buffer(j)
+
+  def proposal_size(self, j: int) -> int:
+    return self.stack.tree.size if j == 0 else self.buffer(j)
+
+  def buffer(self, j: int) -> int:
+    """Slots of level j's buffer: it stops at >= gamma, after a round of at most depth + 1."""
+    return self.gamma(j) - 1 + self.proposal_depth(j - 1) + 1
+
+  @property
+  def round_extent(self) -> int:
+    """A bound on the slots any level's recent cache can grow by, or write past, in a top round."""
+    if self.top == 0:
+      return 1
+    buffers = sum(self.buffer(j) for j in range(1, self.top))
+    widest = max(self.proposal_size(j) for j in range(self.top))
+    return buffers + self.proposal_depth(0) + 1 + self.lead(0) + self.top + widest
+
+  @property
+  def recent_slots(self) -> int:
+    return max(decoding.RECENT_SLOTS, 4 * self.round_extent)
+
+  @property
+  def max_emitted(self) -> int:
+    """Most tokens one top round emits."""
+    return 1 if self.top == 0 else self.proposal_depth(self.top - 1) + 1
 
 
-@functools.partial(jax.jit, static_argnums=(1, 5, 6, 7))
-def _spec_loop(params, config: ModelConfig, cache: KVCache, first_logits, sampling: SamplingParams,
-               max_new_tokens: int, tree: TokenTree | DynamicTree, drafter, eos_id, key, history, history_len,
-               draft: DraftWeights | None, draft_cache: KVCache | None):
-  """Returns (tokens [B, N + slack] (-1 padded), n_tokens [B], rounds [B], accepted_per_depth [D]).
+@flax.struct.dataclass
+class Stats:
+  rounds: jax.Array     # [B] top rounds while each row was generating
+  per_depth: jax.Array  # [D] the target's accepted proposal tokens at each depth, all rows
+  forwards: jax.Array   # [K+1] batched forwards of each verifying level (0 for the drafter)
+  proposed: jax.Array   # [K+1] tokens proposed to each level on the paths it could accept, live rows
+  accepted: jax.Array   # [K+1] of those, accepted
 
-  rounds[b]: target forwards in which row b was still generating. draft /
-  draft_cache: a ModelDrafter's weights and prefilled cache (else None).
-  """
-  batch, n_nodes = first_logits.shape[0], tree.size
-  span = n_nodes + 1                                    # root + nodes written per round
-  width = recent_slots(tree)
-  dynamic = isinstance(tree, DynamicTree)   # each row's tree is chosen in the round
-  rows = jnp.arange(batch)
 
+@flax.struct.dataclass
+class LoopState:
+  caches: tuple         # per level: LevelCache, or None (a drafter without a cache)
+  seq: jax.Array        # [B, H] prompt + output + the buffers of levels above the working one
+  end: jax.Array        # [B] sequence length; the root is seq[end - 1]
+  out: jax.Array        # [B, N + slack] emitted tokens, -1 padded
+  n_out: jax.Array      # [B]
+  done: jax.Array       # [B]
+  key: jax.Array
+  stats: Stats
+
+
+@flax.struct.dataclass
+class Weights:
+  """The jit arguments that are weights: the target's, and a draft model's (or None)."""
+  target: dict
+  draft: DraftWeights | None
+
+
+def _chain_proposal(seq, start, count, buffer_q, size: int) -> Proposal:
+  """An intermediate level's buffer seq[start : start + count] as a chain the level above verifies."""
+  batch = seq.shape[0]
+  index = start[:, None] + jnp.arange(size)[None, :]
+  tokens = jnp.take_along_axis(seq, jnp.minimum(index, seq.shape[1] - 1), axis=1)
+  # Position i (the root, then node i-1) has node i as its child while the chain holds it.
+  position = jnp.arange(size + 1)[None, :]
+  children = jnp.where(position < count[:, None], position, -1)[:, :, None]      # [B, size+1, 1]
+  chain = tree_lib.chain(size)
+  return Proposal(tokens=tokens, q=buffer_q, start=start, depth=jnp.asarray(chain.depth),
+                  attend=jnp.asarray(tree_attend_mask(chain)), children=children.astype(jnp.int32))
+
+
+class _Decoder:
+  """The traced program for one Layout: closures over static sizes, pure in the arrays."""
+
+  def __init__(self, layout: Layout, weights: Weights, sampling: SamplingParams, eos_id,
+               max_new_tokens: int):
+    self.layout, self.weights, self.sampling = layout, weights, sampling
+    self.eos_id, self.max_new_tokens = eos_id, max_new_tokens
+    self.width = layout.recent_slots
+
+  # --- one level's forward and verification -------------------------------------------------
+
+  def _level_probs(self, j: int, fed, positions, cache: LevelCache, attend, first: int):
+    """Level j's forward over fed [B, T] (target ids) -> (probs [B, T - first, V_target] of the
+    positions from `first` on, its recent cache with fed's keys/values written)."""
+    layout = self.layout
+    config = layout.config(j)
+    if layout.weights(j) == "draft":
+      draft = self.weights.draft
+      logits, _, recent = forward(draft.params, config, draft.to_draft(fed), positions, cache.recent,
+                                  attend, context=(cache.long,))
+      probs = probabilities(draft.never_other(logits[:, first:]), self.sampling)
+      return draft.target_probs(probs, layout.target.vocab_size), recent
+    logits, _, recent = forward(self.weights.target, config, fed, positions, cache.recent, attend,
+                                context=(cache.long,))
+    return probabilities(logits[:, first:], self.sampling), recent
+
+  def _check(self, j: int, st: LoopState, prop: Proposal, mode: str, length, key, live):
+    """Level j verifies `prop` with one forward; commits its cache (and a drafter's below);
+    writes the emitted tokens after prop.start; rolls the levels below back.
+
+    Returns (state, emitted [B, D+1], n_accepted [B], probs [B, D+1, V] each emitted token's law).
+    """
+    layout = self.layout
+    cache = st.caches[j]
+    lead = Lead.of(st.seq, prop.start, cache.cached, layout.lead(j))
+    p = lead.size
+    batch = prop.tokens.shape[0]
+    depth = jnp.broadcast_to(prop.depth, prop.tokens.shape)
+    positions = jnp.concatenate([lead.positions, prop.start[:, None] - 1 + depth], axis=1)
+    attend = round_attend(cache.recent.lengths, self.width, round_mask(lead.valid, prop.attend))
+    fed = jnp.concatenate([lead.tokens, prop.tokens], axis=1)
+    probs, recent = self._level_probs(j, fed, positions, cache, attend, first=p - 1)  # root, nodes
+    tree = self._proposal_tree(j - 1)
+    verdict = verify(key, tree, prop.tokens, probs, prop.q, mode, prop.children)
+    n_acc = jnp.where(live, verdict.n_accepted, 0)
+    caches = list(st.caches)
+    caches[j] = cache.replace(recent=commit(recent, lead, verdict.path, n_acc, live,
+                                            base=cache.recent.lengths))
+    if prop.cache is not None:  # a drafter's own cache, written in its round: keep the same path
+      below = prop.cache
+      below_lead = Lead.of(st.seq, prop.start, below.cached, layout.lead(j - 1))
+      caches[j - 1] = below.replace(recent=commit(below.recent, below_lead, verdict.path, n_acc, live))
+    keep = prop.start + n_acc
+    for i in range(j):
+      if caches[i] is not None:
+        caches[i] = caches[i].rollback(keep)
+
+    rows = jnp.arange(batch)
+    path = jnp.maximum(verdict.path, 0)
+    k = jnp.arange(tree.max_depth + 1)[None, :]
+    path_tokens = jnp.pad(jnp.take_along_axis(prop.tokens, path, axis=1), ((0, 0), (0, 1)))
+    emitted = jnp.where(k < n_acc[:, None], path_tokens, verdict.next_token[:, None])  # [B, D+1]
+    at = jnp.where(live[:, None] & (k <= n_acc[:, None]), prop.start[:, None] + k, st.seq.shape[1])
+    seq = st.seq.at[rows[:, None], at].set(emitted, mode="drop")
+    end = jnp.where(live, prop.start + n_acc + 1, prop.start)
+    emitted_probs = jnp.take_along_axis(probs, jnp.concatenate(
+        [jnp.zeros((batch, 1), jnp.int32), path + 1], axis=1)[:, :, None], axis=1)  # [B, D+1, V]
+
+    stats = st.stats
+    proposed = jnp.sum(jnp.where(live, length, 0))
+    stats = stats.replace(forwards=stats.forwards.at[j].add(jnp.any(live).astype(jnp.int32)),
+                          proposed=stats.proposed.at[j].add(proposed),
+                          accepted=stats.accepted.at[j].add(jnp.sum(n_acc)))
+    st = st.replace(caches=tuple(caches), seq=seq, end=end, stats=stats)
+    return st, emitted, n_acc, emitted_probs
+
+  def _proposal_tree(self, j: int):
+    """The static shape of level j's proposals: the stack's tree, or a chain (a buffer)."""
+    return self.layout.stack.tree if j == 0 else tree_lib.chain(self.layout.buffer(j))
+
+  # --- proposals ------------------------------------------------------------------------------
+
+  def _propose(self, j: int, st: LoopState, key):
+    """-> (state, Proposal, its drawing rule, [B] tokens on its longest path): level j's
+    proposal after the root seq[end - 1]."""
+    if j > 0:
+      return self._fill(j, st, key)
+    layout, drafter, tree = self.layout, self.layout.stack.drafter, self.layout.stack.tree
+    own = st.caches[0]
+    cache = own if own is not None else st.caches[1]
+    reader = 0 if own is not None else 1
+    inputs = DraftInputs(seq=st.seq, end=st.end,
+                         lead=Lead.of(st.seq, st.end, cache.cached, layout.lead(reader)),
+                         cache=cache, params=self.weights.target, draft=self.weights.draft,
+                         sampling=self.sampling, config=layout.target)
+    key, sub = jax.random.split(key)
+    if isinstance(tree, DynamicTree):
+      prop = drafter.propose_dynamic(tree, inputs)
+    else:
+      prop = drafter.propose(sub, tree, inputs)
+    return st, prop, drafter.mode, jnp.full(st.end.shape, tree.max_depth, jnp.int32)
+
+  def _fill(self, j: int, st: LoopState, key):
+    """Level j's rounds until it holds >= gamma_j tokens (rows done stay as they are)."""
+    layout = self.layout
+    size, gamma = layout.buffer(j), layout.gamma(j)
+    batch = st.end.shape[0]
+    start = st.end
+    buffer_q = jnp.zeros((batch, size + 1, layout.target.vocab_size), jnp.float32)
+    count = jnp.zeros((batch,), jnp.int32)
+    rows = jnp.arange(batch)[:, None]
+
+    def live_rows(st, count):
+      return ~st.done & (count < gamma)
+
+    def one_round(carry):
+      st, buffer_q, count, key = carry
+      live = live_rows(st, count)
+      key, k_propose, k_verify = jax.random.split(key, 3)
+      st, prop, mode, length = self._propose(j - 1, st, k_propose)
+      st, _, n_acc, probs = self._check(j, st, prop, mode, length, k_verify, live)
+      k = jnp.arange(probs.shape[1])[None, :]
+      at = jnp.where(live[:, None] & (k <= n_acc[:, None]), count[:, None] + k, size + 1)
+      buffer_q = buffer_q.at[rows, at].set(probs, mode="drop")
+      return st, buffer_q, jnp.where(live, count + n_acc + 1, count), key
+
+    st, buffer_q, count, _ = jax.lax.while_loop(lambda c: jnp.any(live_rows(c[0], c[2])), one_round,
+                                                (st, buffer_q, count, key))
+    return st, _chain_proposal(st.seq, start, count, buffer_q, size), "iid", count
+
+  # --- the target's round -----------------------------------------------------------------------
+
+  def top_round(self, st: LoopState) -> LoopState:
+    layout = self.layout
+    top, batch = layout.top, st.end.shape[0]
+    rows = jnp.arange(batch)
+    key, k_propose, k_verify = jax.random.split(st.key, 3)
+    live = ~st.done
+    if top == 0:  # ar: one token from the target's distribution
+      st, emitted, n_acc = self._ar_step(st, k_verify, live)
+    else:
+      st, prop, mode, length = self._propose(top - 1, st, k_propose)
+      st, emitted, n_acc, _ = self._check(top, st, prop, mode, length, k_verify, live)
+    k = jnp.arange(emitted.shape[1])[None, :]
+    n_emit = jnp.where(live, n_acc + 1, 0)
+    is_eos = (emitted == self.eos_id) & (k < n_emit[:, None])
+    first_eos = jnp.min(jnp.where(is_eos, k, emitted.shape[1]), axis=1)
+    n_emit = jnp.minimum(n_emit, first_eos + 1)
+    out = st.out.at[rows[:, None], st.n_out[:, None] + k].set(
+        jnp.where(k < n_emit[:, None], emitted, -1), mode="drop")
+    n_out = st.n_out + n_emit
+    done = st.done | (first_eos < n_emit) | (n_out >= self.max_new_tokens)
+    stats = st.stats
+    depth = stats.per_depth.shape[0]
+    stats = stats.replace(
+        rounds=stats.rounds + live.astype(jnp.int32),
+        per_depth=stats.per_depth + jnp.sum((jnp.arange(depth)[None, :] < n_acc[:, None]) & live[:, None],
+                                            axis=0).astype(jnp.int32))
+    return st.replace(out=out, n_out=n_out, done=done, key=key, stats=stats)
+
+  def _ar_step(self, st: LoopState, key, live):
+    cache = st.caches[0]
+    lead = Lead.of(st.seq, st.end, cache.cached, 1)
+    attend = round_attend(cache.recent.lengths, self.width, jnp.ones((1, 1), bool))
+    logits, _, recent = forward(self.weights.target, self.layout.target, lead.tokens, lead.positions,
+                                cache.recent, attend, context=(cache.long,))
+    token = sample(key, logits[:, 0], self.sampling)
+    recent = recent.replace(lengths=recent.lengths + live.astype(jnp.int32))
+    rows = jnp.arange(token.shape[0])
+    seq = st.seq.at[rows, jnp.where(live, st.end, st.seq.shape[1])].set(token, mode="drop")
+    st = st.replace(caches=(cache.replace(recent=recent),), seq=seq, end=st.end + live)
+    return st, token[:, None], jnp.zeros_like(st.end)
+
+  # --- blocks ---------------------------------------------------------------------------------
+
+  def run(self, st: LoopState) -> LoopState:
+    extent, width = self.layout.round_extent, self.width
+
+    def has_room(st):
+      return jnp.all(jnp.stack([jnp.max(c.recent.lengths) + extent <= width
+                                for c in st.caches if c is not None]))
+
+    def block(st):
+      st = jax.lax.while_loop(lambda s: has_room(s) & ~jnp.all(s.done), self.top_round, st)
+      return st.replace(caches=tuple(c if c is None else c.new_block(width) for c in st.caches))
+
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), block, st)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _decode(layout: Layout, weights: Weights, long_caches, first_logits, max_new_tokens: int,
+            sampling: SamplingParams, eos_id, key, seq, end):
+  """The whole generation after prefill. Returns (tokens [B, N + slack], n_tokens [B], Stats)."""
+  batch = first_logits.shape[0]
   key, sub = jax.random.split(key)
   first = sample(sub, first_logits, sampling)
-  out = jnp.full((batch, max_new_tokens + span), -1, jnp.int32).at[:, 0].set(first)
-  n_out = jnp.ones((batch,), jnp.int32)
-  done = (first == eos_id) | (n_out >= max_new_tokens)
-  history = history.at[rows, history_len].set(first)
-  history_len = history_len + 1
-  stats = (jnp.zeros((batch,), jnp.int32), jnp.zeros((tree.max_depth,), jnp.int32))
+  rows = jnp.arange(batch)
+  seq = seq.at[rows, end].set(first)
+  width = layout.recent_slots
+  caches = tuple(None if long is None else
+                 LevelCache(long, KVCache.init(layout.config(j), batch, width, long.keys[0].dtype))
+                 for j, long in enumerate(long_caches))
+  top = layout.top
+  depth = 1 if top == 0 else layout.proposal_depth(top - 1)
+  zeros = jnp.zeros((top + 1,), jnp.int32)
+  state = LoopState(
+      caches=caches, seq=seq, end=end + 1,
+      out=jnp.full((batch, max_new_tokens + layout.max_emitted), -1, jnp.int32).at[:, 0].set(first),
+      n_out=jnp.ones((batch,), jnp.int32),
+      done=(first == eos_id) | (max_new_tokens <= 1), key=key,
+      stats=Stats(rounds=jnp.zeros((batch,), jnp.int32), per_depth=jnp.zeros((depth,), jnp.int32),
+                  forwards=zeros, proposed=zeros, accepted=zeros))
+  decoder = _Decoder(layout, weights, sampling, eos_id, max_new_tokens)
+  state = decoder.run(state)
+  return state.out, jnp.minimum(state.n_out, max_new_tokens), state.stats
 
-  def one_round(state, caches):
-    cache, draft_cache = caches
-    (recent, draft_recent), out, n_out, done, history, history_len, key, (rounds, per_depth) = state
-    key, k_draft, k_verify = jax.random.split(key, 3)
-    root = history[rows, history_len - 1]
-    base = cache.lengths + recent.lengths                              # committed tokens
-    inputs = dict(history=history, history_len=history_len, params=params, config=config,
-                  root=root, base=base, long=cache, recent=recent, sampling=sampling,
-                  draft=draft, draft_long=draft_cache, draft_recent=draft_recent)
-    if dynamic:
-      tokens, trees, draft_recent = drafter.propose_dynamic(tree, **inputs)
-      tree_mask, children = trees.attend, trees.children
-      positions, q = base[:, None] + jnp.pad(trees.depth, ((0, 0), (1, 0))), None  # [B, span]
+
+def _long_caches(layout: Layout, weights: Weights, config: ModelConfig, batch: decoding.PromptBatch,
+                 slots: int, tail: int):
+  """Prefills what each level keeps: -> (first logits [B, V], long caches per level)."""
+  params = weights.target
+  full = KVCache.init(config, batch.batch, slots)
+  first_logits, full = decoding.prefill(params, config, full, batch)
+  draft_full = None
+  if layout.stack.uses_draft_weights:
+    draft = weights.draft
+    draft_batch = dataclasses.replace(batch, tokens=np.asarray(draft.to_draft(batch.tokens)))
+    _, draft_full = decoding.prefill(draft.params, layout.draft,
+                                     KVCache.init(layout.draft, batch.batch, slots), draft_batch)
+  last_tokens = jnp.asarray(batch.tokens[np.arange(batch.batch), batch.lengths - 1])
+  longs = []
+  for j in range(layout.top + 1):
+    kind = layout.cache_kind(j)
+    source = draft_full if layout.weights(j) == "draft" else full
+    if kind is None:
+      longs.append(None)
+    elif isinstance(kind, Full):
+      longs.append(source)
+    elif isinstance(kind, Streaming):
+      longs.append(_streaming(source, kind.sinks, kind.window))
     else:
-      positions = base[:, None] + jnp.asarray(np.concatenate([[0], tree.depth]), jnp.int32)
-      tokens, q, draft_recent = drafter.propose(k_draft, tree, positions=positions, **inputs)
-      tree_mask, children = tree_attend_mask(tree), None
-    fed = jnp.concatenate([root[:, None], tokens], axis=1)             # [B, span]
-    attend = round_attend(recent.lengths, width, tree_mask)
-    logits, _, recent = forward(params, config, fed, positions, recent, attend, context=(cache,))
-    verdict = verify(k_verify, tree, tokens, probabilities(logits, sampling), q, drafter.mode,
-                     children)
-
-    # Commit root + accepted path; emit accepted tokens + the next token.
-    n_acc = jnp.where(done, 0, verdict.n_accepted)
-    path_slots = recent.lengths[:, None] + 1 + jnp.maximum(verdict.path, 0)
-    slots = jnp.concatenate([recent.lengths[:, None], path_slots], axis=1)
-    recent = recent.commit(slots, jnp.where(done, 0, 1 + n_acc))
-    if draft_recent is not None:  # the draft wrote the same slots: keep the same path
-      draft_recent = draft_recent.commit(slots, jnp.where(done, 0, 1 + n_acc))
-    path_tokens = jnp.take_along_axis(tokens, jnp.maximum(verdict.path, 0), axis=1)
-    j = jnp.arange(tree.max_depth + 1)[None, :]
-    emitted = jnp.where(j < n_acc[:, None], jnp.pad(path_tokens, ((0, 0), (0, 1))),
-                        verdict.next_token[:, None])                   # [B, D+1]
-    n_emit = jnp.where(done, 0, n_acc + 1)
-    is_eos = (emitted == eos_id) & (j < n_emit[:, None])
-    first_eos = jnp.min(jnp.where(is_eos, j, tree.max_depth + 1), axis=1)
-    n_emit = jnp.minimum(n_emit, first_eos + 1)
-    valid = j < n_emit[:, None]
-    out = out.at[rows[:, None], n_out[:, None] + j].set(jnp.where(valid, emitted, -1), mode="drop")
-    history = history.at[rows[:, None], history_len[:, None] + j].set(emitted, mode="drop")
-    n_out = n_out + n_emit
-    history_len = history_len + n_emit
-    done = done | (first_eos < n_emit) | (n_out >= max_new_tokens)
-    live = (n_emit > 0).astype(jnp.int32)
-    per_depth = per_depth + jnp.sum(
-        (jnp.arange(tree.max_depth)[None, :] < n_acc[:, None]) * live[:, None], axis=0)
-    return ((recent, draft_recent), out, n_out, done, history, history_len, key,
-            (rounds + live, per_depth))
-
-  def block(state):
-    (cache, draft_cache), out, n_out, done, history, history_len, key, stats = state
-    recent = KVCache.init(config, batch, width)
-    draft_recent = None if draft_cache is None else KVCache.init(drafter.config, batch, width)
-    inner = ((recent, draft_recent), out, n_out, done, history, history_len, key, stats)
-    has_room = lambda s: jnp.max(s[0][0].lengths) + span <= width
-    inner = jax.lax.while_loop(lambda s: has_room(s) & ~jnp.all(s[3]),
-                               lambda s: one_round(s, (cache, draft_cache)), inner)
-    (recent, draft_recent), out, n_out, done, history, history_len, key, stats = inner
-    if draft_cache is not None:
-      draft_cache = draft_cache.append(draft_recent)
-    return (cache.append(recent), draft_cache), out, n_out, done, history, history_len, key, stats
-
-  state = ((cache, draft_cache), out, n_out, done, history, history_len, key, stats)
-  state = jax.lax.while_loop(lambda s: ~jnp.all(s[3]), block, state)
-  _, out, n_out, _, _, _, _, (rounds, per_depth) = state
-  return out, jnp.minimum(n_out, max_new_tokens), rounds, per_depth
+      longs.append(_retrieval(params, config, full, last_tokens, kind.budget, kind.chunk, tail))
+  return first_logits, tuple(longs)
 
 
-def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, tree: TokenTree | DynamicTree,
-             drafter, max_new_tokens: int, sampling: SamplingParams | None = None, seed: int = 0,
-             stop_at_eos: bool = True, draft: DraftWeights | None = None
-             ) -> decoding.GenerationResult:
-  """Speculative generation; same result type as `decoding.generate`, plus round statistics.
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _streaming(full: KVCache, sinks: int, window: int) -> StreamingCache:
+  return StreamingCache.from_prefill(full, sinks, window)
 
-  draft: the weights of a ModelDrafter (required for one, ignored otherwise).
-  """
+
+@functools.partial(jax.jit, static_argnums=(1, 4, 5, 6))
+def _retrieval(params, config, full, last_tokens, budget: int, chunk: int, tail: int):
+  return retrieval.from_full(params, config, full, last_tokens, budget, chunk, tail)
+
+
+def check_stack(stack: Stack, config: ModelConfig) -> None:
+  """Refuses a stack that cannot run on this target (from configs: before any weights load)."""
+  if stack.drafter is not None:
+    stack.drafter.check(stack.tree, config)
+  if isinstance(stack.drafter, SelfDrafter) and stack.verifiers and stack.verifiers[0].weights != "target":
+    raise ValueError("a self-draft reads the cache of the level above it: that level must have "
+                     "the target's weights (e.g. the retrieval level)")
+
+
+def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             stack: Stack | None = None, tree: TokenTree | DynamicTree | None = None, drafter=None,
+             sampling: SamplingParams | None = None, seed: int = 0, stop_at_eos: bool = True,
+             draft: DraftWeights | None = None) -> decoding.GenerationResult:
+  """Generation with any stack (stack.py); `tree` + `drafter` is shorthand for the two-level
+  Stack(drafter, tree). draft: a draft model's weights, for a stack that has one."""
+  if stack is None:
+    stack = Stack(drafter, tree)
   sampling = sampling or SamplingParams.create()
-  drafter.check(tree, config)
-  if isinstance(drafter, ModelDrafter) and draft is None:
-    raise ValueError("a ModelDrafter needs its weights: pass draft=DraftWeights.create(params, vocab)")
+  check_stack(stack, config)
+  if stack.uses_draft_weights and draft is None:
+    raise ValueError("a stack with a draft model needs its weights: pass "
+                     "draft=DraftWeights.create(params, vocab)")
+  if stack.uses_draft_weights and draft.target_ids is None and stack.draft_config.vocab_size != config.vocab_size:
+    raise ValueError(f"draft and target vocabularies differ: the draft's has "
+                     f"{stack.draft_config.vocab_size} tokens, the target's {config.vocab_size}")
+  if not stack.uses_draft_weights:
+    draft = None
+  layout = Layout(stack, config, stack.draft_config)
   batch = decoding.make_batch(prompts, config, max_new_tokens)
-  span = tree.size + 1
   counts_before = decoding.COMPILED.counts()
-  # Room for a round's candidates past the last kept token.
-  slots = decoding.cache_slots(batch.tokens.shape[1], max_new_tokens, extra=recent_slots(tree))
-  cache = KVCache.init(config, batch.batch, slots)
+  width = layout.recent_slots
+  slots = decoding.cache_slots(batch.tokens.shape[1], max_new_tokens, extra=width)
+  weights = Weights(params, draft)
 
   start = time.perf_counter()
-  first_logits, cache = decoding.prefill(params, config, cache, batch)
-  draft_cache = None
-  if isinstance(drafter, ModelDrafter):
-    draft_batch = dataclasses.replace(batch, tokens=np.asarray(draft.to_draft(batch.tokens)))
-    _, draft_cache = decoding.prefill(draft.params, drafter.config,
-                                      KVCache.init(drafter.config, batch.batch, slots), draft_batch)
-  else:
-    draft = None
+  first_logits, longs = _long_caches(layout, weights, config, batch, slots,
+                                     tail=decoding.round_up(max_new_tokens + width, 8))
   first_logits.block_until_ready()
   prefill_s = time.perf_counter() - start - (decoding.COMPILED.compile_s - counts_before[0])
 
-  history_width = decoding.round_up(batch.tokens.shape[1] + max_new_tokens + span, 128)
-  history = np.zeros((batch.batch, history_width), np.int32)
-  history[:, :batch.tokens.shape[1]] = batch.tokens
+  history_width = decoding.round_up(batch.tokens.shape[1] + max_new_tokens + width, 128)
+  seq = np.zeros((batch.batch, history_width), np.int32)
+  seq[:, :batch.tokens.shape[1]] = batch.tokens
   eos = jnp.int32(config.eos_token_id if stop_at_eos and config.eos_token_id is not None else -1)
-  args = (params, config, cache, first_logits, sampling, max_new_tokens, tree, drafter, eos,
-          jax.random.key(seed), jnp.asarray(history), jnp.asarray(batch.lengths), draft,
-          draft_cache)
-  loop = decoding.COMPILED.get(("spec", config, max_new_tokens, tree, drafter,
-                                decoding._shape_key(args)), _spec_loop, *args)
+  args = (layout, weights, longs, first_logits, max_new_tokens, sampling, eos, jax.random.key(seed),
+          jnp.asarray(seq), jnp.asarray(batch.lengths))
+  loop = decoding.COMPILED.get(("engine", layout, max_new_tokens, decoding._shape_key(args[1:])),
+                               _decode, *args)
   start = time.perf_counter()
-  out, n_tokens, rounds, per_depth = loop(*[a for i, a in enumerate(args) if i not in (1, 5, 6, 7)])
+  out, n_tokens, stats = loop(*[a for i, a in enumerate(args) if i not in (0, 4)])
   out, n_tokens = np.asarray(out), np.asarray(n_tokens)
   decode_s = time.perf_counter() - start
+  stats = jax.tree.map(np.asarray, stats)
+  speculative = layout.top > 0
   return decoding.GenerationResult(
       tokens=[out[b, :n_tokens[b]].tolist() for b in range(batch.batch)],
-      prefill_s=prefill_s, decode_s=decode_s,
-      **decoding.compile_counts(counts_before),
-      target_forwards=int(np.max(rounds)), rounds_per_row=np.asarray(rounds).tolist(),
-      accepted_per_depth=np.asarray(per_depth).tolist())
+      prefill_s=prefill_s, decode_s=decode_s, **decoding.compile_counts(counts_before),
+      target_forwards=int(stats.rounds.max()) if speculative else None,
+      rounds_per_row=stats.rounds.tolist() if speculative else None,
+      accepted_per_depth=stats.per_depth.tolist() if speculative else None,
+      levels=level_report(layout, stats) if speculative else None)
+
+
+def level_report(layout: Layout, stats: Stats) -> list[dict]:
+  """Per verifying level: what it was proposed, accepted and how many forwards it ran."""
+  names = [str(layout.stack.drafter), *map(str, layout.stack.verifiers), "target"]
+  report = []
+  for j in range(1, layout.top + 1):
+    proposed, accepted = int(stats.proposed[j]), int(stats.accepted[j])
+    report.append(dict(level=j, name=names[j], proposer=names[j - 1], forwards=int(stats.forwards[j]),
+                       proposed=proposed, accepted=accepted,
+                       acceptance=accepted / proposed if proposed else None))
+  return report

@@ -50,6 +50,11 @@ class KVCache:
   def max_len(self) -> int:
     return self.keys[0].shape[2]
 
+  @property
+  def next_positions(self) -> jax.Array:
+    """[B] sequence position of the next token written at slot `lengths` (a full cache: lengths)."""
+    return self.lengths
+
   def advance(self, n: jax.Array) -> "KVCache":
     """Marks `n` [B] (or a scalar) more slots of each row as committed."""
     return self.replace(lengths=self.lengths + n)

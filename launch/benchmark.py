@@ -31,7 +31,8 @@ common.define_model_flags()
 common.define_sampling_flags()
 common.define_speculation_flags()
 flags.DEFINE_list("methods", ["ar"], "Configurations to compare: ar, sd[/DRAFT[/GAMMA]], "
-                  "tree[/DRAFT[/TREE]] (missing parts from --draft, --gamma, --tree).")
+                  "tree[/DRAFT[/TREE]], retrieval[/GAMMA], triforce[/DRAFT], hitree[/DRAFT[/TREE]], "
+                  "hsd/LEVELS (missing parts from --draft, --gamma, --tree, --budget, ...).")
 flags.DEFINE_list("prompt_tokens", ["512", "2048"], "Prompt lengths in tokens.")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt (EOS is ignored).")
 flags.DEFINE_integer("n_prompts", 3, "Prompts per length.")
@@ -97,7 +98,7 @@ def main(argv):
   del argv
   lengths = check_flags()
   greedy = FLAGS.temperature == 0
-  methods = [common.parse_method(m, FLAGS.draft, FLAGS.gamma, FLAGS.tree, FLAGS.acceptance, greedy)
+  methods = [common.parse_method(m, common.Knobs.from_flags(FLAGS), greedy)
              for m in common.join_method_specs(FLAGS.methods)]
   sampling = common.sampling_from_flags(FLAGS)
   import jax
@@ -121,7 +122,8 @@ def main(argv):
         runs.append({"prompt": i, "prefill_s": r.prefill_s, "decode_s": r.decode_s,
                      "new_tokens": len(r.tokens[0]), "decode_tokens_per_s": r.decode_tokens_per_s,
                      "compiles": r.compiles, "cache_loads": r.cache_loads, "target_forwards": r.target_forwards,
-                     "mean_accepted": r.mean_accepted, "accepted_per_depth": r.accepted_per_depth})
+                     "mean_accepted": r.mean_accepted, "accepted_per_depth": r.accepted_per_depth,
+                     "levels": r.levels})
         progress.step(detail=f"{method.label} P={n_tokens} prompt {i}: "
                              f"{r.decode_tokens_per_s:.2f} tok/s")
       accepted = [x["mean_accepted"] for x in runs if x["mean_accepted"] is not None]

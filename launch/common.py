@@ -16,7 +16,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-METHODS = ("ar", "sd", "tree")
+METHODS = ("ar", "sd", "tree", "retrieval", "triforce", "hitree", "hsd")
 USAGE_ERROR = 2  # exit code of a user's mistake (as argparse uses)
 
 
@@ -74,16 +74,29 @@ def launcher_settings() -> dict:
           for f in fs if f.name != "config"}
 
 
+# The speculation flags each method reads; any other one given is a mistake (it would be ignored).
+METHOD_FLAGS = {
+    "ar": (),
+    "sd": ("draft", "gamma"),
+    "tree": ("draft", "tree", "acceptance"),
+    "retrieval": ("gamma", "budget"),
+    "triforce": ("draft", "budget", "sinks", "window", "gamma1", "gamma2"),
+    "hitree": ("draft", "tree", "acceptance", "budget", "sinks", "window", "gamma2"),
+    "hsd": ("draft", "levels", "acceptance"),
+}
+SPECULATION_FLAGS = ("draft", "gamma", "tree", "acceptance", "budget", "sinks", "window", "gamma1",
+                     "gamma2", "levels")
+
+
 def check_method_flags(method_name: str, given: set[str]) -> None:
   """A flag that the chosen method would silently ignore is a mistake: say so."""
-  ignored = {"ar": ("draft", "gamma", "tree", "acceptance"), "sd": ("tree", "acceptance"),
-             "tree": ("gamma",)}.get(method_name, ())
-  for name in ignored:
-    if name in given:
-      hint = {"tree": "a tree needs --method=tree", "gamma": "--gamma sets the chain of --method=sd",
-              "acceptance": "--acceptance shapes a sequoia tree (--method=tree)",
-              "draft": "--method=ar uses no draft"}[name]
-      raise ValueError(f"--{name} does not apply to --method={method_name} ({hint})")
+  if method_name not in METHOD_FLAGS:
+    return  # parse_method names the unknown method
+  for name in SPECULATION_FLAGS:
+    if name in given and name not in METHOD_FLAGS[method_name]:
+      users = [m for m, names in METHOD_FLAGS.items() if name in names]
+      raise ValueError(f"--{name} does not apply to --method={method_name} "
+                       f"(it sets --method={'|'.join(users)})")
 
 
 def run(main) -> None:
@@ -122,14 +135,49 @@ def define_speculation_flags():
   flags.DEFINE_string("draft", "self:8", "Drafter: self:K[,iid|without_replacement|deterministic] "
                       "(the target's first K layers), ngram[:N] (prompt lookup), or PATH[,mode]: "
                       "a separate draft model (e.g. drafts/smollm2-draft.gguf).")
-  flags.DEFINE_integer("gamma", 4, "Draft tokens per round for --method=sd.")
-  flags.DEFINE_string("tree", "kary:2x2", "Tree for --method=tree: chain:N, kary:KxD, "
+  flags.DEFINE_integer("gamma", 4, "Draft tokens per round for --method=sd and --method=retrieval.")
+  flags.DEFINE_string("tree", None, "Tree for --method=tree (default kary:2x2) and --method=hitree "
+                      "(default kary:2x4, HiTree's binary tree of depth 4): chain:N, kary:KxD, "
                       "sequoia:BUDGET,DEPTH (the best tree for --acceptance) or dynamic:BUDGET,DEPTH "
                       "(EAGLE-2: the BUDGET most probable of the draft's candidates, chosen each round).")
   flags.DEFINE_string("acceptance", None, "Sequoia trees: the draft's per-rank acceptance "
                       "probabilities, comma-separated, or a JSON file holding 'acceptance_profile' "
                       "(launch.distill writes DRAFT.json next to each draft: the default for a draft "
                       "model).")
+  flags.DEFINE_integer("budget", 1024, "Retrieval cache slots (chunks of 8, the sink chunk kept) of "
+                       "the target's retrieval level: --method=retrieval, triforce, hitree.")
+  flags.DEFINE_integer("sinks", 16, "StreamingLLM cache of the bottom draft (triforce, hitree): "
+                       "attention-sink tokens kept (TriForce: 16).")
+  flags.DEFINE_integer("window", 234, "StreamingLLM cache of the bottom draft: most recent tokens "
+                       "kept (TriForce: 234).")
+  flags.DEFINE_integer("gamma1", None, "Draft tokens per round from the bottom draft to the "
+                       "retrieval level, --method=triforce (default 1, TriForce's).")
+  flags.DEFINE_integer("gamma2", None, "Tokens the retrieval level buffers before the target "
+                       "verifies them: --method=triforce (default 6) and hitree (default 12).")
+  flags.DEFINE_string("levels", None, "--method=hsd: the stack below the target, bottom-up, levels "
+                      "joined by '+': DRAFTER/TREE first (DRAFTER: ngram[:N], self:K, draft (the "
+                      "--draft model) or PATH, [@streaming:SINKSxWINDOW], [,MODE]; or retrieval:BUDGET), "
+                      "then WHO/GAMMA per level (WHO: retrieval:BUDGET or draft[@streaming:SxW]). "
+                      "e.g. ngram:3/chain:2+draft/4+retrieval:1024/6 (docs/methods.md).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+  """The speculation flags a method spec leaves out (defaults as the flags')."""
+  draft: str = "self:8"
+  gamma: int = 4
+  tree: str | None = None
+  acceptance: str | None = None
+  budget: int = 1024
+  sinks: int = 16
+  window: int = 234
+  gamma1: int | None = None
+  gamma2: int | None = None
+  levels: str | None = None
+
+  @classmethod
+  def from_flags(cls, FLAGS) -> "Knobs":
+    return cls(**{f.name: getattr(FLAGS, f.name) for f in dataclasses.fields(cls)})
 
 
 def sampling_from_flags(FLAGS):
@@ -139,25 +187,41 @@ def sampling_from_flags(FLAGS):
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """A decoding configuration: `ar`, or `sd` / `tree` with a drafter and a tree."""
+  """A decoding configuration: `ar`, or a stack of levels below the target (`levels`, the
+  --levels grammar that every speculative preset expands to), built once the draft is known."""
   name: str
-  drafter: object = None
-  tree: object = None
   label: str = "ar"
-  draft_path: str | None = None  # a separate draft model, loaded by `load_draft`
+  levels: str | None = None      # e.g. drafts/d.gguf@streaming:16x234/chain:1+retrieval:1024/6
+  tree: object = None            # the bottom level's TokenTree / DynamicTree
+  draft_path: str | None = None  # a separate draft model (loaded by `load_draft`)
   draft_mode: str = "deterministic"
+  stack: object = None           # the stack.Stack, once built
   draft: object = None           # its DraftWeights once loaded
 
+  def build(self, target_config, draft_config=None, vocab=None):
+    """The Stack for this target (and draft model config / vocabulary, if the stack has one)."""
+    from hitree_jax.stack import Stack
+    if self.levels is None:
+      return Stack()
+    bottom, *middle = self.levels.split("+")
+    who, _, _ = bottom.rpartition("/")
+    drafter = _drafter(who, target_config, draft_config, vocab)
+    verifiers = tuple(_verifier(piece) for piece in middle)
+    stack = Stack(drafter, self.tree, verifiers, draft=draft_config)
+    from hitree_jax.engine import check_stack
+    check_stack(stack, target_config)
+    return stack
+
   def check_draft(self, target_config, target_tokenizer):
-    """Checks a separate draft against the target from metadata (no weights): its vocabulary,
-    tokenizer and tree settings. Returns the draft's config, or None for other drafters."""
+    """Checks the stack and a separate draft against the target from metadata (no weights):
+    vocabulary, tokenizer, tree and levels. Returns the draft's config, or None."""
     if self.draft_path is None:
+      self.build(target_config)
       return None
-    from hitree_jax.drafters import ModelDrafter
     from hitree_jax.loading import load_config, load_vocab
     from hitree_jax.tokenizer import load_tokenizer, same_tokenizer
     config, vocab = load_config(self.draft_path), load_vocab(self.draft_path)
-    ModelDrafter(config, self.draft_mode, vocab and vocab.target_vocab_size).check(self.tree, target_config)
+    self.build(target_config, config, vocab)
     try:
       draft_tokenizer = load_tokenizer(self.draft_path)
     except FileNotFoundError as e:
@@ -169,35 +233,91 @@ class Method:
     return config
 
   def load_draft(self, target_config):
-    """Loads a separate draft model (slow: after every flag is validated); others pass through."""
+    """Loads a separate draft model (slow: after every flag is validated) and builds the stack."""
     if self.draft_path is None:
-      return self
-    from hitree_jax.drafters import DraftWeights, ModelDrafter
+      return dataclasses.replace(self, stack=self.build(target_config))
+    from hitree_jax.drafters import DraftWeights
     from hitree_jax.loading import load_model
     model = load_model(self.draft_path)
-    vocab = model.vocab
-    drafter = ModelDrafter(model.config, self.draft_mode,
-                           vocab.target_vocab_size if vocab is not None else None)
-    drafter.check(self.tree, target_config)
-    return dataclasses.replace(self, drafter=drafter, draft=DraftWeights.create(model.params, vocab))
+    return dataclasses.replace(self, stack=self.build(target_config, model.config, model.vocab),
+                               draft=DraftWeights.create(model.params, model.vocab))
 
   def generate(self, params, config, prompts, **kwargs):
     from hitree_jax import decoding, engine
     if self.name == "ar":
       return decoding.generate(params, config, prompts, **kwargs)
-    if self.draft_path is not None and self.draft is None:
-      raise ValueError(f"call load_draft() before generating with {self.draft_path}")
-    return engine.generate(params, config, prompts, tree=self.tree, drafter=self.drafter,
-                           draft=self.draft, **kwargs)
+    if self.stack is None:
+      raise ValueError(f"call load_draft() before generating with {self.label}")
+    return engine.generate(params, config, prompts, stack=self.stack, draft=self.draft, **kwargs)
 
 
 DRAW_MODES = ("deterministic", "iid", "without_replacement")
+TREE_KINDS = ("chain", "kary", "sequoia", "dynamic")
+HIERARCHY_DEFAULTS = {"triforce": dict(gamma1=1, gamma2=6), "hitree": dict(tree="kary:2x4", gamma2=12)}
+
+
+def _drafter(who: str, target_config, draft_config, vocab):
+  """The bottom level of a --levels spec: ngram[:N] | self:K | retrieval:B | a draft model,
+  each [@streaming:SxW] [,MODE] (split off by `_split_level` already for the model)."""
+  from hitree_jax.drafters import ModelDrafter, parse_draft_spec
+  from hitree_jax.stack import Full, Retrieval
+  name, cache, mode = _split_level(who)
+  if name.startswith("retrieval:"):
+    return ModelDrafter(target_config, mode, cache=Retrieval(_int(name, "retrieval:")), weights="target")
+  if name.startswith(("ngram", "self:")):
+    if cache is not None:
+      raise ValueError(f"level {who!r}: {name} keeps no cache of its own")
+    return parse_draft_spec(name if mode == "deterministic" else f"{name},{mode}")
+  if draft_config is None:
+    raise ValueError(f"level {who!r} names a draft model: give its path (--draft=PATH)")
+  return ModelDrafter(draft_config, mode, vocab and vocab.target_vocab_size, cache=cache or Full())
+
+
+def _verifier(piece: str):
+  """An intermediate level of a --levels spec: retrieval:B/GAMMA or draft[@streaming:SxW]/GAMMA."""
+  from hitree_jax.stack import Full, Retrieval, Verifier
+  who, _, gamma = piece.rpartition("/")
+  if not who or not gamma.isdigit():
+    raise ValueError(f"level {piece!r}: expected retrieval:BUDGET/GAMMA or draft[@streaming:SxW]/GAMMA")
+  name, cache, mode = _split_level(who)
+  if mode != "deterministic":
+    raise ValueError(f"level {piece!r}: a middle level hands up its own samples; no draw mode")
+  if name.startswith("retrieval:"):
+    return Verifier("target", Retrieval(_int(name, "retrieval:")), int(gamma))
+  if name.startswith(("ngram", "self:")):
+    raise ValueError(f"level {piece!r}: {name} only proposes (it must be the bottom level)")
+  return Verifier("draft", cache or Full(), int(gamma))
+
+
+def _split_level(who: str):
+  """'NAME[@streaming:SxW|@full][,MODE]' -> (NAME, cache kind or None, mode)."""
+  from hitree_jax.stack import Full, Streaming
+  mode = "deterministic"
+  head, _, tail = who.rpartition(",")
+  if head and tail in DRAW_MODES:
+    who, mode = head, tail
+  name, at, cache_text = who.rpartition("@")
+  if not at:
+    return who, None, mode
+  if cache_text == "full":
+    return name, Full(), mode
+  sinks, _, window = cache_text.removeprefix("streaming:").partition("x")
+  if not cache_text.startswith("streaming:") or not (sinks.isdigit() and window.isdigit()):
+    raise ValueError(f"cache {cache_text!r}: expected full or streaming:SINKSxWINDOW (e.g. streaming:16x234)")
+  return name, Streaming(int(sinks), int(window)), mode
+
+
+def _int(text: str, prefix: str) -> int:
+  value = text.removeprefix(prefix)
+  if not value.isdigit():
+    raise ValueError(f"{text!r}: expected {prefix}N with N a positive integer")
+  return int(value)
 
 
 def _split_draft_and_shape(rest: str) -> tuple[str, str | None]:
   """'DRAFT[/SHAPE]' where DRAFT may be a path with slashes: SHAPE is a number or a tree spec."""
   head, _, tail = rest.rpartition("/")
-  if head and (tail.isdigit() or tail.partition(":")[0] in ("chain", "kary", "sequoia", "dynamic")):
+  if head and (tail.isdigit() or tail.partition(":")[0] in TREE_KINDS):
     return head, tail
   return rest, None
 
@@ -233,43 +353,92 @@ def join_method_specs(items: list[str]) -> list[str]:
   return specs
 
 
-def parse_method(spec: str, draft: str, gamma: int, tree: str, acceptance: str | None = None,
-                 greedy: bool = True) -> Method:
-  """`ar`, `sd[/DRAFT[/GAMMA]]` or `tree[/DRAFT[/TREE]]`; missing parts come from the flags.
+def _levels_of(name: str, rest: str, knobs: Knobs) -> str:
+  """Expands a preset (sd, tree, retrieval, triforce, hitree) into its --levels spec."""
+  draft, shape = _split_draft_and_shape(rest) if rest else (knobs.draft, None)
+  if name in ("sd", "tree", "retrieval"):
+    if name == "tree":
+      return f"{draft}/{shape or knobs.tree or 'kary:2x2'}"
+    if name == "retrieval":
+      draft, shape = "", rest or None
+      if shape is not None and not shape.isdigit():
+        raise ValueError(f"retrieval gamma {shape!r} must be an integer")
+    n = shape or str(knobs.gamma)
+    from hitree_jax.tree import MAX_TREE_NODES
+    if not n.lstrip("-").isdigit() or not 1 <= int(n) <= MAX_TREE_NODES:
+      raise ValueError(f"gamma={n} must be an integer in [1, {MAX_TREE_NODES}] (draft tokens per round)")
+    who = f"retrieval:{knobs.budget}" if name == "retrieval" else draft
+    return f"{who}/chain:{n}"
+  defaults = HIERARCHY_DEFAULTS[name]
+  if _split_level(draft)[0].startswith(("ngram", "self:")):
+    raise ValueError(f"--method={name} drafts with a draft model over a StreamingLLM cache: give "
+                     f"--draft=PATH (e.g. drafts/smollm2-draft.gguf), not {draft}; other stacks: "
+                     "--method=hsd --levels=...")
+  streaming = f"@streaming:{knobs.sinks}x{knobs.window}"
+  who, _, mode = draft.rpartition(",") if draft.rpartition(",")[2] in DRAW_MODES else (draft, "", "")
+  bottom = f"{who}{streaming}{',' + mode if mode else ''}"
+  if name == "triforce":
+    tree = f"chain:{knobs.gamma1 or defaults['gamma1']}"
+  else:
+    tree = shape or knobs.tree or defaults["tree"]
+  return f"{bottom}/{tree}+retrieval:{knobs.budget}/{knobs.gamma2 or defaults['gamma2']}"
+
+
+def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Method:
+  """`ar`, `sd[/DRAFT[/GAMMA]]`, `tree[/DRAFT[/TREE]]`, `retrieval[/GAMMA]`, `triforce[/DRAFT]`,
+  `hitree[/DRAFT[/TREE]]` or `hsd[/LEVELS]`; missing parts come from the flags (`knobs`).
 
   e.g. sd/ngram/4, tree/self:8/kary:2x2, tree/self:4,without_replacement/chain:6,
-  sd/drafts/smollm2-draft.gguf/3 (a draft model: any path the loaders read, [,mode]).
+  sd/drafts/smollm2-draft.gguf/3 (a draft model: any path the loaders read, [,mode]),
+  hitree/drafts/smollm2-draft.gguf/kary:3x2, hsd/ngram:3/chain:2+draft/4+retrieval:1024/6.
   """
   from hitree_jax import tree as tree_lib
-  from hitree_jax.drafters import parse_draft_spec
   name, _, rest = spec.partition("/")
   if name not in METHODS or (name == "ar" and rest):
-    raise ValueError(f"method {spec!r} is not available; use ar, sd[/DRAFT[/GAMMA]] or "
-                     f"tree[/DRAFT[/TREE]] with methods {METHODS}")
+    raise ValueError(f"method {spec!r} is not available; use ar, sd[/DRAFT[/GAMMA]], "
+                     "tree[/DRAFT[/TREE]], retrieval[/GAMMA], triforce[/DRAFT], hitree[/DRAFT[/TREE]] "
+                     "or hsd[/LEVELS]")
   if name == "ar":
     return Method("ar")
-  draft, shape = _split_draft_and_shape(rest) if rest else (draft, None)
-  draft_path, mode = None, "deterministic"
-  looks_like_path = "/" in draft or "." in draft.partition(",")[0]
-  if not looks_like_path:
-    drafter = parse_draft_spec(draft)
+  if name == "hsd":
+    levels = rest or knobs.levels
+    if not levels:
+      raise ValueError("--method=hsd needs its levels: --levels=DRAFTER/TREE+WHO/GAMMA+... "
+                       "(e.g. ngram:3/chain:2+draft/4+retrieval:1024/6)")
   else:
-    path, _, mode = draft.rpartition(",") if draft.rpartition(",")[2] in DRAW_MODES else (draft, "", "")
-    mode = mode or "deterministic"
+    levels = _levels_of(name, rest, knobs)
+  bottom = levels.split("+")[0]
+  who, _, shape = bottom.rpartition("/")
+  if not who:
+    raise ValueError(f"level {bottom!r}: expected DRAFTER/TREE (e.g. ngram:3/chain:2)")
+  mode = _split_level(who)[2]
+  names = [_split_level(piece.rpartition("/")[0])[0] for piece in levels.split("+")]
+  model_named = [n for n in names if not n.startswith(("ngram", "self:", "retrieval:"))]
+  for n in model_named:
+    if n != "draft" and "/" not in n and "." not in n:  # not a path: a misspelt drafter
+      from hitree_jax.drafters import parse_draft_spec
+      parse_draft_spec(n)  # raises, naming it
+  draft_path = None
+  if model_named:
+    paths = [n for n in model_named if n != "draft"]
+    path = paths[0] if paths else _split_level(knobs.draft)[0]
+    if len(set(paths)) > 1:
+      raise ValueError(f"{levels!r} names two draft models ({', '.join(sorted(set(paths)))}); a "
+                       "stack has one")
+    if path.startswith(("ngram", "self:")):
+      raise ValueError(f"{levels!r} names a draft model: give its path (--draft=PATH)")
     from hitree_jax.loading import resolve
-    draft_path, drafter = str(resolve(path)), None  # FileNotFoundError naming it, before any load
-  if name == "sd":
-    try:
-      n = int(shape) if shape else gamma
-    except ValueError:
-      raise ValueError(f"sd gamma {shape!r} must be an integer") from None
-    if not 1 <= n <= tree_lib.MAX_TREE_NODES:
-      raise ValueError(f"gamma={n} must be in [1, {tree_lib.MAX_TREE_NODES}] (draft tokens per round)")
-    token_tree, shape = tree_lib.chain(n), str(n)
-  else:
-    shape = shape or tree
-    token_tree = tree_lib.parse_tree_spec(shape)
-    if isinstance(token_tree, tuple):  # ("sequoia", budget, depth)
-      profile = acceptance_profile(acceptance, draft_path, greedy)
-      token_tree = tree_lib.from_acceptance(profile, *token_tree[1:])
-  return Method(name, drafter, token_tree, f"{name}/{draft}/{shape}", draft_path, mode)
+    draft_path = str(resolve(path))  # FileNotFoundError naming it, before any load
+  token_tree = tree_lib.parse_tree_spec(f"chain:{shape}" if shape.isdigit() else shape)
+  if isinstance(token_tree, tuple):  # ("sequoia", budget, depth)
+    profile = acceptance_profile(knobs.acceptance, draft_path, greedy)
+    token_tree = tree_lib.from_acceptance(profile, *token_tree[1:])
+  return Method(name, _label(name, rest, knobs, shape, levels), levels, token_tree, draft_path, mode)
+
+
+def _label(name: str, rest: str, knobs: Knobs, shape: str, levels: str) -> str:
+  """sd/DRAFT/GAMMA and tree/DRAFT/TREE as before; a hierarchy by its levels."""
+  if name in ("sd", "tree"):
+    draft = _split_draft_and_shape(rest)[0] if rest else knobs.draft
+    return f"{name}/{draft}/{shape.removeprefix('chain:') if name == 'sd' else shape}"
+  return f"{name}/{levels}"

@@ -28,8 +28,11 @@ flags.DEFINE_enum("book", None, ["austen", "shakespeare", "milton"],
                   "Use a passage of this book corpus as the prompt (see --prompt_tokens).")
 flags.DEFINE_integer("prompt_tokens", 512, "Length of the --book passage, in tokens.")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate at most.")
-flags.DEFINE_string("method", "ar", f"Decoding method; one of {common.METHODS} "
-                    "(sd: a chain of --gamma draft tokens; tree: --tree; both use --draft).")
+flags.DEFINE_string("method", "ar", f"Decoding method; one of {common.METHODS}. sd: a chain of "
+                    "--gamma draft tokens; tree: --tree; both use --draft. retrieval: the target "
+                    "over a --budget retrieval cache drafts for itself. triforce / hitree: --draft "
+                    "(StreamingLLM cache) -> the target's retrieval level -> the target. hsd: any "
+                    "stack, --levels (docs/methods.md).")
 flags.DEFINE_bool("chat", False, "Wrap the prompt in the model's chat template.")
 flags.DEFINE_bool("ignore_eos", False, "Keep generating after the end-of-sequence token.")
 flags.DEFINE_bool("json", False, "Print one JSON record as the last line.")
@@ -82,8 +85,7 @@ def check_prompt(ids: list[int], config, draft_config, is_draft_alone: bool) -> 
 def main(argv):
   del argv
   common.check_method_flags(FLAGS.method.partition("/")[0], common.given_flags())
-  method = common.parse_method(FLAGS.method, FLAGS.draft, FLAGS.gamma, FLAGS.tree,
-                               FLAGS.acceptance, FLAGS.temperature == 0)
+  method = common.parse_method(FLAGS.method, common.Knobs.from_flags(FLAGS), FLAGS.temperature == 0)
   check_prompt_flags()
   sampling = common.sampling_from_flags(FLAGS)
   if FLAGS.max_new_tokens < 1:
@@ -112,6 +114,9 @@ def main(argv):
   text = tokenizer.decode(tokens, skip_special_tokens=True)
   print(text)
   spec = f", {result.mean_accepted:.2f} tokens per target forward" if result.mean_accepted else ""
+  if result.levels and len(result.levels) > 1:
+    spec += "; acceptance per level " + ", ".join(
+        f"{level['name']} {level['acceptance']:.2f}" for level in result.levels if level["proposed"])
   compiled = (f"compile {result.compile_s:.1f} s ({result.compiles} compiled, "
               f"{result.cache_loads} from the compilation cache)")
   print(f"\n[{method.label}] prompt {len(ids)} tokens, generated {len(tokens)}: "
@@ -127,6 +132,7 @@ def main(argv):
         "temperature": FLAGS.temperature, "top_p": FLAGS.top_p, "top_k": FLAGS.top_k,
         "seed": FLAGS.seed, "target_forwards": result.target_forwards,
         "mean_accepted": result.mean_accepted, "accepted_per_depth": result.accepted_per_depth,
+        "levels": result.levels,
         "settings": common.launcher_settings()}))
 
 

@@ -121,6 +121,17 @@ def test_config_sets_flags_and_the_command_line_wins():
     (["--book=nope"], "--book=nope"),
     (["--prompt=hi", "extra"], "unexpected arguments: extra"),
     (["--config=configs/no_such.py", "--prompt=hi"], "no_such.py"),
+    (["--book=austen", "--method=triforce", "--gamma=3"], "--gamma does not apply to --method=triforce"),
+    (["--book=austen", "--method=hitree", "--draft=drafts/smollm2-draft.gguf", "--budget=100"],
+     "budget=100 must be a multiple of chunk=8"),
+    (["--book=austen", "--method=triforce", "--draft=self:8"], "give --draft=PATH"),
+    (["--book=austen", "--method=hsd", "--levels=self:4@streaming:4x8/2+retrieval:512/4"],
+     "self:4 keeps no cache of its own"),
+    (["--book=austen", "--method=hsd"], "--method=hsd needs its levels"),
+    (["--book=austen", "--method=hsd", "--levels=ngram:3/chain:2+self:2/3"], "only proposes"),
+    (["--book=austen", "--method=hsd", "--levels=ngram:3/chain:2+retrieval:512/x"],
+     "expected retrieval:BUDGET/GAMMA"),
+    (["--book=austen", "--method=hsd", "--levels=ngram/dynamic:4,2+retrieval:512/4"], "dynamic tree"),
 ])
 def test_user_mistakes_are_one_line_and_exit_2(args, message):
   proc = launch("generate", *args, env={"HITREE_COMPILE_CACHE": "off"})

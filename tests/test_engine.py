@@ -16,6 +16,7 @@ from hitree_jax.drafters import DraftWeights, ModelDrafter, NGramDrafter, SelfDr
 from hitree_jax.kv_cache import KVCache, causal_attend
 from hitree_jax.model import forward, init_params
 from hitree_jax.sampling import SamplingParams, probabilities
+from hitree_jax.stack import Stack
 from hitree_jax.vocab import ReducedVocab
 
 CONFIG = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
@@ -283,8 +284,10 @@ def test_sampling_is_exact_over_several_rounds(monkeypatch, tree, draft, tempera
   if isinstance(draft, str):  # the target as its own draft model, with its own cache
     mode = {"target-iid": "iid", "target-wor": "without_replacement"}[draft]
     drafter, weights = model_draft(params, TINY, mode=mode)
-  span = tree.size + 1
-  monkeypatch.setattr(engine, "recent_slots", lambda tree: tree.size + 1)  # one round per block
+  layout = engine.Layout(Stack(drafter, tree), TINY, TINY if weights is not None else None)
+  span = layout.round_extent
+  # A recent cache just wide enough for one round: every round is its own block.
+  monkeypatch.setattr(engine.Layout, "recent_slots", property(lambda self: self.round_extent))
   monkeypatch.setattr(decoding, "CACHE_BUCKET", 16)  # long caches no longer than the run needs
   monkeypatch.setattr(decoding, "COMPILED", decoding._Compiled())  # nothing memoised leaks out
   monkeypatch.setattr(KVCache, "append", counting_append)

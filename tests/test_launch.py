@@ -121,15 +121,15 @@ def foreign_draft(tmp_path_factory):
 
 
 def test_method_specs_name_a_draft_model_by_path(foreign_draft):
-  from launch.common import parse_method
-  method = parse_method(f"sd/{foreign_draft}/3", "self:8", 4, "kary:2x2")
+  from launch.common import Knobs, parse_method
+  method = parse_method(f"sd/{foreign_draft}/3")
   assert method.draft_path == str(foreign_draft) and method.tree.size == 3
-  method = parse_method(f"tree/{foreign_draft},iid/kary:2x2", "self:8", 4, "chain:2")
+  method = parse_method(f"tree/{foreign_draft},iid/kary:2x2")
   assert method.draft_mode == "iid" and method.tree.size == 6
-  method = parse_method("sd", str(foreign_draft), 2, "chain:2")  # --draft=PATH
+  method = parse_method("sd", Knobs(draft=str(foreign_draft), gamma=2))  # --draft=PATH
   assert method.draft_path == str(foreign_draft) and method.tree.size == 2
   with pytest.raises(FileNotFoundError, match="no/such.gguf"):
-    parse_method("sd/no/such.gguf/3", "self:8", 4, "chain:2")
+    parse_method("sd/no/such.gguf/3")
 
 
 def test_method_lists_keep_commas_inside_specs():
@@ -141,16 +141,16 @@ def test_method_lists_keep_commas_inside_specs():
 
 def test_sequoia_tree_from_an_acceptance_profile(foreign_draft, tmp_path):
   from hitree_jax import tree as tree_lib
-  from launch.common import parse_method
-  method = parse_method("tree/self:4/sequoia:6,3", "self:8", 4, "chain:2", "0.6,0.2,0.1")
+  from launch.common import Knobs, parse_method
+  method = parse_method("tree/self:4/sequoia:6,3", Knobs(acceptance="0.6,0.2,0.1"))
   assert method.tree == tree_lib.from_acceptance([0.6, 0.2, 0.1], 6, 3)
   assert method.tree.size <= 6 and method.tree.max_depth <= 3
   # A draft model's own evaluation (DRAFT.json, from launch.distill) is the default profile.
   foreign_draft.with_suffix(".json").write_text(json.dumps(
       {"acceptance_profile": [0.9, 0.05], "greedy_acceptance_profile": [0.3, 0.3, 0.3]}))
   try:
-    sampled = parse_method(f"tree/{foreign_draft}/sequoia:6,6", "", 4, "", None, greedy=False)
-    greedy = parse_method(f"tree/{foreign_draft}/sequoia:6,6", "", 4, "", None, greedy=True)
+    sampled = parse_method(f"tree/{foreign_draft}/sequoia:6,6", greedy=False)
+    greedy = parse_method(f"tree/{foreign_draft}/sequoia:6,6", greedy=True)
   finally:
     foreign_draft.with_suffix(".json").unlink()
   assert sampled.tree == tree_lib.from_acceptance([0.9, 0.05], 6, 6) != greedy.tree

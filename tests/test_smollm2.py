@@ -104,7 +104,7 @@ MEAN_ACCEPTED_FLOOR = {"sd/ngram/4": 1.1, "tree/self:8/kary:2x2": 1.04, f"sd/{DR
 def test_speculative_greedy_equals_ar(ours, prompt, method, monkeypatch):
   from launch.common import parse_method
   monkeypatch.chdir(pathlib.Path(__file__).resolve().parent.parent)
-  spec = parse_method(method, "self:8", 4, "kary:2x2").load_draft(ours.config)
+  spec = parse_method(method).load_draft(ours.config)
   new = 24
   expected = decoding.generate(ours.params, ours.config, [prompt], max_new_tokens=new,
                                stop_at_eos=False).tokens[0]
@@ -136,3 +136,33 @@ def test_distilled_draft_ships_small_and_agrees_with_the_target(ours, tokenizer)
   shipped = json.loads(path.with_suffix(".json").read_text())
   assert got["greedy_agreement"] > 0.3
   assert abs(got["greedy_agreement"] - shipped["greedy_agreement"]) < 0.15  # 256 of its positions
+
+
+# Hierarchies on a long book prompt: the retrieval level keeps 512 of its ~4K slots and the
+# streaming draft 16 + 234, so both really are approximations; the output must still be ar's.
+HIERARCHIES = {
+    "triforce": f"triforce/{DRAFT}",
+    "hitree": f"hitree/{DRAFT}/kary:2x2",
+    "retrieval": "retrieval/4",
+    "4-level": f"hsd/ngram:3/chain:2+{DRAFT}@streaming:16x234/3+retrieval:512/6",
+}
+
+
+@pytest.fixture(scope="module")
+def long_prompt_and_ar(ours, tokenizer):
+  prompt = book_prompts(tokenizer, 4096, 1, corpus="austen")[0]
+  return prompt, decoding.generate(ours.params, ours.config, [prompt], max_new_tokens=24,
+                                   stop_at_eos=False).tokens[0]
+
+
+@pytest.mark.parametrize("name", list(HIERARCHIES))
+def test_hierarchy_greedy_equals_ar_on_a_long_prompt(ours, long_prompt_and_ar, name, monkeypatch):
+  from launch.common import Knobs, parse_method
+  monkeypatch.chdir(pathlib.Path(__file__).resolve().parent.parent)
+  prompt, expected = long_prompt_and_ar
+  method = parse_method(HIERARCHIES[name], Knobs(budget=512)).load_draft(ours.config)
+  got = method.generate(ours.params, ours.config, [prompt], max_new_tokens=24, stop_at_eos=False)
+  assert got.tokens[0] == expected
+  # Every level ran, and the target took more than one token per forward from the level below.
+  assert all(level["forwards"] > 0 for level in got.levels)
+  assert got.levels[-1]["accepted"] > 0 and got.mean_accepted > 1.0

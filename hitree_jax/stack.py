@@ -1,0 +1,125 @@
+"""What a speculative hierarchy is made of: a static description, hashable (jit-static).
+
+A stack is levels M0 < M1 < ... < MK. MK is the target over its full cache
+and verifies; M0 (the `drafter`) proposes a chain or a token tree; each
+intermediate level (a `Verifier`, listed bottom-up) verifies what the level
+below proposed, buffers what it accepts plus its own correction or bonus
+token until it holds at least `gamma`, and hands that chain up with its own
+distributions (HSD). `ar` is the stack with no drafter; `sd` / `tree` have a
+drafter and no verifiers; TriForce and HiTree are [draft (streaming cache),
+target over a retrieval cache, target].
+
+Every level that keeps keys/values has a cache kind (`Full`, `Retrieval`,
+`Streaming`): the long, read-only part of its cache (see levels.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hitree_jax import tree as tree_lib
+from hitree_jax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Full:
+  """Every committed token (the target's own cache)."""
+
+  def __str__(self) -> str:
+    return "full"
+
+
+@dataclasses.dataclass(frozen=True)
+class Retrieval:
+  """TriForce's retrieval cache: the sink chunk plus the best-scoring chunks, `budget` slots."""
+  budget: int
+  chunk: int = 8
+
+  def __post_init__(self):
+    if self.chunk < 1 or self.budget % self.chunk or self.budget < 2 * self.chunk:
+      raise ValueError(f"retrieval budget={self.budget} must be a multiple of chunk={self.chunk} "
+                       "holding at least 2 chunks (the sink and the last)")
+
+  def __str__(self) -> str:
+    return f"retrieval:{self.budget}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Streaming:
+  """StreamingLLM: `sinks` first tokens plus a ring of the `window` most recent (TriForce: 16 + 234)."""
+  sinks: int = 16
+  window: int = 234
+
+  def __post_init__(self):
+    if self.sinks < 0 or self.window < 1:
+      raise ValueError(f"streaming sinks={self.sinks} must be >= 0 and window={self.window} >= 1")
+
+  def __str__(self) -> str:
+    return f"streaming:{self.sinks}+{self.window}"
+
+
+CacheKind = Full | Retrieval | Streaming
+
+
+@dataclasses.dataclass(frozen=True)
+class Verifier:
+  """An intermediate level: `weights` ('target' or 'draft') over a cache of kind `cache`,
+  handing up a chain once it holds at least `gamma` tokens."""
+  weights: str
+  cache: CacheKind
+  gamma: int
+
+  def __post_init__(self):
+    if self.weights not in ("target", "draft"):
+      raise ValueError(f"a level's weights are 'target' or 'draft', not {self.weights!r}")
+    if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
+      raise ValueError(f"gamma={self.gamma!r} must be a positive integer (tokens a level buffers)")
+    if self.weights == "draft" and isinstance(self.cache, Retrieval):
+      raise ValueError("a retrieval cache is built from the target's full cache: use it with the "
+                       "target's weights")
+
+  def __str__(self) -> str:
+    return f"{self.weights}[{self.cache}]/{self.gamma}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+  """drafter: the bottom level (NGramDrafter, SelfDrafter, ModelDrafter) or None for `ar`;
+  tree: what it proposes; verifiers: the intermediate levels, bottom-up."""
+  drafter: object = None
+  tree: tree_lib.TokenTree | tree_lib.DynamicTree | None = None
+  verifiers: tuple[Verifier, ...] = ()
+  draft: ModelConfig | None = None  # the draft model's, when only a verifier level uses it
+
+  def __post_init__(self):
+    object.__setattr__(self, "verifiers", tuple(self.verifiers))
+    if (self.drafter is None) != (self.tree is None):
+      raise ValueError("a drafter needs a tree (or chain) to propose, and a tree needs a drafter")
+    if self.drafter is None and self.verifiers:
+      raise ValueError("intermediate levels verify a drafter's proposals: name a drafter")
+    if any(v.weights == "draft" for v in self.verifiers) and self.draft_config is None:
+      raise ValueError("a level with the draft's weights needs the draft's config: "
+                       "Stack(draft=config) or a ModelDrafter at the bottom")
+    if self.verifiers and isinstance(self.tree, tree_lib.DynamicTree):
+      raise ValueError("a dynamic tree is grown right under the target; in a hierarchy use a "
+                       "static tree (chain:N, kary:KxD, sequoia:B,D) at the bottom")
+
+  @property
+  def num_levels(self) -> int:
+    return 1 + (self.drafter is not None) + len(self.verifiers)
+
+  @property
+  def uses_draft_weights(self) -> bool:
+    return self.draft_config is not None or any(v.weights == "draft" for v in self.verifiers)
+
+  @property
+  def draft_config(self) -> ModelConfig | None:
+    """The draft model's config: a ModelDrafter's on the draft's weights, else `draft`."""
+    if getattr(self.drafter, "weights", None) == "draft":
+      return self.drafter.config
+    return self.draft
+
+  def describe(self) -> str:
+    if self.drafter is None:
+      return "ar"
+    return " -> ".join([f"{self.drafter}", *map(str, self.verifiers), "target"])

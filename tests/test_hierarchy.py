@@ -1,0 +1,191 @@
+"""Hierarchies (TriForce, HiTree, HSD) on tiny random models: greedy equals ar, sampling is exact
+at every level, over several top rounds; a biased middle level is caught."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hitree_jax import decoding, engine
+from hitree_jax import tree as tree_lib
+from hitree_jax import verify as verify_lib
+from hitree_jax.config import ModelConfig
+from hitree_jax.drafters import DraftWeights, ModelDrafter, NGramDrafter, SelfDrafter
+from hitree_jax.model import init_params
+from hitree_jax.sampling import SamplingParams
+from hitree_jax.stack import Full, Retrieval, Stack, Streaming, Verifier
+from tests.test_engine import chi_square_pvalue, exact_joint_law
+
+CONFIG = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                     num_kv_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=None)
+DRAFT = CONFIG.replace(num_layers=1)
+# Ragged: the retrieval level keeps 16 of up to 50 slots, the streaming draft 4 + 8.
+PROMPTS = [[3, 5, 7, 11, 13, 17, 19, 3, 5, 7, 2, 9, 4, 6, 1, 8, 3, 5, 7, 11], [2, 4], [8, 1, 9, 30, 2]]
+RETRIEVAL = Verifier("target", Retrieval(16, chunk=4), gamma=4)
+
+GREEDY_STACKS = {
+    "triforce": Stack(ModelDrafter(DRAFT, cache=Streaming(4, 8)), tree_lib.chain(1),
+                      (Verifier("target", Retrieval(16, 4), 6),)),
+    "hitree-binary": Stack(ModelDrafter(DRAFT, cache=Streaming(4, 8)), tree_lib.kary(2, 2),
+                           (RETRIEVAL,)),
+    "hitree-ternary-iid": Stack(ModelDrafter(DRAFT, "iid", cache=Streaming(4, 8)), tree_lib.kary(3, 2),
+                                (Verifier("target", Retrieval(16, 4), 12),)),
+    "retrieval": Stack(ModelDrafter(CONFIG, cache=Retrieval(16, 4), weights="target"), tree_lib.chain(4)),
+    "self-under-retrieval": Stack(SelfDrafter(1), tree_lib.kary(2, 2), (RETRIEVAL,)),
+    "4-level": Stack(NGramDrafter(2), tree_lib.chain(2),
+                     (Verifier("draft", Full(), 3), Verifier("target", Retrieval(16, 4), 5)), draft=DRAFT),
+}
+
+
+def peaked(config, seed):
+  params = init_params(config, jax.random.key(seed))
+  return jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, params)  # no greedy near-ties
+
+
+@pytest.fixture(scope="module")
+def params():
+  return peaked(CONFIG, 0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+  return DraftWeights.create(peaked(DRAFT, 1))
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(params):
+  return decoding.generate(params, CONFIG, PROMPTS, max_new_tokens=30).tokens
+
+
+@pytest.mark.parametrize("name", list(GREEDY_STACKS))
+def test_greedy_equals_ar(params, draft, ar_tokens, name):
+  stack = GREEDY_STACKS[name]
+  result = engine.generate(params, CONFIG, PROMPTS, stack=stack, draft=draft, max_new_tokens=30)
+  assert result.tokens == ar_tokens
+  levels = result.levels
+  assert [lv["level"] for lv in levels] == list(range(1, stack.num_levels))
+  assert levels[-1]["name"] == "target" and levels[-1]["forwards"] == result.target_forwards
+  for lv in levels:
+    assert 0 <= lv["accepted"] <= lv["proposed"] and lv["forwards"] > 0
+  if stack.verifiers:
+    # The middle level ran rounds of its own, more than the target's.
+    assert levels[-2]["forwards"] > levels[-1]["forwards"]
+
+
+def test_retrieval_level_with_the_whole_context_is_the_target(params):
+  """A retrieval budget covering the context gives the target's own law, so with the target's
+  weights it drafts exactly what the target samples: every proposal is accepted."""
+  stack = Stack(ModelDrafter(CONFIG, "iid", cache=Retrieval(64, 4), weights="target"), tree_lib.chain(3))
+  result = engine.generate(params, CONFIG, PROMPTS, stack=stack, max_new_tokens=24,
+                           sampling=SamplingParams.create(1.0), seed=3)
+  (target,) = result.levels
+  assert target["accepted"] >= 0.99 * target["proposed"]
+
+
+def test_second_generation_compiles_nothing(params, draft):
+  stack = GREEDY_STACKS["hitree-binary"]
+  engine.generate(params, CONFIG, PROMPTS, stack=stack, draft=draft, max_new_tokens=12)
+  again = engine.generate(params, CONFIG, PROMPTS, stack=stack, draft=draft, max_new_tokens=12,
+                          sampling=SamplingParams.create(0.7, top_p=0.9), seed=5)
+  assert again.compiles == 0
+
+
+@pytest.mark.parametrize("stack,message", [
+    (Stack(SelfDrafter(1), tree_lib.chain(2), (Verifier("draft", Full(), 2),), draft=DRAFT),
+     "self-draft reads the cache of the level above"),
+    (Stack(ModelDrafter(DRAFT, cache=Retrieval(16, 4)), tree_lib.chain(2)), "retrieval cache"),
+])
+def test_bad_stacks_are_refused(params, draft, stack, message):
+  with pytest.raises(ValueError, match=message):
+    engine.generate(params, CONFIG, PROMPTS, stack=stack, draft=draft, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: Stack(NGramDrafter(2), tree_lib.DynamicTree(4, 2, 2), (RETRIEVAL,)), "dynamic tree"),
+    (lambda: Stack(NGramDrafter(2), tree_lib.chain(2), (Verifier("draft", Full(), 2),)),
+     "draft's config"),
+    (lambda: Verifier("target", Retrieval(12, 8), 2), "multiple of chunk"),
+    (lambda: Verifier("target", Retrieval(16, 4), 0), "gamma=0"),
+    (lambda: Verifier("draft", Retrieval(16, 4), 2), "retrieval cache"),
+    (lambda: Stack(None, None, (RETRIEVAL,)), "name a drafter"),
+])
+def test_bad_specs_are_refused(make, message):
+  with pytest.raises(ValueError, match=message):
+    make()
+
+
+# --- sampling: the joint law of the first N tokens, enumerated exactly -------------------------
+# A 4-token vocabulary, a prompt longer than the retrieval budget (the middle level's law is
+# not the target's), and a recent cache one round wide, so that every top round is its own
+# block: the long caches (retrieval tail, streaming ring, full) are appended between rounds.
+
+TINY = CONFIG.replace(vocab_size=4, max_position_embeddings=97)
+TINY_DRAFT = TINY.replace(num_layers=1)
+PROMPT = [1, 3, 2, 0, 1, 3, 3, 0, 2, 1]
+N_ROWS = 8000
+MIDDLE = Verifier("target", Retrieval(8, chunk=2), gamma=3)
+EXACT_STACKS = {
+    "3-level-chain-iid": (Stack(ModelDrafter(TINY_DRAFT, "iid", cache=Streaming(2, 4)), tree_lib.chain(2),
+                                (MIDDLE,)), 1.0, 0, 6),
+    "3-level-binary-wor-topk": (Stack(ModelDrafter(TINY_DRAFT, "without_replacement"),
+                                      tree_lib.kary(2, 2), (MIDDLE,)), 0.8, 3, 6),
+    "3-level-self-deterministic": (Stack(SelfDrafter(1), tree_lib.kary(2, 1), (MIDDLE,)), 1.0, 0, 5),
+    "4-level": (Stack(ModelDrafter(TINY_DRAFT, "iid", cache=Streaming(2, 4)), tree_lib.chain(1),
+                      (Verifier("draft", Full(), 2), Verifier("target", Retrieval(8, 2), 4))), 0.9, 0, 5),
+}
+
+
+def sample_stack(monkeypatch, stack, temperature, top_k, n, seed=13):
+  params, draft_params = peaked(TINY, 3), peaked(TINY_DRAFT, 4)
+  monkeypatch.setattr(engine.Layout, "recent_slots", property(lambda self: self.round_extent))
+  monkeypatch.setattr(decoding, "CACHE_BUCKET", 16)
+  monkeypatch.setattr(decoding, "COMPILED", decoding._Compiled())
+  result = engine.generate(params, TINY, [PROMPT] * N_ROWS, stack=stack, max_new_tokens=n,
+                           draft=DraftWeights.create(draft_params), stop_at_eos=False, seed=seed,
+                           sampling=SamplingParams.create(temperature, top_k=top_k))
+  samples = np.array(result.tokens)
+  assert samples.shape == (N_ROWS, n)
+  return samples, result, exact_joint_law(params, TINY, PROMPT, n, temperature, top_k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(EXACT_STACKS))
+def test_sampling_is_exact_at_every_level(monkeypatch, name):
+  stack, temperature, top_k, n = EXACT_STACKS[name]
+  samples, result, law = sample_stack(monkeypatch, stack, temperature, top_k, n)
+  assert result.target_forwards >= 2  # several top rounds
+  middle, top = result.levels[-2], result.levels[-1]
+  assert 0 < middle["accepted"] < middle["proposed"]  # the middle level accepts and rejects
+  assert 0 < top["accepted"] < top["proposed"]        # and so does the target, of its chains
+  assert chi_square_pvalue(samples, law) > 1e-4
+
+
+def _verify_middle_resampling_from_p(bottom_tree):
+  """`verify` whose middle level (the one checking the bottom tree) draws its correction from
+  p itself, as TriForce's public code does; the target's verification stays exact."""
+  exact = verify_lib.verify
+
+  def verify(key, tree, *args):
+    if tree != bottom_tree:
+      return exact(key, tree, *args)
+    residual = verify_lib.residual
+    verify_lib.residual = lambda p, q: p  # read while this call traces
+    try:
+      return exact(key, tree, *args)
+    finally:
+      verify_lib.residual = residual
+
+  return verify
+
+
+@pytest.mark.slow
+def test_biased_middle_level_is_caught(monkeypatch):
+  stack, temperature, top_k, n = EXACT_STACKS["3-level-chain-iid"]
+  # A fresh trace: jit would otherwise reuse one traced with the exact rule, in any test order.
+  monkeypatch.setattr(engine, "verify", _verify_middle_resampling_from_p(stack.tree))
+  jax.clear_caches()
+  try:
+    samples, _, law = sample_stack(monkeypatch, stack, temperature, top_k, n)
+  finally:
+    jax.clear_caches()
+  assert chi_square_pvalue(samples, law) < 1e-6
