@@ -65,6 +65,7 @@ class Proposal:
   attend: jax.Array             # [N+1, N+1] or [B, N+1, N+1] over (root, nodes): drafters.tree_attend_mask
   children: jax.Array | None = None  # [B, N+1, K] each row's own children (None: the static tree's)
   cache: LevelCache | None = None    # a ModelDrafter's cache with the round written past its length
+  cached_depth: int = flax.struct.field(pytree_node=False, default=0)  # path nodes `cache` holds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +104,10 @@ class NGramDrafter:
 
 
 def _static_proposal(tree: TokenTree, tokens, q, inp: DraftInputs, cache=None) -> Proposal:
+  """fill_tree runs every node but the deepest ones: a cache holds an accepted path's first D-1."""
   return Proposal(tokens=tokens, q=q, start=inp.end, depth=jnp.asarray(tree.depth),
-                  attend=jnp.asarray(tree_attend_mask(tree)), cache=cache)
+                  attend=jnp.asarray(tree_attend_mask(tree)), cache=cache,
+                  cached_depth=tree.max_depth - 1)
 
 
 def _round_positions(inp: DraftInputs, depth) -> jax.Array:
@@ -160,9 +163,10 @@ class SelfDrafter:
     return _dynamic_proposal(tokens, trees, inp)
 
 
-def _dynamic_proposal(tokens, trees: dynamic_tree.RowTrees, inp: DraftInputs, cache=None) -> Proposal:
+def _dynamic_proposal(tokens, trees: dynamic_tree.RowTrees, inp: DraftInputs, cache=None,
+                      max_depth: int = 0) -> Proposal:
   return Proposal(tokens=tokens, q=None, start=inp.end, depth=trees.depth, attend=trees.attend,
-                  children=trees.children, cache=cache)
+                  children=trees.children, cache=cache, cached_depth=max_depth)
 
 
 def _first_layers(cache: KVCache, k: int) -> KVCache:
@@ -181,13 +185,13 @@ def _check_dynamic_mode(tree, mode: str) -> None:
 
 
 def fill_tree(key, tree: TokenTree, lead_tokens, step, state, vocab_size: int, sampling: SamplingParams,
-              mode: str, feed_leaves: bool = False):
+              mode: str):
   """Fills a tree one depth per draft forward: all nodes of a depth in one batch.
 
   The first forward runs the lead tokens [B, P] (pending tokens, the root last); then each
   depth's nodes. step(state, fed [B, T], idx [T] round slots: P lead slots then the nodes)
-  -> (logits [B, T, V], state). feed_leaves: also run the deepest nodes, for their
-  keys/values (a draft with its own cache).
+  -> (logits [B, T, V], state). The deepest nodes are not run: a drafter with a cache of its
+  own feeds an accepted leaf with its next round's lead.
   Returns (tokens [B, N], q [B, N+1, V]: the distribution each position's children came from, state).
   """
   batch, p = lead_tokens.shape
@@ -195,14 +199,14 @@ def fill_tree(key, tree: TokenTree, lead_tokens, step, state, vocab_size: int, s
   tokens = jnp.zeros((batch, n), jnp.int32)
   q_all = jnp.zeros((batch, n + 1, vocab_size), jnp.float32)
   frontier = (-1,)                                                    # node indices; -1: the root
-  for d, level in enumerate((*tree.level_nodes, ()) if feed_leaves else tree.level_nodes):
+  for d, level in enumerate(tree.level_nodes):
     if d == 0:
       logits, state = step(state, lead_tokens, np.arange(p))
       logits = logits[:, -1:]                                         # the root's
     else:
       logits, state = step(state, tokens[:, np.array(frontier)], p + np.array(frontier))
     if not level:
-      break                                                           # leaves fed for their K/V
+      break
     q = probabilities(logits, sampling)                               # [B, T, V]
     q_all = q_all.at[:, np.array([u + 1 for u in frontier])].set(q)
     key, sub = jax.random.split(key)
@@ -277,8 +281,8 @@ class ModelDrafter:
     return DraftWeights(inp.params) if self.weights == "target" else inp.draft
 
   def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
-    """One draft forward per depth on the draft's own cache, which keeps every node (the
-    deepest level too), so it commits with the path the level above accepts."""
+    """One draft forward per depth on the draft's own cache (the leaves are not run), which
+    commits with the path the level above accepts."""
     config, draft, lead, cache = self.config, self._weights(inp), inp.lead, inp.cache
     recent = cache.recent
     mask = round_mask(lead.valid, tree_attend_mask(tree))
@@ -292,7 +296,7 @@ class ModelDrafter:
       return draft.never_other(logits), recent
 
     tokens, q_all, recent = fill_tree(key, tree, draft.to_draft(lead.tokens), step, recent,
-                                      config.vocab_size, inp.sampling, self.mode, feed_leaves=True)
+                                      config.vocab_size, inp.sampling, self.mode)
     q_all = draft.target_probs(q_all, self.target_vocab_size)
     return _static_proposal(tree, draft.to_target(tokens), q_all, inp, cache.replace(recent=recent))
 
@@ -319,7 +323,7 @@ class ModelDrafter:
     # A token outside a reduced vocabulary is never ranked above a real one; if one still
     # fills a slot (a vocabulary smaller than the width), any target token keeps this exact.
     return _dynamic_proposal(jnp.maximum(draft.to_target(tokens), 0), trees, inp,
-                             cache.replace(recent=recent))
+                             cache.replace(recent=recent), tree.max_depth)
 
 
 def round_attend(recent_lengths, width: int, tree_mask):

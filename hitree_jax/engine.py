@@ -80,11 +80,13 @@ class Layout:
     return self.stack.verifiers[j - 1].cache
 
   def lead(self, j: int) -> int:
-    """Most pending tokens level j can have: one more for each level above that may accept
-    all it was handed (a drafter keeping its leaves' keys/values starts at none)."""
+    """Most pending tokens level j can have: its root, one more for each level above that may
+    accept all it was handed, and for a drafter with a static tree the leaf it never runs."""
     if j == 0 and self.cache_kind(0) is None:
       return self.lead(1)
-    return self.top - j + (j > 0 or self.top == 0)
+    if j == 0 and isinstance(self.stack.tree, DynamicTree):
+      return self.top  # it runs its whole tree: an accepted leaf is in its cache
+    return self.top - j + 1
 
   def gamma(self, j: int) -> int:
     return self.stack.verifiers[j - 1].gamma
@@ -211,7 +213,8 @@ class _Decoder:
     if prop.cache is not None:  # a drafter's own cache, written in its round: keep the same path
       below = prop.cache
       below_lead = Lead.of(st.seq, prop.start, below.cached, layout.lead(j - 1))
-      caches[j - 1] = below.replace(recent=commit(below.recent, below_lead, verdict.path, n_acc, live))
+      held = jnp.minimum(n_acc, prop.cached_depth)   # an accepted leaf waits in its next lead
+      caches[j - 1] = below.replace(recent=commit(below.recent, below_lead, verdict.path, held, live))
     keep = prop.start + n_acc
     for i in range(j):
       if caches[i] is not None:
