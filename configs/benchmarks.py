@@ -15,8 +15,11 @@ SUITES = {
     "readme": dict(methods=f"ar,sd/{DRAFT}/2,sd/{DRAFT}/3,tree/{DRAFT}/sequoia:8,4,"
                            f"tree/{DRAFT}/dynamic:4,3,sd/ngram/4",
                    prompt_tokens="512,2048", max_new_tokens=128, n_prompts=2, **SAMPLED),
-    "long": dict(methods=f"ar,tree/{DRAFT}/dynamic:4,3", prompt_tokens="4096,6144,7680",
-                 max_new_tokens=256, n_prompts=2, **SAMPLED),
+    # the hierarchy's setting (README, second table): budget 1024, gamma2 6
+    "long": dict(methods=f"ar,tree/{DRAFT}/dynamic:4,3,retrieval/6,triforce/{DRAFT},"
+                         f"hitree/{DRAFT}/kary:2x2,hsd/{DRAFT}@streaming:16x234/kary:2x4+retrieval:1024/12",
+                 budget=1024, gamma2=6, prompt_tokens="7680", max_new_tokens=128, n_prompts=1,
+                 **SAMPLED),
     "quick": dict(methods="ar,sd/ngram/4", prompt_tokens="128", max_new_tokens=16, n_prompts=1),
 }
 

@@ -258,11 +258,10 @@ class _Decoder:
                          lead=Lead.of(st.seq, st.end, cache.cached, layout.lead(reader)),
                          cache=cache, params=self.weights.target, draft=self.weights.draft,
                          sampling=self.sampling, config=layout.target)
-    key, sub = jax.random.split(key)
     if isinstance(tree, DynamicTree):
       prop = drafter.propose_dynamic(tree, inputs)
     else:
-      prop = drafter.propose(sub, tree, inputs)
+      prop = drafter.propose(key, tree, inputs)
     return st, prop, drafter.mode, jnp.full(st.end.shape, tree.max_depth, jnp.int32)
 
   def _fill(self, j: int, st: LoopState, key):

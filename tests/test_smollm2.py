@@ -143,7 +143,6 @@ def test_distilled_draft_ships_small_and_agrees_with_the_target(ours, tokenizer)
 HIERARCHIES = {
     "triforce": f"triforce/{DRAFT}",
     "hitree": f"hitree/{DRAFT}/kary:2x2",
-    "retrieval": "retrieval/4",
     "4-level": f"hsd/ngram:3/chain:2+{DRAFT}@streaming:16x234/3+retrieval:512/6",
 }
 
