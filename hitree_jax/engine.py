@@ -39,13 +39,13 @@ from hitree_jax import tree as tree_lib
 from hitree_jax.cache import StreamingCache
 from hitree_jax.cache import retrieval
 from hitree_jax.config import ModelConfig
-from hitree_jax.drafters import (DraftInputs, DraftWeights, ModelDrafter, NGramDrafter, Proposal,
-                                 SelfDrafter, round_attend, tree_attend_mask)
+from hitree_jax.drafters import (DraftInputs, DraftWeights, ModelDrafter, Proposal, SelfDrafter,
+                                 round_attend, tree_attend_mask)
 from hitree_jax.kv_cache import KVCache
 from hitree_jax.levels import Lead, LevelCache, commit, round_mask
 from hitree_jax.model import forward
 from hitree_jax.sampling import SamplingParams, probabilities, sample
-from hitree_jax.stack import Full, Retrieval, Stack, Streaming, Verifier
+from hitree_jax.stack import Full, Stack, Streaming
 from hitree_jax.tree import DynamicTree, TokenTree
 from hitree_jax.verify import verify
 
@@ -151,7 +151,6 @@ class Weights:
 
 def _chain_proposal(seq, start, count, buffer_q, size: int) -> Proposal:
   """An intermediate level's buffer seq[start : start + count] as a chain the level above verifies."""
-  batch = seq.shape[0]
   index = start[:, None] + jnp.arange(size)[None, :]
   tokens = jnp.take_along_axis(seq, jnp.minimum(index, seq.shape[1] - 1), axis=1)
   # Position i (the root, then node i-1) has node i as its child while the chain holds it.

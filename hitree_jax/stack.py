@@ -118,8 +118,3 @@ class Stack:
     if getattr(self.drafter, "weights", None) == "draft":
       return self.drafter.config
     return self.draft
-
-  def describe(self) -> str:
-    if self.drafter is None:
-      return "ar"
-    return " -> ".join([f"{self.drafter}", *map(str, self.verifiers), "target"])

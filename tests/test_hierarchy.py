@@ -2,7 +2,6 @@
 at every level, over several top rounds; a biased middle level is caught."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
