@@ -110,7 +110,7 @@ class Stack:
 
   @property
   def uses_draft_weights(self) -> bool:
-    return self.draft_config is not None or any(v.weights == "draft" for v in self.verifiers)
+    return self.draft_config is not None  # __post_init__: a draft verifier needs the config
 
   @property
   def draft_config(self) -> ModelConfig | None:

@@ -257,8 +257,8 @@ HIERARCHY_DEFAULTS = {"triforce": dict(gamma1=1, gamma2=6), "hitree": dict(tree=
 
 
 def _drafter(who: str, target_config, draft_config, vocab):
-  """The bottom level of a --levels spec: ngram[:N] | self:K | retrieval:B | a draft model,
-  each [@streaming:SxW] [,MODE] (split off by `_split_level` already for the model)."""
+  """The bottom level of a --levels spec: NAME[@streaming:SxW][,MODE] with NAME ngram[:N],
+  self:K, retrieval:B, draft or a draft model's path (the last two: the --draft model)."""
   from hitree_jax.drafters import ModelDrafter, parse_draft_spec
   from hitree_jax.stack import Full, Retrieval
   name, cache, mode = _split_level(who)

@@ -7,7 +7,6 @@ equivalent explicit mask. Every entry point runs under jax.jit and a second
 call with new values must compile nothing.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +16,10 @@ import pytest
 from hitree_jax.cache import retrieval
 from hitree_jax.cache.retrieval import RetrievalCache
 from hitree_jax.cache.streaming import StreamingCache
-from hitree_jax.config import ModelConfig
 from hitree_jax.kv_cache import KVCache, causal_attend
-from hitree_jax.model import forward, init_params
+from hitree_jax.model import forward
+from tests.test_kv_cache import CONFIG, tiny_params  # the same tiny model and weights
 
-CONFIG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
 MAX_LEN = 64
 CHUNK = 8
 ATOL = 1e-5
@@ -54,24 +51,6 @@ class CompileCounter:
 
   def __exit__(self, *exc):
     self.active = False
-
-
-@functools.lru_cache(maxsize=None)
-def tiny_params(seed=0):
-  """Random params in `init_params`' tree, built in numpy; sharp attention (q/k scaled up)."""
-  rng = np.random.default_rng(seed)
-  shapes = jax.eval_shape(functools.partial(init_params, CONFIG), jax.random.key(seed))
-
-  def fill(path, leaf):
-    name = jax.tree_util.keystr(path)
-    x = rng.standard_normal(leaf.shape)
-    if "norm" in name:
-      x = 1.0 + 0.1 * x
-    elif "kernel" in name:
-      x = x / np.sqrt(leaf.shape[0]) * (2.0 if ("q_proj" in name or "k_proj" in name) else 1.0)
-    return jnp.asarray(x, leaf.dtype)
-
-  return jax.tree_util.tree_map_with_path(fill, shapes)
 
 
 def random_sequences(seed, batch):
