@@ -42,9 +42,9 @@ flags.DEFINE_string("out", "results.json", "Where to write the JSON results (the
 FLAGS = flags.FLAGS
 
 
-def run_one(model, method, ids, sampling):
+def run_one(model, method, ids, sampling, programs):
   return method.generate(model.params, model.config, [ids], max_new_tokens=FLAGS.max_new_tokens,
-                         sampling=sampling, seed=FLAGS.seed, stop_at_eos=False)
+                         sampling=sampling, seed=FLAGS.seed, stop_at_eos=False, programs=programs)
 
 
 def markdown(rows) -> str:
@@ -103,6 +103,7 @@ def main(argv):
   sampling = common.sampling_from_flags(FLAGS)
   import jax
   from hitree_jax.data import book_prompts
+  from hitree_jax.decode.programs import Programs
   from hitree_jax.loading import load_model
   from hitree_jax.tokenizer import load_tokenizer
 
@@ -110,15 +111,16 @@ def main(argv):
   tokenizer = load_tokenizer(model.path)
   methods = [method.load_draft(model.config) for method in methods]
   rows = []
+  programs = Programs()  # every method's compiled programs, kept for the whole run
   progress = Progress("benchmark", len(lengths) * len(methods) * (FLAGS.n_prompts + 1))
   for n_tokens in lengths:
     prompts = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts, corpus=FLAGS.book)
     for method in methods:
-      warm = run_one(model, method, prompts[0], sampling)  # compiles; not timed
+      warm = run_one(model, method, prompts[0], sampling, programs)  # compiles; not timed
       progress.step(detail=f"{method.label} P={n_tokens} warm-up ({warm.compile_s:.1f} s compiling)")
       runs = []
       for i, ids in enumerate(prompts):
-        r = run_one(model, method, ids, sampling)
+        r = run_one(model, method, ids, sampling, programs)
         runs.append({"prompt": i, "prefill_s": r.prefill_s, "decode_s": r.decode_s,
                      "new_tokens": len(r.tokens[0]), "decode_tokens_per_s": r.decode_tokens_per_s,
                      "compiles": r.compiles, "cache_loads": r.cache_loads, "target_forwards": r.target_forwards,

@@ -181,7 +181,7 @@ class Knobs:
 
 
 def sampling_from_flags(FLAGS):
-  from hitree_jax.sampling import SamplingParams
+  from hitree_jax.decode.sampling import SamplingParams
   return SamplingParams.create(FLAGS.temperature, FLAGS.top_p, FLAGS.top_k)
 
 
@@ -200,7 +200,7 @@ class Method:
 
   def build(self, target_config, draft_config=None, vocab=None):
     """The Stack for this target (and draft model config / vocabulary, if the stack has one)."""
-    from hitree_jax.stack import Stack
+    from hitree_jax.decode.stack import Stack
     if self.levels is None:
       return Stack()
     bottom, *middle = self.levels.split("+")
@@ -208,7 +208,7 @@ class Method:
     drafter = _drafter(who, target_config, draft_config, vocab)
     verifiers = tuple(_verifier(piece) for piece in middle)
     stack = Stack(drafter, self.tree, verifiers, draft=draft_config)
-    from hitree_jax.engine import check_stack
+    from hitree_jax.decode.engine import check_stack
     check_stack(stack, target_config)
     return stack
 
@@ -236,19 +236,20 @@ class Method:
     """Loads a separate draft model (slow: after every flag is validated) and builds the stack."""
     if self.draft_path is None:
       return dataclasses.replace(self, stack=self.build(target_config))
-    from hitree_jax.drafters import DraftWeights
+    from hitree_jax.decode.drafters import DraftWeights
     from hitree_jax.loading import load_model
     model = load_model(self.draft_path)
     return dataclasses.replace(self, stack=self.build(target_config, model.config, model.vocab),
                                draft=DraftWeights.create(model.params, model.vocab))
 
   def generate(self, params, config, prompts, **kwargs):
-    from hitree_jax import decoding, engine
-    if self.name == "ar":
-      return decoding.generate(params, config, prompts, **kwargs)
-    if self.stack is None:
+    """engine.generate with this stack; kwargs: max_new_tokens, sampling, seed, programs, ..."""
+    from hitree_jax.decode import engine
+    from hitree_jax.decode.stack import Stack
+    stack = Stack() if self.name == "ar" else self.stack
+    if stack is None:
       raise ValueError(f"call load_draft() before generating with {self.label}")
-    return engine.generate(params, config, prompts, stack=self.stack, draft=self.draft, **kwargs)
+    return engine.generate(params, config, prompts, stack=stack, draft=self.draft, **kwargs)
 
 
 DRAW_MODES = ("deterministic", "iid", "without_replacement")
@@ -259,8 +260,8 @@ HIERARCHY_DEFAULTS = {"triforce": dict(gamma1=1, gamma2=6), "hitree": dict(tree=
 def _drafter(who: str, target_config, draft_config, vocab):
   """The bottom level of a --levels spec: NAME[@streaming:SxW][,MODE] with NAME ngram[:N],
   self:K, retrieval:B, draft or a draft model's path (the last two: the --draft model)."""
-  from hitree_jax.drafters import ModelDrafter, parse_draft_spec
-  from hitree_jax.stack import Full, Retrieval
+  from hitree_jax.decode.drafters import ModelDrafter, parse_draft_spec
+  from hitree_jax.decode.stack import Full, Retrieval
   name, cache, mode = _split_level(who)
   if name.startswith("retrieval:"):
     return ModelDrafter(target_config, mode, cache=Retrieval(_int(name, "retrieval:")), weights="target")
@@ -275,7 +276,7 @@ def _drafter(who: str, target_config, draft_config, vocab):
 
 def _verifier(piece: str):
   """An intermediate level of a --levels spec: retrieval:B/GAMMA or draft[@streaming:SxW]/GAMMA."""
-  from hitree_jax.stack import Full, Retrieval, Verifier
+  from hitree_jax.decode.stack import Full, Retrieval, Verifier
   who, _, gamma = piece.rpartition("/")
   if not who or not gamma.isdigit():
     raise ValueError(f"level {piece!r}: expected retrieval:BUDGET/GAMMA or draft[@streaming:SxW]/GAMMA")
@@ -291,7 +292,7 @@ def _verifier(piece: str):
 
 def _split_level(who: str):
   """'NAME[@streaming:SxW|@full][,MODE]' -> (NAME, cache kind or None, mode)."""
-  from hitree_jax.stack import Full, Streaming
+  from hitree_jax.decode.stack import Full, Streaming
   mode = "deterministic"
   head, _, tail = who.rpartition(",")
   if head and tail in DRAW_MODES:
@@ -364,7 +365,7 @@ def _levels_of(name: str, rest: str, knobs: Knobs) -> str:
       if shape is not None and not shape.isdigit():
         raise ValueError(f"retrieval gamma {shape!r} must be an integer")
     n = shape or str(knobs.gamma)
-    from hitree_jax.tree import MAX_TREE_NODES
+    from hitree_jax.tree.shapes import MAX_TREE_NODES
     if not n.lstrip("-").isdigit() or not 1 <= int(n) <= MAX_TREE_NODES:
       raise ValueError(f"gamma={n} must be an integer in [1, {MAX_TREE_NODES}] (draft tokens per round)")
     # The retrieval level's law is close to the target's: sampling from it (iid) is accepted far
@@ -394,7 +395,7 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
   sd/drafts/smollm2-draft.gguf/3 (a draft model: any path the loaders read, [,mode]),
   hitree/drafts/smollm2-draft.gguf/kary:3x2, hsd/ngram:3/chain:2+draft/4+retrieval:1024/6.
   """
-  from hitree_jax import tree as tree_lib
+  from hitree_jax.tree import shapes as tree_lib
   name, _, rest = spec.partition("/")
   if name not in METHODS or (name == "ar" and rest):
     raise ValueError(f"method {spec!r} is not available; use ar, sd[/DRAFT[/GAMMA]], "
@@ -418,7 +419,7 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
   model_named = [n for n in names if not n.startswith(("ngram", "self:", "retrieval:"))]
   for n in model_named:
     if n != "draft" and "/" not in n and "." not in n:  # not a path: a misspelt drafter
-      from hitree_jax.drafters import parse_draft_spec
+      from hitree_jax.decode.drafters import parse_draft_spec
       parse_draft_spec(n)  # raises, naming it
   draft_path = None
   if model_named:

@@ -55,9 +55,9 @@ FLAGS = flags.FLAGS
 def train_main():
   from hitree_jax.loading import load_model
   from hitree_jax.loading.gguf import save_gguf
+  from hitree_jax.model.vocab import ReducedVocab
   from hitree_jax.tokenizer import load_tokenizer
   from hitree_jax.train import corpus, distill
-  from hitree_jax.vocab import ReducedVocab
 
   workdir = pathlib.Path(FLAGS.workdir)
   layers = tuple(int(x) for x in FLAGS.layers)
@@ -114,8 +114,8 @@ def jax_to_numpy(tree):
 
 def evaluate(teacher, tokenizer, draft, name: str) -> dict:
   """Held-out agreement / acceptance / acceptance profile, and the measured per-token cost ratio."""
-  from hitree_jax import decoding
-  from hitree_jax.sampling import SamplingParams
+  from hitree_jax.decode import engine
+  from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.train import corpus, metrics
 
   sampling = SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
@@ -127,8 +127,8 @@ def evaluate(teacher, tokenizer, draft, name: str) -> dict:
   per_token = {}
   for role, model in (("target", teacher), ("draft", draft)):
     ids = prompt if model.vocab is None else model.vocab.to_draft(prompt)
-    runs = [decoding.generate(model.params, model.config, [ids.tolist()], max_new_tokens=65,
-                              stop_at_eos=False) for _ in range(3)]
+    runs = [engine.generate(model.params, model.config, [ids.tolist()], max_new_tokens=65,
+                            stop_at_eos=False) for _ in range(3)]
     per_token[role] = float(np.median([r.decode_s / 64 for r in runs]))
   record.update(target_ms_per_token=1e3 * per_token["target"],
                 draft_ms_per_token=1e3 * per_token["draft"],
@@ -141,7 +141,7 @@ def evaluate(teacher, tokenizer, draft, name: str) -> dict:
 
 
 def eval_main():
-  from hitree_jax.drafters import SelfDrafter, parse_draft_spec
+  from hitree_jax.decode.drafters import SelfDrafter, parse_draft_spec
   from hitree_jax.loading import LoadedModel, load_model
   from hitree_jax.tokenizer import load_tokenizer
 
@@ -162,7 +162,7 @@ def eval_main():
 def check_flags() -> None:
   """Fails fast on a bad flag: before the teacher loads, hours of labelling and training, and
   the evaluation at the end that reads --temperature and --top_p."""
-  from hitree_jax.sampling import SamplingParams
+  from hitree_jax.decode.sampling import SamplingParams
   try:
     SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
   except ValueError as e:
@@ -205,7 +205,7 @@ def teacher_num_layers() -> int:
 
 def check_draft() -> None:
   """--eval's draft: a self-draft within the teacher, or a model file that exists."""
-  from hitree_jax.drafters import SelfDrafter, parse_draft_spec
+  from hitree_jax.decode.drafters import SelfDrafter, parse_draft_spec
   from hitree_jax.loading import resolve
   if not FLAGS.draft:
     raise app.UsageError("--eval needs --draft=PATH (or self:K)")

@@ -70,11 +70,11 @@ def prompt_ids(tokenizer) -> list[int]:
 
 def check_prompt(ids: list[int], config, draft_config, is_draft_alone: bool) -> None:
   """The prompt must fit the target's context, and the draft's, with the tokens asked for."""
-  from hitree_jax import decoding
+  from hitree_jax.decode.prefill import make_batch
   if not ids:
     raise ValueError("the prompt is empty (0 tokens)")
   if not is_draft_alone:
-    decoding.make_batch([ids], config, FLAGS.max_new_tokens)
+    make_batch([ids], config, FLAGS.max_new_tokens)
   for name, c in (("the draft", draft_config), ("the model", config if is_draft_alone else None)):
     if c is not None and len(ids) + FLAGS.max_new_tokens > c.max_position_embeddings:
       raise ValueError(f"the prompt has {len(ids)} tokens; with --max_new_tokens="

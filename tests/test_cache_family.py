@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from hitree_jax.cache import retrieval
+from hitree_jax.cache.full import KVCache, causal_attend
 from hitree_jax.cache.retrieval import RetrievalCache
 from hitree_jax.cache.streaming import StreamingCache
-from hitree_jax.kv_cache import KVCache, causal_attend
-from hitree_jax.model import forward
+from hitree_jax.model.llama import forward
 from tests.test_kv_cache import CONFIG, tiny_params  # the same tiny model and weights
 
 MAX_LEN = 64

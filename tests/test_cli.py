@@ -10,7 +10,7 @@ import zipfile
 
 import pytest
 
-from hitree_jax import tree as tree_lib
+from hitree_jax.tree import shapes as tree_lib
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()

@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hitree_jax.config import ModelConfig
-from hitree_jax.model import init_params
-from hitree_jax.sampling import SamplingParams, probabilities
+from hitree_jax.decode.sampling import SamplingParams, probabilities
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import init_params
+from hitree_jax.model.vocab import OTHER, ReducedVocab
 from hitree_jax.train import distill, metrics, teacher
-from hitree_jax.vocab import OTHER, ReducedVocab
 
 TEACHER = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=3,
                       num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64,

@@ -9,15 +9,17 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from hitree_jax import decoding, engine
-from hitree_jax import tree as tree_lib
-from hitree_jax.config import ModelConfig
-from hitree_jax.drafters import DraftWeights, ModelDrafter, NGramDrafter, SelfDrafter, parse_draft_spec
-from hitree_jax.kv_cache import KVCache, causal_attend
-from hitree_jax.model import forward, init_params
-from hitree_jax.sampling import SamplingParams, probabilities
-from hitree_jax.stack import Stack
-from hitree_jax.vocab import ReducedVocab
+from hitree_jax.cache.full import KVCache, causal_attend
+from hitree_jax.decode import engine
+from hitree_jax.decode import prefill as prefill_lib
+from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter, SelfDrafter, parse_draft_spec
+from hitree_jax.decode.programs import Programs
+from hitree_jax.decode.sampling import SamplingParams, probabilities
+from hitree_jax.decode.stack import Stack
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import forward, init_params
+from hitree_jax.model.vocab import ReducedVocab
+from hitree_jax.tree import shapes as tree_lib
 
 CONFIG = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=None)
@@ -39,7 +41,7 @@ def params():
 
 @pytest.fixture(scope="module")
 def ar_tokens(params):
-  return decoding.generate(params, CONFIG, PROMPTS, max_new_tokens=40).tokens
+  return engine.generate(params, CONFIG, PROMPTS, max_new_tokens=40).tokens
 
 
 SLOW_SETUPS = ("self1-ragged-iid", "self2-dynamic6x3")  # > 10 s each on a 2-core CPU
@@ -113,7 +115,7 @@ def test_draft_with_another_vocabulary_is_refused(params):
 def test_stops_at_eos_like_ar(params, ar_tokens):
   eos = ar_tokens[0][5]
   config = CONFIG.replace(eos_token_id=eos)
-  expected = decoding.generate(params, config, PROMPTS, max_new_tokens=40).tokens
+  expected = engine.generate(params, config, PROMPTS, max_new_tokens=40).tokens
   got = engine.generate(params, config, PROMPTS, tree=tree_lib.kary(2, 2), drafter=SelfDrafter(2),
                         max_new_tokens=40).tokens
   assert got == expected and got[0][-1] == eos
@@ -214,7 +216,7 @@ def test_sampling_is_exact(tree, drafter, temperature, top_p):
 
 
 def test_greedy_siblings_are_ranked_by_the_draft_logits():
-  from hitree_jax.drafters import draw_children
+  from hitree_jax.decode.drafters import draw_children
   logits = jnp.array([[0.1, 3.0, 2.5, -1.0, 2.9]])
   greedy_q = probabilities(logits, SamplingParams.create(0.0))  # one-hot on token 1
   kids = draw_children(jax.random.key(0), greedy_q, 3, "deterministic", logits)
@@ -288,12 +290,11 @@ def test_sampling_is_exact_over_several_rounds(monkeypatch, tree, draft, tempera
   span = layout.round_extent
   # A recent cache just wide enough for one round: every round is its own block.
   monkeypatch.setattr(engine.Layout, "recent_slots", property(lambda self: self.round_extent))
-  monkeypatch.setattr(decoding, "CACHE_BUCKET", 16)  # long caches no longer than the run needs
-  monkeypatch.setattr(decoding, "COMPILED", decoding._Compiled())  # nothing memoised leaks out
+  monkeypatch.setattr(prefill_lib, "CACHE_BUCKET", 16)  # long caches no longer than the run needs
   monkeypatch.setattr(KVCache, "append", counting_append)
   APPENDED_WIDTHS.clear()
   result = engine.generate(params, TINY, [prompt] * N_ROWS_SEVERAL, tree=tree, drafter=drafter,
-                           draft=weights, max_new_tokens=n, sampling=SamplingParams.create(
+                           draft=weights, max_new_tokens=n, programs=Programs(), sampling=SamplingParams.create(
                                temperature, top_k=top_k), seed=13, stop_at_eos=False)
   samples = np.array(result.tokens)
   assert samples.shape == (N_ROWS_SEVERAL, n)

@@ -5,14 +5,16 @@ import jax
 import numpy as np
 import pytest
 
-from hitree_jax import decoding, engine
-from hitree_jax import tree as tree_lib
-from hitree_jax import verify as verify_lib
-from hitree_jax.config import ModelConfig
-from hitree_jax.drafters import DraftWeights, ModelDrafter, NGramDrafter, SelfDrafter
-from hitree_jax.model import init_params
-from hitree_jax.sampling import SamplingParams
-from hitree_jax.stack import Full, Retrieval, Stack, Streaming, Verifier
+from hitree_jax.decode import engine
+from hitree_jax.decode import prefill as prefill_lib
+from hitree_jax.decode import verify as verify_lib
+from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter, SelfDrafter
+from hitree_jax.decode.programs import Programs
+from hitree_jax.decode.sampling import SamplingParams
+from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import init_params
+from hitree_jax.tree import shapes as tree_lib
 from tests.test_engine import chi_square_pvalue, exact_joint_law
 
 CONFIG = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
@@ -53,7 +55,7 @@ def draft():
 
 @pytest.fixture(scope="module")
 def ar_tokens(params):
-  return decoding.generate(params, CONFIG, PROMPTS, max_new_tokens=30).tokens
+  return engine.generate(params, CONFIG, PROMPTS, max_new_tokens=30).tokens
 
 
 @pytest.mark.parametrize("name", list(GREEDY_STACKS))
@@ -137,10 +139,10 @@ EXACT_STACKS = {
 def sample_stack(monkeypatch, stack, temperature, top_k, n, seed=13):
   params, draft_params = peaked(TINY, 3), peaked(TINY_DRAFT, 4)
   monkeypatch.setattr(engine.Layout, "recent_slots", property(lambda self: self.round_extent))
-  monkeypatch.setattr(decoding, "CACHE_BUCKET", 16)
-  monkeypatch.setattr(decoding, "COMPILED", decoding._Compiled())
+  monkeypatch.setattr(prefill_lib, "CACHE_BUCKET", 16)
   result = engine.generate(params, TINY, [PROMPT] * N_ROWS, stack=stack, max_new_tokens=n,
                            draft=DraftWeights.create(draft_params), stop_at_eos=False, seed=seed,
+                           programs=Programs(),
                            sampling=SamplingParams.create(temperature, top_k=top_k))
   samples = np.array(result.tokens)
   assert samples.shape == (N_ROWS, n)

@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hitree_jax import decoding
-from hitree_jax import model as model_lib
-from hitree_jax.config import ModelConfig
-from hitree_jax.kv_cache import KVCache, causal_attend, write_slots
-from hitree_jax.model import forward, init_params
+from hitree_jax.cache.full import KVCache, causal_attend, write_slots
+from hitree_jax.decode import prefill as prefill_lib
+from hitree_jax.decode.programs import Programs
+from hitree_jax.model import llama as model_lib
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import forward, init_params
 
 CONFIG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
@@ -85,9 +86,9 @@ def test_prefill_then_token_by_token_matches_full_forward():
   max_len = MAX_LEN
   refs = [reference(s) for s in seqs]
 
-  batch = decoding.make_batch([s[:n] for s, n in zip(seqs, prompt_lens)], CONFIG, steps)
+  batch = prefill_lib.make_batch([s[:n] for s, n in zip(seqs, prompt_lens)], CONFIG, steps)
   cache = KVCache.init(CONFIG, 2, max_len)
-  logits, cache = decoding.prefill(params, CONFIG, cache, batch)
+  logits, cache = prefill_lib.prefill(params, CONFIG, cache, batch, Programs())
   np.testing.assert_array_equal(np.asarray(cache.lengths), prompt_lens)
   for b in range(2):
     np.testing.assert_allclose(np.asarray(logits[b]), refs[b][0][prompt_lens[b] - 1], atol=ATOL)
@@ -110,25 +111,25 @@ def test_prefill_then_token_by_token_matches_full_forward():
 @pytest.fixture(params=["one_product", "blockwise"])
 def context_reads(request, monkeypatch):
   """Both ways a chunk reads the cache before it: one product, or a loop over 8-slot blocks."""
-  monkeypatch.setattr(decoding, "MAX_PREFILL_CHUNK", 16)
+  monkeypatch.setattr(prefill_lib, "MAX_PREFILL_CHUNK", 16)
   if request.param == "blockwise":
     monkeypatch.setattr(model_lib, "CONTEXT_BLOCK", 8)
     monkeypatch.setattr(model_lib, "BLOCKWISE_MIN_ROWS", 1)
-  monkeypatch.setattr(decoding, "COMPILED", decoding._Compiled())
   jax.clear_caches()  # programs traced under the other setting must not be reused
-  yield request.param
+  yield Programs()  # programs compiled under this setting, and only those
   jax.clear_caches()
 
 
 @pytest.mark.parametrize("prompt_len", [50, 48, 5])
 def test_chunked_prefill_matches_one_shot(context_reads, prompt_len):
-  assert decoding.prefill_chunk_size(prompt_len) == 16  # 50 -> 3 full chunks + a partial one
+  assert prefill_lib.prefill_chunk_size(prompt_len) == 16  # 50 -> 3 full chunks + a partial one
   prompt = random_tokens(prompt_len, prompt_len)
   max_len = MAX_LEN
   ref_logits, ref_cache = reference(prompt)
 
-  batch = decoding.make_batch([prompt], CONFIG, 1)
-  logits, cache = decoding.prefill(tiny_params(), CONFIG, KVCache.init(CONFIG, 1, max_len), batch)
+  batch = prefill_lib.make_batch([prompt], CONFIG, 1)
+  logits, cache = prefill_lib.prefill(tiny_params(), CONFIG, KVCache.init(CONFIG, 1, max_len), batch,
+                                     context_reads)
   assert logits.shape == (1, CONFIG.vocab_size)
   np.testing.assert_allclose(np.asarray(logits[0]), ref_logits[-1], atol=ATOL)
   np.testing.assert_array_equal(np.asarray(cache.lengths), [prompt_len])
@@ -138,8 +139,9 @@ def test_chunked_prefill_matches_one_shot(context_reads, prompt_len):
 def test_chunked_prefill_batch_of_different_lengths(context_reads):
   prompts = [random_tokens(1, 50), random_tokens(2, 21)]
   max_len = MAX_LEN
-  batch = decoding.make_batch(prompts, CONFIG, 1)
-  logits, cache = decoding.prefill(tiny_params(), CONFIG, KVCache.init(CONFIG, 2, max_len), batch)
+  batch = prefill_lib.make_batch(prompts, CONFIG, 1)
+  logits, cache = prefill_lib.prefill(tiny_params(), CONFIG, KVCache.init(CONFIG, 2, max_len), batch,
+                                     context_reads)
   np.testing.assert_array_equal(np.asarray(cache.lengths), [50, 21])
   for b, prompt in enumerate(prompts):
     ref_logits, ref_cache = reference(prompt)
@@ -190,8 +192,8 @@ def test_commit_accepted_tree_path_matches_direct_run():
   n_accepted = np.array([3, 2, 1])
   next_tokens = np.array([7, 13, 31], np.int32)
 
-  batch = decoding.make_batch(prompts, CONFIG, 8)
-  _, cache = decoding.prefill(params, CONFIG, KVCache.init(CONFIG, 3, max_len), batch)
+  batch = prefill_lib.make_batch(prompts, CONFIG, 8)
+  _, cache = prefill_lib.prefill(params, CONFIG, KVCache.init(CONFIG, 3, max_len), batch, Programs())
   lengths = np.array([p.size for p in prompts])
 
   positions = lengths[:, None] + np.array([depth(i) for i in range(len(PARENTS))])[None, :]

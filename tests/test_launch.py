@@ -110,9 +110,9 @@ def test_generate_rejects_bad_input_by_name(args, message):
 def foreign_draft(tmp_path_factory):
   """A tiny random GGUF draft whose vocabulary (100 tokens) is not SmolLM2's."""
   import jax
-  from hitree_jax.config import ModelConfig
   from hitree_jax.loading.gguf import save_gguf
-  from hitree_jax.model import init_params
+  from hitree_jax.model.config import ModelConfig
+  from hitree_jax.model.llama import init_params
   config = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=1,
                        num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128)
   path = tmp_path_factory.mktemp("draft") / "foreign.gguf"
@@ -140,7 +140,7 @@ def test_method_lists_keep_commas_inside_specs():
 
 
 def test_sequoia_tree_from_an_acceptance_profile(foreign_draft, tmp_path):
-  from hitree_jax import tree as tree_lib
+  from hitree_jax.tree import shapes as tree_lib
   from launch.common import Knobs, parse_method
   method = parse_method("tree/self:4/sequoia:6,3", Knobs(acceptance="0.6,0.2,0.1"))
   assert method.tree == tree_lib.from_acceptance([0.6, 0.2, 0.1], 6, 3)

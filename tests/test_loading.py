@@ -10,15 +10,15 @@ import gguf
 import torch
 import transformers
 
-from hitree_jax.config import ModelConfig
-from hitree_jax.kv_cache import KVCache, causal_attend
+from hitree_jax.cache.full import KVCache, causal_attend
 from hitree_jax.loading import load_model, smollm2_gguf_path
 from hitree_jax.loading.checkpoint import load_checkpoint, save_checkpoint
 from hitree_jax.loading.gguf import load_gguf, save_gguf, unpermute_rope_rows
-from hitree_jax.model import (forward, init_params, logits_from_hidden, with_decode_head,
-                              without_decode_head)
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import (forward, init_params, logits_from_hidden, with_decode_head,
+                                    without_decode_head)
+from hitree_jax.model.vocab import ReducedVocab
 from hitree_jax.tokenizer import load_tokenizer
-from hitree_jax.vocab import ReducedVocab
 
 
 def tiny_hf(tied):

@@ -6,10 +6,10 @@ import pytest
 import torch
 import transformers
 
-from hitree_jax.config import ModelConfig
-from hitree_jax.kv_cache import KVCache, causal_attend
+from hitree_jax.cache.full import KVCache, causal_attend
 from hitree_jax.loading.hf import params_from_state_dict
-from hitree_jax.model import forward
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import forward
 
 ROPE_SCALINGS = {
     "none": None,

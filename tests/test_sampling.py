@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from hitree_jax.sampling import SamplingParams, probabilities, sample
+from hitree_jax.decode.sampling import SamplingParams, probabilities, sample
 
 N_SAMPLES = 20000
 VOCAB = 61
@@ -220,7 +220,7 @@ def test_changing_settings_does_not_recompile():
 
 
 def test_draw_never_picks_a_zero_probability_token():
-  from hitree_jax.sampling import draw
+  from hitree_jax.decode.sampling import draw
   probs = jnp.array([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]])
   tokens = np.asarray(jax.vmap(lambda k: draw(k, probs))(jax.random.split(jax.random.key(0), 4000)))
   assert set(np.unique(tokens[:, 0])) == {1, 3} and (tokens[:, 1] == 4).all()

@@ -8,11 +8,11 @@ import pytest
 import torch
 import transformers
 
-from hitree_jax import decoding
+from hitree_jax.cache.full import KVCache, causal_attend
 from hitree_jax.data import book_prompts
-from hitree_jax.kv_cache import KVCache, causal_attend
+from hitree_jax.decode import engine
 from hitree_jax.loading import load_model, smollm2_gguf_path
-from hitree_jax.model import forward
+from hitree_jax.model.llama import forward
 from hitree_jax.tokenizer import chat_prompt, load_tokenizer
 
 torch.set_num_threads(2)
@@ -69,7 +69,7 @@ def test_ar_greedy_equals_transformers_generate(ours, reference, prompt):
     out = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=new, min_new_tokens=new, do_sample=False)
   expected = out[0, len(prompt):].tolist()
-  got = decoding.generate(ours.params, ours.config, [prompt], max_new_tokens=new,
+  got = engine.generate(ours.params, ours.config, [prompt], max_new_tokens=new,
                           stop_at_eos=False).tokens[0]
   assert len(got) == new
   if got != expected:  # allowed only at a numerical near-tie of the top two logits
@@ -106,7 +106,7 @@ def test_speculative_greedy_equals_ar(ours, prompt, method, monkeypatch):
   monkeypatch.chdir(pathlib.Path(__file__).resolve().parent.parent)
   spec = parse_method(method).load_draft(ours.config)
   new = 24
-  expected = decoding.generate(ours.params, ours.config, [prompt], max_new_tokens=new,
+  expected = engine.generate(ours.params, ours.config, [prompt], max_new_tokens=new,
                                stop_at_eos=False).tokens[0]
   got = spec.generate(ours.params, ours.config, [prompt], max_new_tokens=new, stop_at_eos=False)
   assert got.tokens[0] == expected
@@ -124,8 +124,8 @@ def test_distilled_draft_ships_small_and_agrees_with_the_target(ours, tokenizer)
   """The committed draft: <= 25 MB, SmolLM2's tokenizer, and it predicts the target's next token
   on held-out book text far more often than the target's own first 3 layers would (ASSETS: ~6%)."""
   import json
+  from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.loading import load_model
-  from hitree_jax.sampling import SamplingParams
   from hitree_jax.train import corpus, metrics
   path = pathlib.Path(__file__).resolve().parent.parent / DRAFT
   assert path.stat().st_size <= 25 * 2**20

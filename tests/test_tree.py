@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hitree_jax import dynamic_tree
-from hitree_jax.drafters import tree_attend_mask
-from hitree_jax.tree import (DynamicTree, TokenTree, chain, expected_accepted, from_acceptance, kary,
-                             parse_tree_spec)
+from hitree_jax.decode.drafters import tree_attend_mask
+from hitree_jax.tree import dynamic as dynamic_tree
+from hitree_jax.tree.shapes import (DynamicTree, TokenTree, chain, expected_accepted, from_acceptance, kary,
+                                    parse_tree_spec)
 
 
 def random_parents(rng, n):

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from hitree_jax import tree as tree_lib
-from hitree_jax import verify as verify_lib
+from hitree_jax.decode import verify as verify_lib
+from hitree_jax.tree import shapes as tree_lib
 
 V = 3
 MAX_PREFIX = 6

@@ -1,11 +1,6 @@
-"""Small caches for the lower levels of a speculative hierarchy.
+"""The cache family every level reads: `full` (KVCache: the full cache, and a level's short
+recent cache), `retrieval` (the target's weights over a budget of chosen KV chunks: TriForce),
+`streaming` (attention sinks plus a ring of recent tokens: StreamingLLM).
 
-`retrieval`: the target's own weights over a budget of chosen KV chunks (TriForce).
-`streaming`: attention sinks plus a ring of recent tokens for the bottom draft (StreamingLLM).
-Both are read-only `context` caches for model.forward.
+No re-exports here: the model imports `cache.full`, and `cache.retrieval` imports the model.
 """
-
-from hitree_jax.cache.retrieval import RetrievalCache, from_full, last_token_queries, reselect, select
-from hitree_jax.cache.streaming import StreamingCache
-
-__all__ = ["RetrievalCache", "StreamingCache", "from_full", "last_token_queries", "reselect", "select"]

@@ -36,9 +36,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from hitree_jax.config import ModelConfig
-from hitree_jax.kv_cache import KVCache
-from hitree_jax.model import apply_rope, llama, rope_inv_freq
+from hitree_jax.cache.full import KVCache
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import apply_rope, llama, rope_inv_freq
 
 
 @flax.struct.dataclass

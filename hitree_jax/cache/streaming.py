@@ -25,8 +25,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from hitree_jax.config import ModelConfig
-from hitree_jax.kv_cache import KVCache
+from hitree_jax.cache.full import KVCache
+from hitree_jax.model.config import ModelConfig
 
 
 def held_positions(seen: jax.Array, sinks: int, window: int) -> jax.Array:

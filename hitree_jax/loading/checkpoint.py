@@ -15,8 +15,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from hitree_jax.config import ModelConfig
-from hitree_jax.model import without_decode_head
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import without_decode_head
 
 CONFIG_FILE = "hitree_config.json"
 

@@ -20,9 +20,9 @@ import pathlib
 import gguf
 import numpy as np
 
-from hitree_jax.config import ModelConfig
 from hitree_jax.loading.hf import params_from_state_dict
-from hitree_jax.vocab import ReducedVocab
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.vocab import ReducedVocab
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

@@ -14,7 +14,7 @@ from typing import Mapping
 import numpy as np
 import safetensors.numpy
 
-from hitree_jax.config import ModelConfig
+from hitree_jax.model.config import ModelConfig
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")

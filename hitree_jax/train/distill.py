@@ -25,9 +25,9 @@ import optax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from hitree_jax.config import ModelConfig
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.vocab import OTHER, ReducedVocab
 from hitree_jax.train import corpus, teacher
-from hitree_jax.vocab import OTHER, ReducedVocab
 
 # progress(done, total, detail): called with done=0 as a loop starts, then after each unit of it.
 # Launchers turn it into log lines with an ETA; the library only counts.

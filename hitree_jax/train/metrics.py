@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hitree_jax.config import ModelConfig
-from hitree_jax.sampling import SamplingParams, probabilities
+from hitree_jax.decode.sampling import SamplingParams, probabilities
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.vocab import ReducedVocab, spread_probs
 from hitree_jax.train.distill import draft_logits
 from hitree_jax.train.teacher import full_sequence_logits
-from hitree_jax.vocab import ReducedVocab, spread_probs
 
 
 PROFILE_RANKS = 8

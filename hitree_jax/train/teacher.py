@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from hitree_jax.config import ModelConfig
-from hitree_jax.kv_cache import KVCache, causal_attend
-from hitree_jax.model import forward
+from hitree_jax.cache.full import KVCache, causal_attend
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import forward
 
 
 def full_sequence_logits(params, config: ModelConfig, tokens):

@@ -18,7 +18,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from hitree_jax.tree import DynamicTree
+from hitree_jax.tree.shapes import DynamicTree
 
 
 @flax.struct.dataclass

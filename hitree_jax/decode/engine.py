@@ -34,20 +34,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hitree_jax import decoding
-from hitree_jax import tree as tree_lib
-from hitree_jax.cache import StreamingCache
 from hitree_jax.cache import retrieval
-from hitree_jax.config import ModelConfig
-from hitree_jax.drafters import (DraftInputs, DraftWeights, ModelDrafter, Proposal, SelfDrafter,
-                                 round_attend, tree_attend_mask)
-from hitree_jax.kv_cache import KVCache
-from hitree_jax.levels import Lead, LevelCache, commit, round_mask
-from hitree_jax.model import forward
-from hitree_jax.sampling import SamplingParams, probabilities, sample
-from hitree_jax.stack import Full, Stack, Streaming
-from hitree_jax.tree import DynamicTree, TokenTree
-from hitree_jax.verify import verify
+from hitree_jax.cache.full import KVCache
+from hitree_jax.cache.streaming import StreamingCache
+from hitree_jax.decode import prefill as prefill_lib
+from hitree_jax.decode import programs as programs_lib
+from hitree_jax.decode.drafters import (DraftInputs, DraftWeights, ModelDrafter, Proposal, SelfDrafter,
+                                        round_attend, tree_attend_mask)
+from hitree_jax.decode.levels import Lead, LevelCache, commit, round_mask
+from hitree_jax.decode.result import GenerationResult
+from hitree_jax.decode.sampling import SamplingParams, probabilities, sample
+from hitree_jax.decode.stack import Full, Stack, Streaming
+from hitree_jax.decode.verify import verify
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import forward
+from hitree_jax.tree import shapes as tree_lib
+from hitree_jax.tree.shapes import DynamicTree, TokenTree
+
+MIN_RECENT_SLOTS = 32  # a block's recent cache: tokens a level writes before they go to its long one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +117,7 @@ class Layout:
 
   @property
   def recent_slots(self) -> int:
-    return max(decoding.RECENT_SLOTS, 4 * self.round_extent)
+    return max(MIN_RECENT_SLOTS, 4 * self.round_extent)
 
   @property
   def max_emitted(self) -> int:
@@ -350,7 +354,7 @@ class _Decoder:
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), block, st)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
 def _decode(layout: Layout, weights: Weights, long_caches, first_logits, max_new_tokens: int,
             sampling: SamplingParams, eos_id, key, seq, end):
   """The whole generation after prefill. Returns (tokens [B, N + slack], n_tokens [B], Stats)."""
@@ -378,18 +382,19 @@ def _decode(layout: Layout, weights: Weights, long_caches, first_logits, max_new
   return state.out, jnp.minimum(state.n_out, max_new_tokens), state.stats
 
 
-def _long_caches(layout: Layout, weights: Weights, config: ModelConfig, batch: decoding.PromptBatch,
-                 slots: int, tail: int):
+def _long_caches(layout: Layout, weights: Weights, config: ModelConfig, batch: prefill_lib.PromptBatch,
+                 slots: int, tail: int, programs: programs_lib.Programs):
   """Prefills what each level keeps: -> (first logits [B, V], long caches per level)."""
   params = weights.target
   full = KVCache.init(config, batch.batch, slots)
-  first_logits, full = decoding.prefill(params, config, full, batch)
+  first_logits, full = prefill_lib.prefill(params, config, full, batch, programs)
   draft_full = None
   if layout.stack.uses_draft_weights:
     draft = weights.draft
     draft_batch = dataclasses.replace(batch, tokens=np.asarray(draft.to_draft(batch.tokens)))
-    _, draft_full = decoding.prefill(draft.params, layout.draft,
-                                     KVCache.init(layout.draft, batch.batch, slots), draft_batch)
+    _, draft_full = prefill_lib.prefill(draft.params, layout.draft,
+                                        KVCache.init(layout.draft, batch.batch, slots), draft_batch,
+                                        programs)
   last_tokens = jnp.asarray(batch.tokens[np.arange(batch.batch), batch.lengths - 1])
   longs = []
   for j in range(layout.top + 1):
@@ -397,8 +402,8 @@ def _long_caches(layout: Layout, weights: Weights, config: ModelConfig, batch: d
     source = draft_full if layout.weights(j) == "draft" else full
     if kind is None:
       longs.append(None)
-    elif isinstance(kind, Full):
-      longs.append(source)
+    elif isinstance(kind, Full):  # each level's cache is its own buffer (the decode loop donates them)
+      longs.append(jax.tree.map(jnp.copy, source) if any(source is c for c in longs) else source)
     elif isinstance(kind, Streaming):
       longs.append(_streaming(source, kind.sinks, kind.window))
     else:
@@ -428,12 +433,15 @@ def check_stack(stack: Stack, config: ModelConfig) -> None:
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              stack: Stack | None = None, tree: TokenTree | DynamicTree | None = None, drafter=None,
              sampling: SamplingParams | None = None, seed: int = 0, stop_at_eos: bool = True,
-             draft: DraftWeights | None = None) -> decoding.GenerationResult:
-  """Generation with any stack (stack.py); `tree` + `drafter` is shorthand for the two-level
-  Stack(drafter, tree). draft: a draft model's weights, for a stack that has one."""
+             draft: DraftWeights | None = None,
+             programs: programs_lib.Programs | None = None) -> GenerationResult:
+  """Generation with any stack (stack.py): by default `ar`; `tree` + `drafter` is shorthand for
+  the two-level Stack(drafter, tree). draft: a draft model's weights, for a stack that has one.
+  programs: the memo of compiled programs to use and fill (default: programs.shared())."""
   if stack is None:
     stack = Stack(drafter, tree)
   sampling = sampling or SamplingParams.create()
+  programs = programs or programs_lib.shared()
   check_stack(stack, config)
   if stack.uses_draft_weights and draft is None:
     raise ValueError("a stack with a draft model needs its weights: pass "
@@ -444,35 +452,35 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
   if not stack.uses_draft_weights:
     draft = None
   layout = Layout(stack, config, stack.draft_config)
-  batch = decoding.make_batch(prompts, config, max_new_tokens)
-  counts_before = decoding.COMPILED.counts()
+  batch = prefill_lib.make_batch(prompts, config, max_new_tokens)
+  counts_before = programs.counts()
   width = layout.recent_slots
-  slots = decoding.cache_slots(batch.tokens.shape[1], max_new_tokens, extra=width)
+  slots = prefill_lib.cache_slots(batch.tokens.shape[1], max_new_tokens, extra=width)
   weights = Weights(params, draft)
 
   start = time.perf_counter()
   first_logits, longs = _long_caches(layout, weights, config, batch, slots,
-                                     tail=decoding.round_up(max_new_tokens + width, 8))
+                                     prefill_lib.round_up(max_new_tokens + width, 8), programs)
   first_logits.block_until_ready()
-  prefill_s = time.perf_counter() - start - (decoding.COMPILED.compile_s - counts_before[0])
+  prefill_s = time.perf_counter() - start - (programs.compile_s - counts_before[0])
 
-  history_width = decoding.round_up(batch.tokens.shape[1] + max_new_tokens + width, 128)
+  history_width = prefill_lib.round_up(batch.tokens.shape[1] + max_new_tokens + width, 128)
   seq = np.zeros((batch.batch, history_width), np.int32)
   seq[:, :batch.tokens.shape[1]] = batch.tokens
   eos = jnp.int32(config.eos_token_id if stop_at_eos and config.eos_token_id is not None else -1)
   args = (layout, weights, longs, first_logits, max_new_tokens, sampling, eos, jax.random.key(seed),
           jnp.asarray(seq), jnp.asarray(batch.lengths))
-  loop = decoding.COMPILED.get(("engine", layout, max_new_tokens, decoding._shape_key(args[1:])),
-                               _decode, *args)
+  loop = programs.get(("engine", layout, max_new_tokens, programs_lib.shape_key(args[1:])),
+                      _decode, *args)
   start = time.perf_counter()
   out, n_tokens, stats = loop(*[a for i, a in enumerate(args) if i not in (0, 4)])
   out, n_tokens = np.asarray(out), np.asarray(n_tokens)
   decode_s = time.perf_counter() - start
   stats = jax.tree.map(np.asarray, stats)
   speculative = layout.top > 0
-  return decoding.GenerationResult(
+  return GenerationResult(
       tokens=[out[b, :n_tokens[b]].tolist() for b in range(batch.batch)],
-      prefill_s=prefill_s, decode_s=decode_s, **decoding.compile_counts(counts_before),
+      prefill_s=prefill_s, decode_s=decode_s, **programs.since(counts_before),
       target_forwards=int(stats.rounds.max()) if speculative else None,
       rounds_per_row=stats.rounds.tolist() if speculative else None,
       accepted_per_depth=stats.per_depth.tolist() if speculative else None,

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hitree_jax.config import ModelConfig
-from hitree_jax.kv_cache import KVCache, write_slots
+from hitree_jax.cache.full import KVCache, write_slots
+from hitree_jax.model.config import ModelConfig
 
 _MASKED = -1e30
 

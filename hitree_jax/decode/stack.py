@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from hitree_jax import tree as tree_lib
-from hitree_jax.config import ModelConfig
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.tree import shapes as tree_lib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,15 +31,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hitree_jax import dynamic_tree
-from hitree_jax.config import ModelConfig
-from hitree_jax.kv_cache import KVCache
-from hitree_jax.levels import Lead, LevelCache, round_mask
-from hitree_jax.model import forward, hidden_states
-from hitree_jax.sampling import SamplingParams, draw, probabilities
-from hitree_jax.stack import CacheKind, Full, Retrieval
-from hitree_jax.tree import DynamicTree, TokenTree
-from hitree_jax.vocab import OTHER, spread_probs
+from hitree_jax.cache.full import KVCache
+from hitree_jax.decode.levels import Lead, LevelCache, round_mask
+from hitree_jax.decode.sampling import SamplingParams, draw, probabilities
+from hitree_jax.decode.stack import CacheKind, Full, Retrieval
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import forward, hidden_states
+from hitree_jax.model.vocab import OTHER, spread_probs
+from hitree_jax.tree import dynamic as dynamic_tree
+from hitree_jax.tree.shapes import DynamicTree, TokenTree
 
 
 @flax.struct.dataclass

@@ -23,8 +23,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from hitree_jax.sampling import draw
-from hitree_jax.tree import TokenTree
+from hitree_jax.decode.sampling import draw
+from hitree_jax.tree.shapes import TokenTree
 
 MODES = ("iid", "without_replacement", "deterministic")
 

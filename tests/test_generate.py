@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hitree_jax import decoding
-from hitree_jax.config import ModelConfig
-from hitree_jax.kv_cache import KVCache, causal_attend
+from hitree_jax.cache.full import KVCache, causal_attend
+from hitree_jax.decode import engine
+from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.loading import load_model
-from hitree_jax.model import forward, init_params
-from hitree_jax.sampling import SamplingParams
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import forward, init_params
 
 CONFIG = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=8, max_position_embeddings=128, eos_token_id=None)
@@ -45,30 +45,30 @@ def naive_greedy(params, prompt, n, width=32):
 
 def test_greedy_matches_naive_reference_in_a_ragged_batch(params):
   prompts = [[3, 5, 7, 11, 13, 17, 19], [2, 4], [8, 1, 9, 30, 2]]
-  result = decoding.generate(params, CONFIG, prompts, max_new_tokens=12)
+  result = engine.generate(params, CONFIG, prompts, max_new_tokens=12)
   for prompt, got in zip(prompts, result.tokens):
     assert got == naive_greedy(params, prompt, 12)
-  alone = decoding.generate(params, CONFIG, prompts[1:2], max_new_tokens=12).tokens[0]
+  alone = engine.generate(params, CONFIG, prompts[1:2], max_new_tokens=12).tokens[0]
   assert alone == result.tokens[1]
 
 
 def test_stops_at_eos_per_row(params):
   prompts = [[3, 5, 7], [2, 4, 6, 8]]
-  free = decoding.generate(params, CONFIG, prompts, max_new_tokens=10).tokens
+  free = engine.generate(params, CONFIG, prompts, max_new_tokens=10).tokens
   i = next(i for i in range(1, 10) if free[0][i] not in free[0][:i])  # first new token after the first
   eos = free[0][i]
-  stopped = decoding.generate(params, CONFIG.replace(eos_token_id=eos), prompts, max_new_tokens=10).tokens
+  stopped = engine.generate(params, CONFIG.replace(eos_token_id=eos), prompts, max_new_tokens=10).tokens
   assert stopped[0] == free[0][:i + 1]
   row1_cut = free[1].index(eos) + 1 if eos in free[1] else 10
   assert stopped[1] == free[1][:row1_cut]
-  ignored = decoding.generate(params, CONFIG.replace(eos_token_id=eos), prompts, max_new_tokens=10,
+  ignored = engine.generate(params, CONFIG.replace(eos_token_id=eos), prompts, max_new_tokens=10,
                               stop_at_eos=False).tokens
   assert ignored == free
 
 
 def test_sampling_is_reproducible_from_the_seed(params):
   sampling = SamplingParams.create(temperature=1.0)
-  run = lambda seed: decoding.generate(params, CONFIG, [[1, 2, 3]], max_new_tokens=24,
+  run = lambda seed: engine.generate(params, CONFIG, [[1, 2, 3]], max_new_tokens=24,
                                        sampling=sampling, seed=seed).tokens[0]
   assert run(7) == run(7)
   assert run(7) != run(8)
@@ -90,12 +90,12 @@ def test_one_compilation_per_generation(params):
   counter = CompileCounter()
   config = CONFIG.replace(num_layers=3)  # a config no other test compiled
   p = init_params(config, jax.random.key(1))
-  first = decoding.generate(p, config, [[1, 2, 3, 4, 5]], max_new_tokens=64, stop_at_eos=False)
+  first = engine.generate(p, config, [[1, 2, 3, 4, 5]], max_new_tokens=64, stop_at_eos=False)
   assert len(first.tokens[0]) == 64
   assert first.compiles == 3  # prefill chunk, last-token logits, the whole 64-token decode loop
   before = counter.count
   # Another prompt length in the same shape bucket, other sampling settings, other seed.
-  second = decoding.generate(p, config, [[9, 8, 7, 6, 5, 4, 3]], max_new_tokens=64,
+  second = engine.generate(p, config, [[9, 8, 7, 6, 5, 4, 3]], max_new_tokens=64,
                              sampling=SamplingParams.create(0.7, 0.9, 10), seed=3, stop_at_eos=False)
   assert second.compiles == 0 and second.compile_s == 0.0
   assert counter.count == before, "a second generation of the same shapes compiled something"
@@ -112,7 +112,7 @@ def test_one_compilation_per_generation(params):
 ])
 def test_bad_prompts_raise_clear_errors(params, prompts, match):
   with pytest.raises(ValueError, match=match):
-    decoding.generate(params, CONFIG, prompts, max_new_tokens=40)
+    engine.generate(params, CONFIG, prompts, max_new_tokens=40)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -23,7 +23,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from hitree_jax.config import ModelConfig
+from hitree_jax.model.config import ModelConfig
 
 
 @flax.struct.dataclass

@@ -26,7 +26,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from hitree_jax.kv_cache import KVCache
+from hitree_jax.cache.full import KVCache
 
 
 @flax.struct.dataclass

@@ -1,0 +1,129 @@
+"""Prompt batching and chunked prefill.
+
+Prefill is a host loop over fixed-size chunks: one compiled program per
+(chunk size, cache bucket), one host dispatch per chunk, and a long prompt
+never materialises a P x P score matrix. Rows of a batch have their own
+prompt length and cache cursor, so prompts of different lengths decode side
+by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hitree_jax.cache.full import KVCache, causal_attend
+from hitree_jax.decode.programs import Programs, shape_key
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import hidden_states, logits_from_hidden
+
+CACHE_BUCKET = 256   # cache slots are rounded up to this, so nearby prompt lengths share programs
+MAX_PREFILL_CHUNK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+  tokens: np.ndarray   # [B, P] int32, right-padded
+  lengths: np.ndarray  # [B] int32
+
+  @property
+  def batch(self) -> int:
+    return self.tokens.shape[0]
+
+
+def make_batch(prompts: Sequence[Sequence[int]], config: ModelConfig,
+               max_new_tokens: int) -> PromptBatch:
+  """Validates prompts (lists of token ids, lengths may differ) and pads them."""
+  if isinstance(prompts, np.ndarray) and prompts.ndim != 2:
+    raise ValueError(f"prompts array must be [batch, length]; got shape {prompts.shape}")
+  if len(prompts) == 0:
+    raise ValueError("no prompts given")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+  rows = []
+  for i, p in enumerate(prompts):
+    p = np.asarray(p)
+    if p.ndim != 1:
+      raise ValueError(f"prompt {i} must be a flat list of token ids; got shape {p.shape}")
+    if p.size == 0:
+      raise ValueError(f"prompt {i} is empty")
+    if not np.issubdtype(p.dtype, np.integer):
+      raise ValueError(f"prompt {i} has dtype {p.dtype}; token ids must be integers")
+    bad = p[(p < 0) | (p >= config.vocab_size)]
+    if bad.size:
+      raise ValueError(f"prompt {i} has token id {int(bad[0])} outside the vocabulary "
+                       f"[0, {config.vocab_size})")
+    total = p.size + max_new_tokens
+    if total > config.max_position_embeddings:
+      raise ValueError(
+          f"prompt {i} has {p.size} tokens; with max_new_tokens={max_new_tokens} that is "
+          f"{total} > the model's context of {config.max_position_embeddings}")
+    rows.append(p.astype(np.int32))
+  lengths = np.array([r.size for r in rows], np.int32)
+  tokens = np.zeros((len(rows), lengths.max()), np.int32)
+  for i, r in enumerate(rows):
+    tokens[i, :r.size] = r
+  return PromptBatch(tokens, lengths)
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def prefill_chunk_size(prompt_len: int) -> int:
+  """Power of two >= 16 covering short prompts, capped at MAX_PREFILL_CHUNK."""
+  return min(MAX_PREFILL_CHUNK, max(16, 1 << math.ceil(math.log2(prompt_len))))
+
+
+def cache_slots(prompt_len: int, max_new_tokens: int, extra: int = 0) -> int:
+  return round_up(prompt_len + max_new_tokens + extra, CACHE_BUCKET)
+
+
+@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(2,))
+def _prefill_chunk(params, config: ModelConfig, cache: KVCache, tokens, start, lengths,
+                   last_hidden):
+  """Runs prompt tokens [B, C] at slots start..start+C-1; keeps each row's last-token hidden.
+
+  The chunk attends causally to itself (a C-slot cache) and to the `start`
+  slots already in `cache` (read-only context, in blocks), then is appended.
+  """
+  batch, chunk = tokens.shape
+  cache = cache.replace(lengths=jnp.full((batch,), start, jnp.int32))
+  own = KVCache.init(config, batch, chunk)
+  positions = start + jnp.broadcast_to(jnp.arange(chunk), (batch, chunk))
+  attend = causal_attend(own.lengths, chunk, chunk)
+  hidden, own = hidden_states(params, config, tokens, positions, own, attend, context=(cache,))
+  cache = cache.append(own.advance(chunk))
+  index = lengths - 1 - start                                      # [B]
+  picked = jnp.take_along_axis(hidden, jnp.clip(index, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+  in_chunk = (index >= 0) & (index < chunk)
+  return cache, jnp.where(in_chunk[:, None], picked, last_hidden)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _last_logits(params, config: ModelConfig, last_hidden):
+  return logits_from_hidden(params, config, last_hidden)
+
+
+def prefill(params, config: ModelConfig, cache: KVCache, batch: PromptBatch, programs: Programs):
+  """Fills the cache with the prompts; returns (logits [B, V] of each last prompt token, cache)."""
+  chunk = prefill_chunk_size(int(batch.lengths.max()))
+  padded = round_up(batch.tokens.shape[1], chunk)
+  tokens = np.zeros((batch.batch, padded), np.int32)
+  tokens[:, :batch.tokens.shape[1]] = batch.tokens
+  lengths = jnp.asarray(batch.lengths)
+  last_hidden = jnp.zeros((batch.batch, config.hidden_size), jnp.dtype(config.dtype))
+  args = (params, config, cache, tokens[:, :chunk], jnp.int32(0), lengths, last_hidden)
+  step = programs.get(("prefill", config, shape_key(args)), _prefill_chunk, *args)
+  for start in range(0, padded, chunk):
+    cache, last_hidden = step(params, cache, tokens[:, start:start + chunk], jnp.int32(start),
+                              lengths, last_hidden)
+  logits_fn = programs.get(("logits", config, shape_key((params, last_hidden))), _last_logits,
+                           params, config, last_hidden)
+  return logits_fn(params, last_hidden), cache.replace(lengths=lengths)

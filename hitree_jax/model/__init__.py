@@ -1,0 +1,2 @@
+"""The model: `config` (ModelConfig), `llama` (the Flax Llama and its forward), `vocab` (a
+draft's reduced vocabulary)."""
