@@ -2,8 +2,10 @@
 
   python -m launch.benchmark --config=configs/benchmarks.py:readme --out=results.json
 
-`readme` is the table in the README; `long` the long-context prompts the
-hierarchy is for (SmolLM2 has 8192 positions); `quick` a smoke test.
+`readme` is the table in the README; `long`, `gammas` and `long_greedy` the
+long-context prompts the hierarchy is for (SmolLM2 has 8192 positions: 4K and
+6K tokens, then 7.5K with every method and a sweep of (gamma1, gamma2), then
+7.5K greedy); `quick` a smoke test.
 """
 
 from ml_collections import config_dict
@@ -11,15 +13,33 @@ from ml_collections import config_dict
 DRAFT = "drafts/smollm2-draft.gguf"
 SAMPLED = dict(temperature=0.6, top_p=0.9)  # TriForce's and HiTree's setting
 
+STREAMING = f"{DRAFT}@streaming:16x234"  # TriForce's draft cache: 16 sinks + 234 recent tokens
+FOUR_LEVEL = f"hsd/ngram:3/chain:2+{DRAFT}/3+retrieval:1024/6"  # n-gram -> draft -> retrieval -> target
+
+
+def three_level(tree: str, gamma2: int) -> str:
+  """The streaming draft's tree (or chain) under the target's retrieval level (1024 slots)."""
+  return f"hsd/{STREAMING}/{tree}+retrieval:1024/{gamma2}"
+
+
 SUITES = {
     "readme": dict(methods=f"ar,sd/{DRAFT}/2,sd/{DRAFT}/3,tree/{DRAFT}/sequoia:8,4,"
                            f"tree/{DRAFT}/dynamic:4,3,sd/ngram/4",
                    prompt_tokens="512,2048", max_new_tokens=128, n_prompts=2, **SAMPLED),
-    # the hierarchy's setting (README, second table): budget 1024, gamma2 6
+    # The hierarchy's lengths (SmolLM2 has 8192 positions); 7680 is `gammas`.
     "long": dict(methods=f"ar,tree/{DRAFT}/dynamic:4,3,retrieval/6,triforce/{DRAFT},"
-                         f"hitree/{DRAFT}/kary:2x2,hsd/{DRAFT}@streaming:16x234/kary:2x4+retrieval:1024/12",
-                 budget=1024, gamma2=6, prompt_tokens="7680", max_new_tokens=128, n_prompts=1,
+                         f"hitree/{DRAFT}/kary:2x2,{FOUR_LEVEL}",
+                 budget=1024, gamma2=6, prompt_tokens="4096,6144", max_new_tokens=256, n_prompts=2,
                  **SAMPLED),
+    # 7.5K tokens: every method, and three-level stacks by (gamma1, gamma2): TriForce's chain of
+    # 1, HiTree's binary trees of depth 2 and 4 and a ternary tree of depth 2, gamma2 6 and 12.
+    "gammas": dict(methods=",".join([f"ar,tree/{DRAFT}/dynamic:4,3,retrieval/6,{FOUR_LEVEL}"] + [
+                       three_level(tree, gamma2) for gamma2 in (6, 12)
+                       for tree in ("chain:1", "kary:2x2", "kary:2x4", "kary:3x2")]),
+                   budget=1024, prompt_tokens="7680", max_new_tokens=256, n_prompts=2, **SAMPLED),
+    "long_greedy": dict(methods=f"ar,retrieval/6,triforce/{DRAFT},hitree/{DRAFT}/kary:2x2,{FOUR_LEVEL}",
+                        budget=1024, gamma2=6, prompt_tokens="7680", max_new_tokens=256, n_prompts=2,
+                        temperature=0.0),
     "quick": dict(methods="ar,sd/ngram/4", prompt_tokens="128", max_new_tokens=16, n_prompts=1),
 }
 

@@ -8,9 +8,12 @@
 Each (method, prompt length) is compiled and warmed up on its first prompt
 before anything is timed; EOS is ignored so every run decodes exactly
 --max_new_tokens tokens. Speeds are decode tokens/s (prefill excluded).
---out=results.json also writes results.md, results_speed.png (tok/s and speedup
-vs ar per prompt length) and results_acceptance.png (speculative methods:
-draft tokens accepted per round at each tree depth).
+--out=results.json also writes results.md (the table, and one per level of each
+speculative method), results_speed.png (tok/s and speedup vs ar per prompt
+length), results_acceptance.png (draft tokens accepted per round at each tree
+depth), results_levels.png (acceptance and share of time per level) and
+results_gammas.png (hierarchies: speedup by the bottom tree's depth and the
+middle level's gamma).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ flags.DEFINE_list("prompt_tokens", ["512", "2048"], "Prompt lengths in tokens.")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt (EOS is ignored).")
 flags.DEFINE_integer("n_prompts", 3, "Prompts per length.")
 flags.DEFINE_enum("book", "austen", ["austen", "shakespeare", "milton"], "Book corpus of the prompts.")
+flags.DEFINE_bool("time_levels", True, "Time one round of each level alone (a program per level "
+                  "to compile) and report each level's share of the decode time.")
 flags.DEFINE_string("out", "results.json", "Where to write the JSON results (the table and plots "
                     "go beside it: OUT.md, OUT_speed.png, OUT_acceptance.png).")
 FLAGS = flags.FLAGS
@@ -44,7 +49,17 @@ FLAGS = flags.FLAGS
 
 def run_one(model, method, ids, sampling, programs):
   return method.generate(model.params, model.config, [ids], max_new_tokens=FLAGS.max_new_tokens,
-                         sampling=sampling, seed=FLAGS.seed, stop_at_eos=False, programs=programs)
+                         sampling=sampling, seed=FLAGS.seed, stop_at_eos=False, programs=programs,
+                         time_levels=FLAGS.time_levels)
+
+
+def stack_shape(stack) -> dict:
+  """The numbers a plot by (gamma1, gamma2) needs: the bottom tree's depth and size, and the
+  gamma of each intermediate level, bottom-up (empty for ar, sd and tree)."""
+  if stack is None or stack.tree is None:
+    return {}
+  return {"tree_depth": stack.tree.max_depth, "tree_size": stack.tree.size,
+          "gammas": [v.gamma for v in stack.verifiers]}
 
 
 def markdown(rows) -> str:
@@ -58,6 +73,30 @@ def markdown(rows) -> str:
                  f"{speedup:.2f}x | {accepted if accepted is None else f'{accepted:.2f}'} | "
                  f"{r['median_prefill_s']:.2f} | {r['compile_s']:.1f} |")
   return "\n".join(lines)
+
+
+def level_markdown(rows) -> str:
+  """Per verifying level of each speculative method: acceptance, forwards per run and, with
+  --time_levels, one round's time and the share of the decode time (medians over runs)."""
+  lines = ["| method | prompt tokens | level (proposer -> verifier) | acceptance | forwards | round ms | "
+           "share of decode time |", "|---|---|---|---|---|---|---|"]
+  med = lambda values: statistics.median(values) if values else None
+  fmt = lambda x, spec: "–" if x is None else format(x, spec)
+  for r in rows:
+    runs = [run["levels"] for run in r["runs"] if run.get("levels")]
+    for j, level in enumerate(runs[0] if runs else []):
+      at = [run[j] for run in runs]
+      if j == 0 and "proposer_round_ms" in level:
+        lines.append(f"| {r['method']} | {r['prompt_tokens']} | {level['proposer']} (drafting) | – | "
+                     f"{fmt(med([x['forwards'] for x in at]), '.0f')} | "
+                     f"{fmt(med([x['proposer_round_ms'] for x in at]), '.1f')} | "
+                     f"{fmt(med([x['proposer_time_share'] for x in at]), '.0%')} |")
+      acceptance = med([x["acceptance"] for x in at if x["acceptance"] is not None])
+      lines.append(f"| {r['method']} | {r['prompt_tokens']} | {level['proposer']} -> {level['name']} | "
+                   f"{fmt(acceptance, '.2f')} | {fmt(med([x['forwards'] for x in at]), '.0f')} | "
+                   f"{fmt(med([x['round_ms'] for x in at if 'round_ms' in x]), '.1f')} | "
+                   f"{fmt(med([x['time_share'] for x in at if 'time_share' in x]), '.0%')} |")
+  return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def check_flags() -> list[int]:
@@ -85,12 +124,17 @@ def write_outputs(record: dict) -> None:
   beside = lambda tail: out.with_name(out.stem + tail)  # results.json -> results_speed.png
   out.write_text(json.dumps(record, indent=2))
   table = markdown(record["results"])
-  beside(".md").write_text(table + "\n")
+  per_level = level_markdown(record["results"])
+  beside(".md").write_text(table + "\n" + (f"\n{per_level}\n" if per_level else ""))
   plots.speed_figure(record, beside("_speed.png"))
   written = [out, beside(".md"), beside("_speed.png")]
-  if plots.acceptance_figure(record, beside("_acceptance.png")):
-    written.append(beside("_acceptance.png"))
+  for tail, figure in [("_acceptance.png", plots.acceptance_figure), ("_levels.png", plots.levels_figure),
+                       ("_gammas.png", plots.gamma_figure)]:
+    if figure(record, beside(tail)):
+      written.append(beside(tail))
   print(table)
+  if per_level:
+    print(per_level)
   logging.info("wrote %s", ", ".join(map(str, written)))
 
 
@@ -131,6 +175,7 @@ def main(argv):
       accepted = [x["mean_accepted"] for x in runs if x["mean_accepted"] is not None]
       rows.append({
           "method": method.label, "prompt_tokens": n_tokens, "runs": runs, "compile_s": warm.compile_s,
+          **stack_shape(method.stack),
           "median_decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in runs),
           "median_mean_accepted": statistics.median(accepted) if accepted else None,
           "median_prefill_s": statistics.median(x["prefill_s"] for x in runs)})

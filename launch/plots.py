@@ -2,6 +2,8 @@
 
   speed_figure(record, "results_speed.png")            decode tok/s and speedup vs ar
   acceptance_figure(record, "results_acceptance.png")  accepted draft tokens per round, by depth
+  levels_figure(record, "results_levels.png")          acceptance and share of time per level
+  gamma_figure(record, "results_gammas.png")           hierarchies: speedup by (gamma1, gamma2)
 
 They take the record rather than the runs so that a saved results.json can be
 plotted again, and later records (per-level acceptance) can add figures here.
@@ -114,6 +116,102 @@ def acceptance_figure(record: dict, path: str | pathlib.Path) -> bool:
   ax.set_ylim(0, 1.05)
   ax.grid(True, alpha=0.3)
   ax.set_title("acceptance by depth (all prompts)")
+  _legend_below(fig, ax)
+  _save(fig, record, path)
+  return True
+
+
+def level_acceptance(rows: list[dict]) -> list[float] | None:
+  """Per verifying level (bottom-up), accepted / proposed pooled over the runs; None if the
+  method has no level record."""
+  runs = [run["levels"] for row in rows for run in row["runs"] if run.get("levels")]
+  if not runs:
+    return None
+  return [sum(run[j]["accepted"] for run in runs) / max(1, sum(run[j]["proposed"] for run in runs))
+          for j in range(len(runs[0]))]
+
+
+def time_shares(rows: list[dict]) -> dict[str, float] | None:
+  """Mean share of the decode time: the drafter's proposals, then each verifying level (None
+  without --time_levels)."""
+  runs = [run["levels"] for row in rows for run in row["runs"]
+          if run.get("levels") and "time_share" in run["levels"][0]]
+  if not runs:
+    return None
+  mean = lambda values: sum(values) / len(values)
+  shares = {f"drafting ({runs[0][0]['proposer']})": mean([run[0]["proposer_time_share"] for run in runs])}
+  for j, level in enumerate(runs[0]):
+    shares[f"level {j + 1}: {level['name']}"] = mean([run[j]["time_share"] for run in runs])
+  return shares
+
+
+def levels_figure(record: dict, path: str | pathlib.Path) -> bool:
+  """Acceptance at each level (bottom-up: level 1 verifies the drafter) per speculative method,
+  e.g. a tree against a chain at the bottom; beside it, with level times, where the decode time
+  went. False (no file) without a speculative method."""
+  groups = by_method(record["results"])
+  color = colors(groups)
+  acceptance = {m: a for m, rows in groups.items() if (a := level_acceptance(rows))}
+  if not acceptance:
+    return False
+  shares = {m: t for m, rows in groups.items() if m in acceptance and (t := time_shares(rows))}
+  fig, axes = plt.subplots(1, 2 if shares else 1, figsize=(13 if shares else 7, 4.8), squeeze=False)
+  ax = axes[0][0]
+  levels = max(len(a) for a in acceptance.values())
+  width = 0.8 / len(acceptance)
+  for i, (method, rates) in enumerate(acceptance.items()):
+    ax.bar([j + i * width for j in range(len(rates))], rates, width, color=color[method], label=method)
+  ax.set_xticks([j + 0.4 - width / 2 for j in range(levels)],
+                [f"level {j + 1}" + (" (drafter's proposals)" if j == 0 else "") for j in range(levels)])
+  ax.set_ylabel("accepted / proposed")
+  ax.set_ylim(0, 1.05)
+  ax.grid(True, axis="y", alpha=0.3)
+  ax.set_title("acceptance per level (all prompts)")
+  if shares:
+    right = axes[0][1]
+    for i, (method, parts) in enumerate(shares.items()):
+      bottom = 0.0
+      for k, (part, share) in enumerate(parts.items()):
+        right.bar(i, share, 0.6, bottom=bottom, color=plt.cm.tab10(k), edgecolor="white")
+        right.text(i, bottom + share / 2, part.split(":")[0] if share > 0.06 else "", ha="center",
+                   va="center", fontsize="x-small")
+        bottom += share
+      right.bar(i, max(0.0, 1 - bottom), 0.6, bottom=bottom, color="lightgrey", edgecolor="white")
+    right.set_xticks(range(len(shares)), [f"{i + 1}" for i in range(len(shares))])
+    right.set_xlabel("method (colours and numbers as in the legend order)")
+    right.set_ylabel("share of decode time (grey: the rest of the loop)")
+    right.set_title("time per level: rounds x one round's time alone")
+  _legend_below(fig, ax)
+  _save(fig, record, path)
+  return True
+
+
+def gamma_figure(record: dict, path: str | pathlib.Path) -> bool:
+  """Speedup vs ar of three-level stacks against gamma1 (the bottom tree's depth), a line per
+  (gamma2, tree shape), at the longest prompt length; False (no file) with fewer than two."""
+  rows = record["results"]
+  base = {r["prompt_tokens"]: r["median_decode_tokens_per_s"] for r in rows if r["method"] == "ar"}
+  three = [r for r in rows if len(r.get("gammas") or []) == 1 and r["prompt_tokens"] in base]
+  if len(three) < 2:
+    return False
+  longest = max(r["prompt_tokens"] for r in three)
+  lines: dict[str, list[tuple[int, float]]] = {}
+  for r in three:
+    if r["prompt_tokens"] == longest:
+      shape = "chain" if r["tree_size"] == r["tree_depth"] else "tree"
+      lines.setdefault(f"gamma2 = {r['gammas'][0]}, {shape}", []).append(
+          (r["tree_depth"], r["median_decode_tokens_per_s"] / base[longest]))
+  fig, ax = plt.subplots(figsize=(7, 4.8))
+  for label, points in sorted(lines.items()):
+    points.sort()
+    ax.plot([g for g, _ in points], [x for _, x in points], marker="o", label=label)
+  ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+  ax.set_xticks(sorted({r["tree_depth"] for r in three}))
+  ax.set_xlabel("gamma1 (depth of the bottom chain or tree)")
+  ax.set_ylabel("speedup vs ar (x)")
+  ax.set_ylim(bottom=0)
+  ax.grid(True, alpha=0.3)
+  ax.set_title(f"hierarchies by (gamma1, gamma2), {longest}-token prompts")
   _legend_below(fig, ax)
   _save(fig, record, path)
   return True

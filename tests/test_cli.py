@@ -206,7 +206,7 @@ def test_installed_package_runs_its_launchers_outside_the_repository(tmp_path):
     names = z.namelist()
     meta = z.read(next(n for n in names if n.endswith("METADATA"))).decode()
     scripts = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-  assert "launch/generate.py" in names and "hitree_jax/engine.py" in names
+  assert "launch/generate.py" in names and "hitree_jax/decode/engine.py" in names
   assert "Requires-Dist: jax==0.10.2" in meta and "Requires-Dist: ml_collections==1.1.0" in meta
   assert "torch" not in meta.split("Provides-Extra: test")[0]
   assert "hitree-generate = launch.generate:run" in scripts

@@ -73,6 +73,24 @@ def test_greedy_equals_ar(params, draft, ar_tokens, name):
     assert levels[-2]["forwards"] > levels[-1]["forwards"]
 
 
+@pytest.mark.parametrize("name", ["triforce", "4-level"])
+def test_level_times_leave_the_output_alone(params, draft, ar_tokens, name):
+  """time_levels times one round of each level alone before decoding: same tokens, and every
+  level (the drafter's proposals included) gets a round time and a share of the decode time."""
+  result = engine.generate(params, CONFIG, PROMPTS, stack=GREEDY_STACKS[name], draft=draft,
+                           max_new_tokens=30, time_levels=True)
+  assert result.tokens == ar_tokens
+  for lv in result.levels:
+    assert lv["round_ms"] > 0
+    assert lv["time_share"] == pytest.approx(lv["forwards"] * lv["round_ms"] / 1e3 / result.decode_s)
+  first = result.levels[0]
+  assert first["proposer_round_ms"] > 0
+  assert first["proposer_time_share"] == pytest.approx(
+      first["forwards"] * first["proposer_round_ms"] / 1e3 / result.decode_s)
+  assert "round_ms" not in engine.generate(params, CONFIG, PROMPTS, stack=GREEDY_STACKS[name],
+                                           draft=draft, max_new_tokens=30).levels[0]
+
+
 def test_retrieval_level_with_the_whole_context_is_the_target(params):
   """A retrieval budget covering the context gives the target's own law, so with the target's
   weights it drafts exactly what the target samples: every proposal is accepted."""

@@ -63,6 +63,46 @@ def test_plots_normalise_acceptance_per_round(tmp_path):
   assert not (tmp_path / "b.png").exists()
 
 
+def hierarchy_row(method, depth, size, gamma2, speed, levels):
+  run = {"levels": levels, "accepted_per_depth": [1] * depth, "target_forwards": 10}
+  return {"method": method, "prompt_tokens": 64, "median_decode_tokens_per_s": speed,
+          "tree_depth": depth, "tree_size": size, "gammas": [gamma2], "runs": [run, run]}
+
+
+def level(name, proposer, proposed, accepted, forwards, round_ms, share, **more):
+  return {"name": name, "proposer": proposer, "proposed": proposed, "accepted": accepted,
+          "acceptance": accepted / proposed, "forwards": forwards, "round_ms": round_ms,
+          "time_share": share, **more}
+
+
+def test_level_plots_and_table(tmp_path):
+  from launch import benchmark, plots
+  def levels(middle_accepted, top_accepted):
+    return [level("target[retrieval:1024]/6", "draft[streaming:16x234]", 40, middle_accepted, 30, 30.0,
+                  0.5, proposer_round_ms=3.0, proposer_time_share=0.05),
+            level("target", "target[retrieval:1024]/6", 60, top_accepted, 10, 60.0, 0.3)]
+  rows = [{"method": "ar", "prompt_tokens": 64, "median_decode_tokens_per_s": 10.0,
+           "runs": [{"levels": None}]},
+          hierarchy_row("triforce", 1, 1, 6, 9.0, levels(18, 45)),
+          hierarchy_row("hitree2", 2, 6, 6, 11.0, levels(30, 54)),
+          hierarchy_row("hitree4", 4, 30, 6, 10.5, levels(32, 50))]
+  assert plots.level_acceptance(rows[1:2]) == [18 / 40, 45 / 60]  # pooled over the two runs
+  shares = plots.time_shares(rows[1:2])
+  assert list(shares.values()) == [0.05, 0.5, 0.3]
+  assert list(shares)[0] == "drafting (draft[streaming:16x234])"
+  record = {"model": "m", "temperature": 0.6, "results": rows}
+  for figure, name in ((plots.levels_figure, "l.png"), (plots.gamma_figure, "g.png")):
+    assert figure(record, tmp_path / name)
+    assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
+  assert not plots.levels_figure({**record, "results": rows[:1]}, tmp_path / "none.png")
+  assert not plots.gamma_figure({**record, "results": rows[:2]}, tmp_path / "none.png")  # one stack
+  table = benchmark.level_markdown(rows)
+  assert "| triforce | 64 | draft[streaming:16x234] (drafting) | – | 30 | 3.0 | 5% |" in table
+  assert "| hitree2 | 64 | target[retrieval:1024]/6 -> target | 0.90 | 10 | 60.0 | 30% |" in table
+  assert benchmark.level_markdown(rows[:1]) == ""
+  assert benchmark.stack_shape(None) == {}
+
+
 def test_progress_reports_elapsed_and_eta():
   from launch.progress import Progress, duration
   assert [duration(s) for s in (0, 45, 80, 240, 3725)] == ["0s", "45s", "1m20s", "4m00s", "1h02m"]

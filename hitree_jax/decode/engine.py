@@ -354,10 +354,9 @@ class _Decoder:
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), block, st)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
-def _decode(layout: Layout, weights: Weights, long_caches, first_logits, max_new_tokens: int,
-            sampling: SamplingParams, eos_id, key, seq, end):
-  """The whole generation after prefill. Returns (tokens [B, N + slack], n_tokens [B], Stats)."""
+def _initial_state(layout: Layout, long_caches, first_logits, max_new_tokens: int,
+                   sampling: SamplingParams, eos_id, key, seq, end) -> LoopState:
+  """The loop's state after prefill: the first token sampled, an empty recent cache per level."""
   batch = first_logits.shape[0]
   key, sub = jax.random.split(key)
   first = sample(sub, first_logits, sampling)
@@ -370,16 +369,74 @@ def _decode(layout: Layout, weights: Weights, long_caches, first_logits, max_new
   top = layout.top
   depth = 1 if top == 0 else layout.proposal_depth(top - 1)
   zeros = jnp.zeros((top + 1,), jnp.int32)
-  state = LoopState(
+  return LoopState(
       caches=caches, seq=seq, end=end + 1,
       out=jnp.full((batch, max_new_tokens + layout.max_emitted), -1, jnp.int32).at[:, 0].set(first),
       n_out=jnp.ones((batch,), jnp.int32),
       done=(first == eos_id) | (max_new_tokens <= 1), key=key,
       stats=Stats(rounds=jnp.zeros((batch,), jnp.int32), per_depth=jnp.zeros((depth,), jnp.int32),
                   forwards=zeros, proposed=zeros, accepted=zeros))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
+def _decode(layout: Layout, weights: Weights, long_caches, first_logits, max_new_tokens: int,
+            sampling: SamplingParams, eos_id, key, seq, end):
+  """The whole generation after prefill. Returns (tokens [B, N + slack], n_tokens [B], Stats,
+  the long caches: returned so that the donated ones are updated in place, not copied)."""
+  state = _initial_state(layout, long_caches, first_logits, max_new_tokens, sampling, eos_id, key,
+                         seq, end)
   decoder = _Decoder(layout, weights, sampling, eos_id, max_new_tokens)
   state = decoder.run(state)
-  return state.out, jnp.minimum(state.n_out, max_new_tokens), state.stats
+  longs = tuple(None if c is None else c.long for c in state.caches)
+  return state.out, jnp.minimum(state.n_out, max_new_tokens), state.stats, longs
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 10))
+def _level_round(layout: Layout, weights: Weights, long_caches, first_logits, max_new_tokens: int,
+                 sampling: SamplingParams, eos_id, key, seq, end, j: int, below: Proposal | None):
+  """One round of level j alone, from the state after prefill (to time it): the drafter (j = 0)
+  proposes; a level j >= 1 verifies a proposal of the level below (the drafter's, `below`, or a
+  full buffer) with its forward, and commits. Returns small outputs that depend on all of it."""
+  st = _initial_state(layout, long_caches, first_logits, max_new_tokens, sampling, eos_id, key,
+                      seq, end)
+  decoder = _Decoder(layout, weights, sampling, eos_id, max_new_tokens)
+  if j == 0:
+    _, prop, _, _ = decoder._propose(0, st, key)
+    return prop
+  if j == 1:
+    prop, mode = below, layout.stack.drafter.mode
+  else:
+    size = layout.buffer(j - 1)
+    uniform = jnp.full((st.end.shape[0], size + 1, layout.target.vocab_size),
+                       1.0 / layout.target.vocab_size, jnp.float32)
+    prop = _chain_proposal(st.seq, st.end, jnp.full_like(st.end, size), uniform, size)
+    mode = "iid"
+  live = jnp.ones_like(st.done)
+  length = jnp.full_like(st.end, layout.proposal_depth(j - 1))
+  st, emitted, n_acc, _ = decoder._check(j, st, prop, mode, length, key, live)
+  return emitted, n_acc, tuple(c.recent for c in st.caches if c is not None)
+
+
+def _time_levels(programs: programs_lib.Programs, args: tuple, repeats: int = 5) -> list[float]:
+  """Seconds of one round of each level (index 0: the drafter's proposal), run alone on the
+  state after prefill, the median of `repeats` runs. args: _decode's arguments."""
+  layout = args[0]
+  below = None
+  times = []
+  for j in range(layout.top + 1):
+    full = (*args, j, below if j == 1 else None)
+    program = programs.get(("level", layout, j, args[4], programs_lib.shape_key(full[1:])),
+                           _level_round, *full)
+    inputs = [a for i, a in enumerate(full) if i not in (0, 4, 10)]
+    runs = []
+    for _ in range(repeats + 1):  # the first run warms up
+      start = time.perf_counter()
+      out = jax.block_until_ready(program(*inputs))
+      runs.append(time.perf_counter() - start)
+    if j == 0:
+      below = out
+    times.append(float(np.median(runs[1:])))
+  return times
 
 
 def _long_caches(layout: Layout, weights: Weights, config: ModelConfig, batch: prefill_lib.PromptBatch,
@@ -433,11 +490,13 @@ def check_stack(stack: Stack, config: ModelConfig) -> None:
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              stack: Stack | None = None, tree: TokenTree | DynamicTree | None = None, drafter=None,
              sampling: SamplingParams | None = None, seed: int = 0, stop_at_eos: bool = True,
-             draft: DraftWeights | None = None,
-             programs: programs_lib.Programs | None = None) -> GenerationResult:
+             draft: DraftWeights | None = None, programs: programs_lib.Programs | None = None,
+             time_levels: bool = False) -> GenerationResult:
   """Generation with any stack (stack.py): by default `ar`; `tree` + `drafter` is shorthand for
   the two-level Stack(drafter, tree). draft: a draft model's weights, for a stack that has one.
-  programs: the memo of compiled programs to use and fill (default: programs.shared())."""
+  programs: the memo of compiled programs to use and fill (default: programs.shared()).
+  time_levels: also time one round of each level alone, after prefill and before decoding (it
+  compiles a program per level), and report each level's estimated share of the decode time."""
   if stack is None:
     stack = Stack(drafter, tree)
   sampling = sampling or SamplingParams.create()
@@ -470,10 +529,11 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
   eos = jnp.int32(config.eos_token_id if stop_at_eos and config.eos_token_id is not None else -1)
   args = (layout, weights, longs, first_logits, max_new_tokens, sampling, eos, jax.random.key(seed),
           jnp.asarray(seq), jnp.asarray(batch.lengths))
+  round_s = _time_levels(programs, args) if time_levels and layout.top > 0 else None
   loop = programs.get(("engine", layout, max_new_tokens, programs_lib.shape_key(args[1:])),
                       _decode, *args)
   start = time.perf_counter()
-  out, n_tokens, stats = loop(*[a for i, a in enumerate(args) if i not in (0, 4)])
+  out, n_tokens, stats, _ = loop(*[a for i, a in enumerate(args) if i not in (0, 4)])
   out, n_tokens = np.asarray(out), np.asarray(n_tokens)
   decode_s = time.perf_counter() - start
   stats = jax.tree.map(np.asarray, stats)
@@ -484,16 +544,23 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
       target_forwards=int(stats.rounds.max()) if speculative else None,
       rounds_per_row=stats.rounds.tolist() if speculative else None,
       accepted_per_depth=stats.per_depth.tolist() if speculative else None,
-      levels=level_report(layout, stats) if speculative else None)
+      levels=level_report(layout, stats, round_s, decode_s) if speculative else None)
 
 
-def level_report(layout: Layout, stats: Stats) -> list[dict]:
-  """Per verifying level: what it was proposed, accepted and how many forwards it ran."""
+def level_report(layout: Layout, stats: Stats, round_s: list[float] | None = None,
+                 decode_s: float | None = None) -> list[dict]:
+  """Per verifying level: what it was proposed, accepted and how many forwards it ran; with
+  round_s (_time_levels), the time of one of its rounds and the share of decode_s its rounds
+  took (forwards x round time), and for level 1 the same of the drafter's proposals."""
   names = [str(layout.stack.drafter), *map(str, layout.stack.verifiers), "target"]
   report = []
   for j in range(1, layout.top + 1):
-    proposed, accepted = int(stats.proposed[j]), int(stats.accepted[j])
-    report.append(dict(level=j, name=names[j], proposer=names[j - 1], forwards=int(stats.forwards[j]),
-                       proposed=proposed, accepted=accepted,
-                       acceptance=accepted / proposed if proposed else None))
+    proposed, accepted, forwards = int(stats.proposed[j]), int(stats.accepted[j]), int(stats.forwards[j])
+    entry = dict(level=j, name=names[j], proposer=names[j - 1], forwards=forwards,
+                 proposed=proposed, accepted=accepted, acceptance=accepted / proposed if proposed else None)
+    if round_s is not None:
+      entry.update(round_ms=1e3 * round_s[j], time_share=forwards * round_s[j] / decode_s)
+      if j == 1:  # every round of level 1 verified one proposal of the drafter
+        entry.update(proposer_round_ms=1e3 * round_s[0], proposer_time_share=forwards * round_s[0] / decode_s)
+    report.append(entry)
   return report
