@@ -18,6 +18,7 @@ middle level's gamma).
 
 from __future__ import annotations
 
+import gc
 import json
 import pathlib
 import platform
@@ -155,11 +156,15 @@ def main(argv):
   tokenizer = load_tokenizer(model.path)
   methods = [method.load_draft(model.config) for method in methods]
   rows = []
-  programs = Programs()  # every method's compiled programs, kept for the whole run
   progress = Progress("benchmark", len(lengths) * len(methods) * (FLAGS.n_prompts + 1))
   for n_tokens in lengths:
     prompts = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts, corpus=FLAGS.book)
     for method in methods:
+      # Each method's programs live only while it runs: a process holding every method's
+      # (a dozen hierarchies, a program per level each) ran XLA:CPU out of code memory.
+      programs = Programs()
+      jax.clear_caches()
+      gc.collect()
       warm = run_one(model, method, prompts[0], sampling, programs)  # compiles; not timed
       progress.step(detail=f"{method.label} P={n_tokens} warm-up ({warm.compile_s:.1f} s compiling)")
       runs = []
@@ -179,13 +184,19 @@ def main(argv):
           "median_decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in runs),
           "median_mean_accepted": statistics.median(accepted) if accepted else None,
           "median_prefill_s": statistics.median(x["prefill_s"] for x in runs)})
-  record = {
+      pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))  # survives a crash
+  write_outputs(record(rows))
+
+
+def record(rows) -> dict:
+  """The JSON record: the settings, the machine and one row per (method, prompt length)."""
+  import jax
+  return {
       "model": FLAGS.model, "dtype": FLAGS.dtype, "max_new_tokens": FLAGS.max_new_tokens,
       "book": FLAGS.book, "temperature": FLAGS.temperature, "top_p": FLAGS.top_p,
       "top_k": FLAGS.top_k, "seed": FLAGS.seed, "backend": jax.default_backend(),
       "devices": [str(d) for d in jax.devices()], "machine": platform.processor() or platform.machine(),
       "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": rows}
-  write_outputs(record)
 
 
 def run():

@@ -79,13 +79,13 @@ METHOD_FLAGS = {
     "ar": (),
     "sd": ("draft", "gamma"),
     "tree": ("draft", "tree", "acceptance"),
-    "retrieval": ("gamma", "budget"),
-    "triforce": ("draft", "budget", "sinks", "window", "gamma1", "gamma2"),
-    "hitree": ("draft", "tree", "acceptance", "budget", "sinks", "window", "gamma2"),
+    "retrieval": ("gamma", "budget", "reselect"),
+    "triforce": ("draft", "budget", "reselect", "sinks", "window", "gamma1", "gamma2"),
+    "hitree": ("draft", "tree", "acceptance", "budget", "reselect", "sinks", "window", "gamma2"),
     "hsd": ("draft", "levels", "acceptance"),
 }
-SPECULATION_FLAGS = ("draft", "gamma", "tree", "acceptance", "budget", "sinks", "window", "gamma1",
-                     "gamma2", "levels")
+SPECULATION_FLAGS = ("draft", "gamma", "tree", "acceptance", "budget", "reselect", "sinks", "window",
+                     "gamma1", "gamma2", "levels")
 
 
 def check_method_flags(method_name: str, given: set[str]) -> None:
@@ -146,6 +146,9 @@ def define_speculation_flags():
                       "model).")
   flags.DEFINE_integer("budget", 1024, "Retrieval cache slots (chunks of 8, the sink chunk kept) of "
                        "the target's retrieval level: --method=retrieval, triforce, hitree.")
+  flags.DEFINE_integer("reselect", 0, "The retrieval level chooses its chunks again, with the "
+                       "newest token's query, every this many committed tokens (at the end of a "
+                       "block; 0: once, after prefill, as TriForce does).")
   flags.DEFINE_integer("sinks", 16, "StreamingLLM cache of the bottom draft (triforce, hitree): "
                        "attention-sink tokens kept (TriForce: 16).")
   flags.DEFINE_integer("window", 234, "StreamingLLM cache of the bottom draft: most recent tokens "
@@ -157,7 +160,7 @@ def define_speculation_flags():
   flags.DEFINE_string("levels", None, "--method=hsd: the stack below the target, bottom-up, levels "
                       "joined by '+': DRAFTER/TREE first (DRAFTER: ngram[:N], self:K, draft (the "
                       "--draft model) or PATH, [@streaming:SINKSxWINDOW], [,MODE]; or retrieval:BUDGET), "
-                      "then WHO/GAMMA per level (WHO: retrieval:BUDGET or draft[@streaming:SxW]). "
+                      "then WHO/GAMMA per level (WHO: retrieval:BUDGET[:RESELECT] or draft[@streaming:SxW]). "
                       "e.g. ngram:3/chain:2+draft/4+retrieval:1024/6 (docs/methods.md).")
 
 
@@ -169,6 +172,7 @@ class Knobs:
   tree: str | None = None
   acceptance: str | None = None
   budget: int = 1024
+  reselect: int = 0
   sinks: int = 16
   window: int = 234
   gamma1: int | None = None
@@ -261,10 +265,10 @@ def _drafter(who: str, target_config, draft_config, vocab):
   """The bottom level of a --levels spec: NAME[@streaming:SxW][,MODE] with NAME ngram[:N],
   self:K, retrieval:B, draft or a draft model's path (the last two: the --draft model)."""
   from hitree_jax.decode.drafters import ModelDrafter, parse_draft_spec
-  from hitree_jax.decode.stack import Full, Retrieval
+  from hitree_jax.decode.stack import Full
   name, cache, mode = _split_level(who)
   if name.startswith("retrieval:"):
-    return ModelDrafter(target_config, mode, cache=Retrieval(_int(name, "retrieval:")), weights="target")
+    return ModelDrafter(target_config, mode, cache=_retrieval(name), weights="target")
   if name.startswith(("ngram", "self:")):
     if cache is not None:
       raise ValueError(f"level {who!r}: {name} keeps no cache of its own")
@@ -276,7 +280,7 @@ def _drafter(who: str, target_config, draft_config, vocab):
 
 def _verifier(piece: str):
   """An intermediate level of a --levels spec: retrieval:B/GAMMA or draft[@streaming:SxW]/GAMMA."""
-  from hitree_jax.decode.stack import Full, Retrieval, Verifier
+  from hitree_jax.decode.stack import Full, Verifier
   who, _, gamma = piece.rpartition("/")
   if not who or not gamma.isdigit():
     raise ValueError(f"level {piece!r}: expected retrieval:BUDGET/GAMMA or draft[@streaming:SxW]/GAMMA")
@@ -284,14 +288,24 @@ def _verifier(piece: str):
   if mode != "deterministic":
     raise ValueError(f"level {piece!r}: a middle level hands up its own samples; no draw mode")
   if name.startswith("retrieval:"):
-    return Verifier("target", Retrieval(_int(name, "retrieval:")), int(gamma))
+    return Verifier("target", _retrieval(name), int(gamma))
   if name.startswith(("ngram", "self:")):
     raise ValueError(f"level {piece!r}: {name} only proposes (it must be the bottom level)")
   return Verifier("draft", cache or Full(), int(gamma))
 
 
+def _retrieval(name: str):
+  """retrieval:BUDGET[:RESELECT] -> stack.Retrieval."""
+  from hitree_jax.decode.stack import Retrieval
+  budget, _, every = name.removeprefix("retrieval:").partition(":")
+  if not budget.isdigit() or not (every.isdigit() or not every):
+    raise ValueError(f"{name!r}: expected retrieval:BUDGET or retrieval:BUDGET:RESELECT "
+                     "(positive integers: slots, and tokens between re-selections)")
+  return Retrieval(int(budget), reselect=int(every or 0))
+
+
 def _split_level(who: str):
-  """'NAME[@streaming:SxW|@full][,MODE]' -> (NAME, cache kind or None, mode)."""
+  """'NAME[@streaming:SxW[:reindex]|@full][,MODE]' -> (NAME, cache kind or None, mode)."""
   from hitree_jax.decode.stack import Full, Streaming
   mode = "deterministic"
   head, _, tail = who.rpartition(",")
@@ -302,10 +316,12 @@ def _split_level(who: str):
     return who, None, mode
   if cache_text == "full":
     return name, Full(), mode
-  sinks, _, window = cache_text.removeprefix("streaming:").partition("x")
+  reindex = cache_text.endswith(":reindex")
+  sinks, _, window = cache_text.removesuffix(":reindex").removeprefix("streaming:").partition("x")
   if not cache_text.startswith("streaming:") or not (sinks.isdigit() and window.isdigit()):
-    raise ValueError(f"cache {cache_text!r}: expected full or streaming:SINKSxWINDOW (e.g. streaming:16x234)")
-  return name, Streaming(int(sinks), int(window)), mode
+    raise ValueError(f"cache {cache_text!r}: expected full or streaming:SINKSxWINDOW[:reindex] "
+                     "(e.g. streaming:16x234)")
+  return name, Streaming(int(sinks), int(window), reindex), mode
 
 
 def _int(text: str, prefix: str) -> int:
@@ -370,7 +386,7 @@ def _levels_of(name: str, rest: str, knobs: Knobs) -> str:
       raise ValueError(f"gamma={n} must be an integer in [1, {MAX_TREE_NODES}] (draft tokens per round)")
     # The retrieval level's law is close to the target's: sampling from it (iid) is accepted far
     # more often than its top token is (at T 0.6, 7.5K tokens: 0.98x ar against 0.68x).
-    who = f"retrieval:{knobs.budget},iid" if name == "retrieval" else draft
+    who = f"{_retrieval_name(knobs)},iid" if name == "retrieval" else draft
     return f"{who}/chain:{n}"
   defaults = HIERARCHY_DEFAULTS[name]
   if _split_level(draft)[0].startswith(("ngram", "self:")):
@@ -384,7 +400,11 @@ def _levels_of(name: str, rest: str, knobs: Knobs) -> str:
     tree = f"chain:{knobs.gamma1 or defaults['gamma1']}"
   else:
     tree = shape or knobs.tree or defaults["tree"]
-  return f"{bottom}/{tree}+retrieval:{knobs.budget}/{knobs.gamma2 or defaults['gamma2']}"
+  return f"{bottom}/{tree}+{_retrieval_name(knobs)}/{knobs.gamma2 or defaults['gamma2']}"
+
+
+def _retrieval_name(knobs: Knobs) -> str:
+  return f"retrieval:{knobs.budget}" + (f":{knobs.reselect}" if knobs.reselect else "")
 
 
 def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Method:

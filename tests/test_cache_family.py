@@ -385,3 +385,36 @@ def test_streaming_small_window_equals_masked_full_attention():
     if i == 0:
       counter.count = 0  # the first block compiles; later ones must not
   assert counter.count == 0, "a later block compiled something"
+
+
+def test_streaming_reindex_moves_only_the_sinks_right_before_the_ring():
+  """StreamingLLM's positions within the cache: each sink key is rotated forward by how far the
+  ring has moved (seen - sinks - window), incrementally across appends; nothing else changes."""
+  from hitree_jax.model.llama import rope_inv_freq
+  sequences, lengths = random_sequences(8, 2), np.array([40, 9])  # row 1 still fits: no shift
+  full = prefill(sequences, lengths)
+  sinks, window = 3, 8
+  freq = jnp.asarray(rope_inv_freq(CONFIG))
+  reindexed = jax.jit(StreamingCache.from_prefill, static_argnums=(1, 2))(full, sinks, window, freq)
+  plain = _from_prefill(full, sinks, window)
+
+  def check(reindexed, plain):
+    seen = np.asarray(plain.seen)
+    shift = np.maximum(seen - sinks - window, 0)
+    np.testing.assert_array_equal(np.asarray(reindexed.sink_shift), shift)
+    for layer in range(CONFIG.num_layers):
+      got, base = np.asarray(reindexed.keys[layer]), np.asarray(plain.keys[layer])
+      np.testing.assert_array_equal(got[:, :, sinks:], base[:, :, sinks:])
+      np.testing.assert_array_equal(np.asarray(reindexed.values[layer]), np.asarray(plain.values[layer]))
+      for b in range(len(seen)):
+        np.testing.assert_allclose(got[b, :, :sinks], rope_numpy(base[b, :, :sinks], shift[b]), atol=1e-4)
+    assert shift[0] > 0 and shift[1] == 0
+
+  check(reindexed, plain)
+  # A block of 5 committed tokens (row 1: 2): the ring moves on, and so do the sinks.
+  block = KVCache.init(CONFIG, 2, 5)
+  positions = jnp.asarray(lengths[:, None] + np.arange(5)[None, :], jnp.int32)
+  _, _, block = _forward(tiny_params(), CONFIG, jnp.asarray(sequences[:, :5]), positions, block,
+                         causal_attend(block.lengths, 5, 5), None, (full,))
+  block = block.replace(lengths=jnp.asarray([5, 2], jnp.int32))
+  check(_stream_append(reindexed, block), _stream_append(plain, block))

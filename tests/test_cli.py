@@ -132,6 +132,9 @@ def test_config_sets_flags_and_the_command_line_wins():
     (["--book=austen", "--method=hsd", "--levels=ngram:3/chain:2+retrieval:512/x"],
      "expected retrieval:BUDGET/GAMMA"),
     (["--book=austen", "--method=hsd", "--levels=ngram/dynamic:4,2+retrieval:512/4"], "dynamic tree"),
+    (["--book=austen", "--method=hsd", "--levels=ngram:3/chain:2+retrieval:512:x/4"],
+     "expected retrieval:BUDGET or retrieval:BUDGET:RESELECT"),
+    (["--book=austen", "--method=sd", "--reselect=64"], "--reselect does not apply to --method=sd"),
 ])
 def test_user_mistakes_are_one_line_and_exit_2(args, message):
   proc = launch("generate", *args, env={"HITREE_COMPILE_CACHE": "off"})

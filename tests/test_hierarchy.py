@@ -91,6 +91,29 @@ def test_level_times_leave_the_output_alone(params, draft, ar_tokens, name):
                                            draft=draft, max_new_tokens=30).levels[0]
 
 
+RESELECTING = {
+    "middle": Stack(ModelDrafter(DRAFT, cache=Streaming(4, 8)), tree_lib.kary(2, 2),
+                    (Verifier("target", Retrieval(16, 4, reselect=4), 6),)),
+    "bottom": Stack(ModelDrafter(CONFIG, cache=Retrieval(16, 4, reselect=4), weights="target"),
+                    tree_lib.chain(3)),
+}
+
+
+@pytest.mark.parametrize("where", list(RESELECTING))
+def test_retrieval_reselection_keeps_greedy_exact(monkeypatch, params, draft, ar_tokens, where):
+  """A retrieval level that chooses its chunks again every 4 committed tokens (each round its
+  own block, so every block end may re-select) still gives ar's tokens."""
+  monkeypatch.setattr(engine.Layout, "recent_slots", property(lambda self: self.round_extent))
+  result = engine.generate(params, CONFIG, PROMPTS, stack=RESELECTING[where], draft=draft,
+                           max_new_tokens=30, programs=Programs())
+  assert result.tokens == ar_tokens
+  level = result.levels[0]
+  times = level["reselections"] if where == "middle" else level["proposer_reselections"]
+  # 29 tokens after the first: each row asks for a re-selection (of every row) at most once per 4.
+  assert 2 <= times <= len(PROMPTS) * (29 // 4)
+  assert "reselections" not in result.levels[-1]  # the target's full cache never re-selects
+
+
 def test_retrieval_level_with_the_whole_context_is_the_target(params):
   """A retrieval budget covering the context gives the target's own law, so with the target's
   weights it drafts exactly what the target samples: every proposal is accepted."""
@@ -127,6 +150,7 @@ def test_bad_stacks_are_refused(params, draft, stack, message):
     (lambda: Verifier("target", Retrieval(16, 4), 0), "gamma=0"),
     (lambda: Verifier("draft", Retrieval(16, 4), 2), "retrieval cache"),
     (lambda: Stack(None, None, (RETRIEVAL,)), "name a drafter"),
+    (lambda: Retrieval(16, 4, reselect=-1), "reselect=-1"),
 ])
 def test_bad_specs_are_refused(make, message):
   with pytest.raises(ValueError, match=message):
@@ -149,6 +173,8 @@ EXACT_STACKS = {
     "3-level-binary-wor-topk": (Stack(ModelDrafter(TINY_DRAFT, "without_replacement"),
                                       tree_lib.kary(2, 2), (MIDDLE,)), 0.8, 3, 6),
     "3-level-self-deterministic": (Stack(SelfDrafter(1), tree_lib.kary(2, 1), (MIDDLE,)), 1.0, 0, 5),
+    "3-level-reselect": (Stack(ModelDrafter(TINY_DRAFT, "iid", cache=Streaming(2, 4)), tree_lib.chain(2),
+                               (Verifier("target", Retrieval(8, 2, reselect=2), 3),)), 0.9, 0, 5),
     "4-level": (Stack(ModelDrafter(TINY_DRAFT, "iid", cache=Streaming(2, 4)), tree_lib.chain(1),
                       (Verifier("draft", Full(), 2), Verifier("target", Retrieval(8, 2), 4))), 0.9, 0, 5),
 }

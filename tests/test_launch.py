@@ -224,3 +224,18 @@ def test_distill_trains_exports_and_evaluates_a_draft(tmp_path):
   for line in ("labelling train windows 1/1 (100%)", "labelling eval windows 1/1 (100%)",
                "training 1/2 (50%) elapsed", "training 2/2 (100%)"):
     assert line in proc.stderr, line
+
+
+def test_reselection_in_presets_and_levels():
+  from hitree_jax.decode.stack import Retrieval
+  from hitree_jax.model.config import ModelConfig
+  from launch.common import Knobs, parse_method
+  target = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=8, max_position_embeddings=4096)
+  method = parse_method("retrieval/6", Knobs(budget=512, reselect=64))
+  assert method.levels == "retrieval:512:64,iid/chain:6"
+  assert method.build(target).drafter.cache == Retrieval(512, reselect=64)
+  stack = parse_method("hsd/ngram:3/chain:2+retrieval:1024:32/6").build(target)
+  assert stack.verifiers[0].cache == Retrieval(1024, reselect=32)
+  assert str(stack.verifiers[0]) == "target[retrieval:1024:32]/6"
+  assert parse_method("retrieval/6").build(target).drafter.cache == Retrieval(1024)  # never

@@ -49,6 +49,7 @@ class RetrievalCache(KVCache):
   """
   chunks: jax.Array   # [L, B, KVH, budget // chunk] int32: kept chunk indices, ascending
   dropped: jax.Array  # [B] int32: full-cache slots not kept (position = slot + dropped past the kept ones)
+  selected: jax.Array  # [B] int32: the full cache's length when the chunks were chosen
   chunk: int = flax.struct.field(pytree_node=False)
 
   @property
@@ -139,7 +140,8 @@ def select(full: KVCache, queries: jax.Array, budget: int, chunk: int = 8,
     values.append(_gather_chunks(v_buf, chosen, chunk, tail))
   kept = kept_lengths(full.lengths, chunk, budget)
   return RetrievalCache(keys=tuple(keys), values=tuple(values), lengths=kept,
-                        chunks=jnp.stack(chunks), dropped=full.lengths - kept, chunk=chunk)
+                        chunks=jnp.stack(chunks), dropped=full.lengths - kept,
+                        selected=full.lengths, chunk=chunk)
 
 
 def _rope(config: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:

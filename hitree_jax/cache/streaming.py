@@ -13,10 +13,15 @@ that short cache with `lengths` set to the accepted count (after
 `KVCache.commit` has packed a tree's accepted path in front). Nothing here
 rolls back; nothing needs to.
 
-Not built: StreamingLLM proper re-indexes positions inside the cache (the
-token in slot j is rotated as position j), which needs pre-RoPE keys and
-rotation at attention time, i.e. a model change; here a token keeps the
-position it had in the sequence.
+Positions. A ring token keeps the position it had in the sequence, so its
+distance to a new query is the one the full cache gives. StreamingLLM proper
+re-indexes positions inside the cache (sinks at 0..s-1, the ring's tokens at
+s..s+w-1, the query at s+w): the ring's distances are the same as here, and
+only the sinks move, to distance s+w-i instead of the full length. With
+`shift_freq` (the model's RoPE frequencies) this cache does that: at each
+append, the sink keys (post-RoPE) are rotated forward by how far the ring
+moved, RoPE's rotations composing, so they sit right before the ring's
+oldest token (`sink_shift` [B] records by how much). Queries are unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import jax.numpy as jnp
 
 from hitree_jax.cache.full import KVCache
 from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import apply_rope
 
 
 def held_positions(seen: jax.Array, sinks: int, window: int) -> jax.Array:
@@ -56,6 +62,8 @@ class StreamingCache:
   seen: jax.Array                # [B] int32: tokens committed so far = position of the next token
   sinks: int = flax.struct.field(pytree_node=False)
   window: int = flax.struct.field(pytree_node=False)
+  shift_freq: jax.Array | None = None  # [D/2] RoPE inverse frequencies: re-index the sinks (None: don't)
+  sink_shift: jax.Array | None = None  # [B] int32: positions the sink keys were moved forward by
 
   @classmethod
   def init(cls, config: ModelConfig, batch: int, sinks: int, window: int,
@@ -67,18 +75,38 @@ class StreamingCache:
                sinks=sinks, window=window)
 
   @classmethod
-  def from_prefill(cls, full: KVCache, sinks: int, window: int) -> "StreamingCache":
+  def from_prefill(cls, full: KVCache, sinks: int, window: int,
+                   shift_freq: jax.Array | None = None) -> "StreamingCache":
     """Keeps each row's first `sinks` and last `window` committed slots of a full cache.
 
     Assumes slot s of `full` holds position s (a prefilled or plainly decoded cache).
+    shift_freq: the model's rope_inv_freq, to re-index the sinks (module docstring).
     """
     _check(sinks, window)
     held = held_positions(full.lengths, sinks, window)
     index = jnp.maximum(held, 0)[:, None, :, None]  # empty slots read slot 0, hidden by lengths
     gather = lambda buf: jnp.take_along_axis(buf, index, axis=2)
-    return cls(keys=tuple(map(gather, full.keys)), values=tuple(map(gather, full.values)),
-               lengths=jnp.minimum(full.lengths, sinks + window), seen=full.lengths,
-               sinks=sinks, window=window)
+    cache = cls(keys=tuple(map(gather, full.keys)), values=tuple(map(gather, full.values)),
+                lengths=jnp.minimum(full.lengths, sinks + window), seen=full.lengths,
+                sinks=sinks, window=window, shift_freq=shift_freq,
+                sink_shift=None if shift_freq is None else jnp.zeros_like(full.lengths))
+    return cache._shift_sinks()
+
+  def _shift_sinks(self) -> "StreamingCache":
+    """Rotates the sink keys so they sit right before the ring's oldest token (if re-indexing)."""
+    if self.shift_freq is None or self.sinks == 0:
+      return self
+    shift = jnp.maximum(self.seen - self.sinks - self.window, 0)                   # [B]
+    angles = (shift - self.sink_shift).astype(jnp.float32)[:, None, None] * self.shift_freq  # [B,1,D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+    def rotate(buf):                                                               # [B, KVH, S, D]
+      sink = buf[:, :, :self.sinks].transpose(0, 2, 1, 3)                          # [B, s, KVH, D]
+      cos_s, sin_s = (jnp.broadcast_to(x, (buf.shape[0], self.sinks, x.shape[-1])) for x in (cos, sin))
+      return buf.at[:, :, :self.sinks].set(apply_rope(sink, cos_s, sin_s).transpose(0, 2, 1, 3))
+
+    return self.replace(keys=tuple(map(rotate, self.keys)), sink_shift=shift)
 
   @property
   def batch(self) -> int:
@@ -118,7 +146,7 @@ class StreamingCache:
     seen = self.seen + count
     return self.replace(keys=tuple(map(write, self.keys, recent.keys)),
                         values=tuple(map(write, self.values, recent.values)),
-                        lengths=jnp.minimum(seen, self.max_len), seen=seen)
+                        lengths=jnp.minimum(seen, self.max_len), seen=seen)._shift_sinks()
 
 
 def _check(sinks: int, window: int):

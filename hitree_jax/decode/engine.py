@@ -44,10 +44,10 @@ from hitree_jax.decode.drafters import (DraftInputs, DraftWeights, ModelDrafter,
 from hitree_jax.decode.levels import Lead, LevelCache, commit, round_mask
 from hitree_jax.decode.result import GenerationResult
 from hitree_jax.decode.sampling import SamplingParams, probabilities, sample
-from hitree_jax.decode.stack import Full, Stack, Streaming
+from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming
 from hitree_jax.decode.verify import verify
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import forward
+from hitree_jax.model.llama import forward, rope_inv_freq
 from hitree_jax.tree import shapes as tree_lib
 from hitree_jax.tree.shapes import DynamicTree, TokenTree
 
@@ -132,6 +132,7 @@ class Stats:
   forwards: jax.Array   # [K+1] batched forwards of each verifying level (0 for the drafter)
   proposed: jax.Array   # [K+1] tokens proposed to each level on the paths it could accept, live rows
   accepted: jax.Array   # [K+1] of those, accepted
+  reselected: jax.Array  # [K+1] times each retrieval level chose its chunks again (Retrieval.reselect)
 
 
 @flax.struct.dataclass
@@ -340,6 +341,28 @@ class _Decoder:
 
   # --- blocks ---------------------------------------------------------------------------------
 
+  def _reselect(self, st: LoopState) -> LoopState:
+    """At a block's end (every level's tokens are in its long cache): a retrieval level with
+    `reselect` chooses its chunks again, with the newest committed token's query, once that
+    many tokens were committed since its last choice (Retrieval.reselect)."""
+    layout = self.layout
+    levels = [j for j in range(layout.top)
+              if isinstance(layout.cache_kind(j), Retrieval) and layout.cache_kind(j).reselect]
+    if not levels:
+      return st
+    full = st.caches[layout.top].long                       # the target's: every committed token
+    last = jnp.take_along_axis(st.seq, jnp.maximum(full.lengths - 1, 0)[:, None], axis=1)[:, 0]
+    caches, reselected = list(st.caches), st.stats.reselected
+    for j in levels:
+      kind, old = layout.cache_kind(j), caches[j].long
+      due = jnp.any(~st.done & (full.lengths - old.selected >= kind.reselect))
+      new = jax.lax.cond(due, lambda: retrieval.from_full(self.weights.target, layout.target, full, last,
+                                                          kind.budget, kind.chunk, old.tail),
+                         lambda: old)
+      caches[j] = caches[j].replace(long=new)
+      reselected = reselected.at[j].add(due.astype(jnp.int32))
+    return st.replace(caches=tuple(caches), stats=st.stats.replace(reselected=reselected))
+
   def run(self, st: LoopState) -> LoopState:
     extent, width = self.layout.round_extent, self.width
 
@@ -349,7 +372,8 @@ class _Decoder:
 
     def block(st):
       st = jax.lax.while_loop(lambda s: has_room(s) & ~jnp.all(s.done), self.top_round, st)
-      return st.replace(caches=tuple(c if c is None else c.new_block(width) for c in st.caches))
+      st = st.replace(caches=tuple(c if c is None else c.new_block(width) for c in st.caches))
+      return self._reselect(st)
 
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), block, st)
 
@@ -375,7 +399,7 @@ def _initial_state(layout: Layout, long_caches, first_logits, max_new_tokens: in
       n_out=jnp.ones((batch,), jnp.int32),
       done=(first == eos_id) | (max_new_tokens <= 1), key=key,
       stats=Stats(rounds=jnp.zeros((batch,), jnp.int32), per_depth=jnp.zeros((depth,), jnp.int32),
-                  forwards=zeros, proposed=zeros, accepted=zeros))
+                  forwards=zeros, proposed=zeros, accepted=zeros, reselected=zeros))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
@@ -462,15 +486,16 @@ def _long_caches(layout: Layout, weights: Weights, config: ModelConfig, batch: p
     elif isinstance(kind, Full):  # each level's cache is its own buffer (the decode loop donates them)
       longs.append(jax.tree.map(jnp.copy, source) if any(source is c for c in longs) else source)
     elif isinstance(kind, Streaming):
-      longs.append(_streaming(source, kind.sinks, kind.window))
+      shift_freq = jnp.asarray(rope_inv_freq(layout.config(j))) if kind.reindex else None
+      longs.append(_streaming(source, kind.sinks, kind.window, shift_freq))
     else:
       longs.append(_retrieval(params, config, full, last_tokens, kind.budget, kind.chunk, tail))
   return first_logits, tuple(longs)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _streaming(full: KVCache, sinks: int, window: int) -> StreamingCache:
-  return StreamingCache.from_prefill(full, sinks, window)
+def _streaming(full: KVCache, sinks: int, window: int, shift_freq) -> StreamingCache:
+  return StreamingCache.from_prefill(full, sinks, window, shift_freq)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 4, 5, 6))
@@ -558,6 +583,10 @@ def level_report(layout: Layout, stats: Stats, round_s: list[float] | None = Non
     proposed, accepted, forwards = int(stats.proposed[j]), int(stats.accepted[j]), int(stats.forwards[j])
     entry = dict(level=j, name=names[j], proposer=names[j - 1], forwards=forwards,
                  proposed=proposed, accepted=accepted, acceptance=accepted / proposed if proposed else None)
+    for key, at in (("reselections", j), ("proposer_reselections", j - 1)):
+      kind = layout.cache_kind(at)
+      if isinstance(kind, Retrieval) and kind.reselect:
+        entry[key] = int(stats.reselected[at])
     if round_s is not None:
       entry.update(round_ms=1e3 * round_s[j], time_share=forwards * round_s[j] / decode_s)
       if j == 1:  # every round of level 1 verified one proposal of the drafter

@@ -31,31 +31,40 @@ class Full:
 
 @dataclasses.dataclass(frozen=True)
 class Retrieval:
-  """TriForce's retrieval cache: the sink chunk plus the best-scoring chunks, `budget` slots."""
+  """TriForce's retrieval cache: the sink chunk plus the best-scoring chunks, `budget` slots.
+  reselect: choose the chunks again with the newest token's query once a row committed this many
+  tokens since the last choice (checked at the end of each block, for all rows at once; 0: only
+  after prefill)."""
   budget: int
   chunk: int = 8
+  reselect: int = 0
 
   def __post_init__(self):
     if self.chunk < 1 or self.budget % self.chunk or self.budget < 2 * self.chunk:
       raise ValueError(f"retrieval budget={self.budget} must be a multiple of chunk={self.chunk} "
                        "holding at least 2 chunks (the sink and the last)")
+    if self.reselect < 0:
+      raise ValueError(f"retrieval reselect={self.reselect} must be >= 0 (0: never)")
 
   def __str__(self) -> str:
-    return f"retrieval:{self.budget}"
+    return f"retrieval:{self.budget}" + (f":{self.reselect}" if self.reselect else "")
 
 
 @dataclasses.dataclass(frozen=True)
 class Streaming:
-  """StreamingLLM: `sinks` first tokens plus a ring of the `window` most recent (TriForce: 16 + 234)."""
+  """StreamingLLM: `sinks` first tokens plus a ring of the `window` most recent (TriForce: 16 + 234).
+  reindex: the sinks sit right before the ring, as StreamingLLM's positions within the cache put
+  them (cache/streaming.py); else every key keeps its sequence position."""
   sinks: int = 16
   window: int = 234
+  reindex: bool = False
 
   def __post_init__(self):
     if self.sinks < 0 or self.window < 1:
       raise ValueError(f"streaming sinks={self.sinks} must be >= 0 and window={self.window} >= 1")
 
   def __str__(self) -> str:
-    return f"streaming:{self.sinks}+{self.window}"
+    return f"streaming:{self.sinks}+{self.window}" + (":reindex" if self.reindex else "")
 
 
 CacheKind = Full | Retrieval | Streaming
