@@ -55,11 +55,13 @@ def run_one(model, method, ids, sampling, programs):
 
 
 def stack_shape(stack) -> dict:
-  """The numbers a plot by (gamma1, gamma2) needs: the bottom tree's depth and size, and the
-  gamma of each intermediate level, bottom-up (empty for ar, sd and tree)."""
+  """The numbers a plot by (gamma1, gamma2) needs: the bottom tree's depth, size and width (the
+  root's children), and the gamma of each intermediate level, bottom-up (empty for ar)."""
   if stack is None or stack.tree is None:
     return {}
-  return {"tree_depth": stack.tree.max_depth, "tree_size": stack.tree.size,
+  tree = stack.tree
+  width = tree.max_branching if hasattr(tree, "max_branching") else tree.width  # static; dynamic
+  return {"tree_depth": tree.max_depth, "tree_size": tree.size, "tree_width": int(width),
           "gammas": [v.gamma for v in stack.verifiers]}
 
 
@@ -79,8 +81,8 @@ def markdown(rows) -> str:
 def level_markdown(rows) -> str:
   """Per verifying level of each speculative method: acceptance, forwards per run and, with
   --time_levels, one round's time and the share of the decode time (medians over runs)."""
-  lines = ["| method | prompt tokens | level (proposer -> verifier) | acceptance | forwards | round ms | "
-           "share of decode time |", "|---|---|---|---|---|---|---|"]
+  lines = ["| method | prompt tokens | level (proposer -> verifier) | accepted / proposed | alpha | "
+           "forwards | round ms | share of decode time |", "|---|---|---|---|---|---|---|---|"]
   med = lambda values: statistics.median(values) if values else None
   fmt = lambda x, spec: "–" if x is None else format(x, spec)
   for r in rows:
@@ -88,13 +90,15 @@ def level_markdown(rows) -> str:
     for j, level in enumerate(runs[0] if runs else []):
       at = [run[j] for run in runs]
       if j == 0 and "proposer_round_ms" in level:
-        lines.append(f"| {r['method']} | {r['prompt_tokens']} | {level['proposer']} (drafting) | – | "
+        lines.append(f"| {r['method']} | {r['prompt_tokens']} | {level['proposer']} (drafting) | – | – | "
                      f"{fmt(med([x['forwards'] for x in at]), '.0f')} | "
                      f"{fmt(med([x['proposer_round_ms'] for x in at]), '.1f')} | "
                      f"{fmt(med([x['proposer_time_share'] for x in at]), '.0%')} |")
       acceptance = med([x["acceptance"] for x in at if x["acceptance"] is not None])
+      alpha = med([x["alpha"] for x in at if x.get("alpha") is not None])
       lines.append(f"| {r['method']} | {r['prompt_tokens']} | {level['proposer']} -> {level['name']} | "
-                   f"{fmt(acceptance, '.2f')} | {fmt(med([x['forwards'] for x in at]), '.0f')} | "
+                   f"{fmt(acceptance, '.2f')} | {fmt(alpha, '.2f')} | "
+                   f"{fmt(med([x['forwards'] for x in at]), '.0f')} | "
                    f"{fmt(med([x['round_ms'] for x in at if 'round_ms' in x]), '.1f')} | "
                    f"{fmt(med([x['time_share'] for x in at if 'time_share' in x]), '.0%')} |")
   return "\n".join(lines) if len(lines) > 2 else ""

@@ -37,6 +37,8 @@ def by_method(rows: list[dict]) -> dict[str, list[dict]]:
 def colors(groups: dict) -> dict[str, str]:
   """One colour per method, the same in every figure (the acceptance figure leaves out ar)."""
   cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  if len(groups) > len(cycle):  # a sweep of a dozen stacks: no two methods share a colour
+    cycle = [plt.cm.tab20(i % 20) for i in range(len(groups))]
   return {m: cycle[i % len(cycle)] for i, m in enumerate(groups)}
 
 
@@ -173,13 +175,14 @@ def levels_figure(record: dict, path: str | pathlib.Path) -> bool:
       bottom = 0.0
       for k, (part, share) in enumerate(parts.items()):
         right.bar(i, share, 0.6, bottom=bottom, color=plt.cm.tab10(k), edgecolor="white")
-        right.text(i, bottom + share / 2, part.split(":")[0] if share > 0.06 else "", ha="center",
-                   va="center", fontsize="x-small")
+        short = "draft" if k == 0 else f"L{k}"   # the legend of the left panel names them
+        right.text(i, bottom + share / 2, short if share > 0.06 else "", ha="center", va="center",
+                   fontsize="x-small")
         bottom += share
       right.bar(i, max(0.0, 1 - bottom), 0.6, bottom=bottom, color="lightgrey", edgecolor="white")
     right.set_xticks(range(len(shares)), [f"{i + 1}" for i in range(len(shares))])
-    right.set_xlabel("method (colours and numbers as in the legend order)")
-    right.set_ylabel("share of decode time (grey: the rest of the loop)")
+    right.set_xlabel("method (numbered in the legend's order); draft: proposing, Lj: level j")
+    right.set_ylabel("share of decode time (grey: the rest)")
     right.set_title("time per level: rounds x one round's time alone")
   _legend_below(fig, ax)
   _save(fig, record, path)
@@ -198,7 +201,8 @@ def gamma_figure(record: dict, path: str | pathlib.Path) -> bool:
   lines: dict[str, list[tuple[int, float]]] = {}
   for r in three:
     if r["prompt_tokens"] == longest:
-      shape = "chain" if r["tree_size"] == r["tree_depth"] else "tree"
+      width = r.get("tree_width", 1 if r["tree_size"] == r["tree_depth"] else 2)
+      shape = {1: "chain", 2: "binary tree", 3: "ternary tree"}.get(width, f"{width}-ary tree")
       lines.setdefault(f"gamma2 = {r['gammas'][0]}, {shape}", []).append(
           (r["tree_depth"], r["median_decode_tokens_per_s"] / base[longest]))
   fig, ax = plt.subplots(figsize=(7, 4.8))

@@ -68,6 +68,7 @@ def test_greedy_equals_ar(params, draft, ar_tokens, name):
   assert levels[-1]["name"] == "target" and levels[-1]["forwards"] == result.target_forwards
   for lv in levels:
     assert 0 <= lv["accepted"] <= lv["proposed"] and lv["forwards"] > 0
+    assert lv["acceptance"] <= lv["alpha"] <= 1  # a round stops at its first rejection
   if stack.verifiers:
     # The middle level ran rounds of its own, more than the target's.
     assert levels[-2]["forwards"] > levels[-1]["forwards"]

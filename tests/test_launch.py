@@ -97,10 +97,15 @@ def test_level_plots_and_table(tmp_path):
   assert not plots.levels_figure({**record, "results": rows[:1]}, tmp_path / "none.png")
   assert not plots.gamma_figure({**record, "results": rows[:2]}, tmp_path / "none.png")  # one stack
   table = benchmark.level_markdown(rows)
-  assert "| triforce | 64 | draft[streaming:16x234] (drafting) | – | 30 | 3.0 | 5% |" in table
-  assert "| hitree2 | 64 | target[retrieval:1024]/6 -> target | 0.90 | 10 | 60.0 | 30% |" in table
+  assert "| triforce | 64 | draft[streaming:16x234] (drafting) | – | – | 30 | 3.0 | 5% |" in table
+  assert "| hitree2 | 64 | target[retrieval:1024]/6 -> target | 0.90 | – | 10 | 60.0 | 30% |" in table
   assert benchmark.level_markdown(rows[:1]) == ""
   assert benchmark.stack_shape(None) == {}
+  from hitree_jax.decode.drafters import NGramDrafter
+  from hitree_jax.decode.stack import Retrieval, Stack, Verifier
+  from hitree_jax.tree import shapes as tree_lib
+  stack = Stack(NGramDrafter(2), tree_lib.kary(3, 2), (Verifier("target", Retrieval(64), 6),))
+  assert benchmark.stack_shape(stack) == {"tree_depth": 2, "tree_size": 12, "tree_width": 3, "gammas": [6]}
 
 
 def test_progress_reports_elapsed_and_eta():

@@ -132,6 +132,7 @@ class Stats:
   forwards: jax.Array   # [K+1] batched forwards of each verifying level (0 for the drafter)
   proposed: jax.Array   # [K+1] tokens proposed to each level on the paths it could accept, live rows
   accepted: jax.Array   # [K+1] of those, accepted
+  stopped: jax.Array    # [K+1] row-rounds whose accepted path stopped before the proposal's deepest token
   reselected: jax.Array  # [K+1] times each retrieval level chose its chunks again (Retrieval.reselect)
 
 
@@ -239,7 +240,8 @@ class _Decoder:
     proposed = jnp.sum(jnp.where(live, length, 0))
     stats = stats.replace(forwards=stats.forwards.at[j].add(jnp.any(live).astype(jnp.int32)),
                           proposed=stats.proposed.at[j].add(proposed),
-                          accepted=stats.accepted.at[j].add(jnp.sum(n_acc)))
+                          accepted=stats.accepted.at[j].add(jnp.sum(n_acc)),
+                          stopped=stats.stopped.at[j].add(jnp.sum(live & (n_acc < length))))
     st = st.replace(caches=tuple(caches), seq=seq, end=end, stats=stats)
     return st, emitted, n_acc, emitted_probs
 
@@ -399,7 +401,8 @@ def _initial_state(layout: Layout, long_caches, first_logits, max_new_tokens: in
       n_out=jnp.ones((batch,), jnp.int32),
       done=(first == eos_id) | (max_new_tokens <= 1), key=key,
       stats=Stats(rounds=jnp.zeros((batch,), jnp.int32), per_depth=jnp.zeros((depth,), jnp.int32),
-                  forwards=zeros, proposed=zeros, accepted=zeros, reselected=zeros))
+                  forwards=zeros, proposed=zeros, accepted=zeros, stopped=zeros,
+                  reselected=zeros))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
@@ -574,15 +577,19 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
 
 def level_report(layout: Layout, stats: Stats, round_s: list[float] | None = None,
                  decode_s: float | None = None) -> list[dict]:
-  """Per verifying level: what it was proposed, accepted and how many forwards it ran; with
+  """Per verifying level: what it was proposed, accepted and how many forwards it ran; `alpha`,
+  the per-token acceptance (accepted / (accepted + rounds that stopped short): each token tried
+  is accepted, or is the rejection that ends its round; TriForce's "acceptance rate"); with
   round_s (_time_levels), the time of one of its rounds and the share of decode_s its rounds
   took (forwards x round time), and for level 1 the same of the drafter's proposals."""
   names = [str(layout.stack.drafter), *map(str, layout.stack.verifiers), "target"]
   report = []
   for j in range(1, layout.top + 1):
     proposed, accepted, forwards = int(stats.proposed[j]), int(stats.accepted[j]), int(stats.forwards[j])
+    tried = accepted + int(stats.stopped[j])
     entry = dict(level=j, name=names[j], proposer=names[j - 1], forwards=forwards,
-                 proposed=proposed, accepted=accepted, acceptance=accepted / proposed if proposed else None)
+                 proposed=proposed, accepted=accepted, acceptance=accepted / proposed if proposed else None,
+                 alpha=accepted / tried if tried else None)
     for key, at in (("reselections", j), ("proposer_reselections", j - 1)):
       kind = layout.cache_kind(at)
       if isinstance(kind, Retrieval) and kind.reselect:
