@@ -60,6 +60,10 @@ class Programs:
         self.compiles += 1
     return self._programs[key]
 
+  def clear(self) -> None:
+    """Drops the compiled programs (their machine code is freed once nothing else holds them)."""
+    self._programs.clear()
+
   def counts(self) -> tuple[float, int, int]:
     """(compile_s, compiles, cache_loads) so far."""
     return self.compile_s, self.compiles, self.cache_loads

@@ -1,0 +1,19 @@
+"""Suite-wide hygiene: one pytest process compiles hundreds of programs."""
+
+import gc
+
+import jax
+import pytest
+
+from hitree_jax.decode import programs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """After each test module, drop its compiled programs: XLA:CPU keeps every program's machine
+  code mapped, and the whole suite's programs at once ran it out of memory for code (an abort
+  while compiling, late in the run). The persistent compilation cache makes recompiling cheap."""
+  yield
+  programs.shared().clear()
+  jax.clear_caches()
+  gc.collect()
