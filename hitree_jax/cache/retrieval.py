@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from hitree_jax.cache.full import KVCache
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import apply_rope, llama, rope_inv_freq
+from hitree_jax.model.llama import apply_rope, llama, rope_cos_sin, rope_inv_freq
 
 
 @flax.struct.dataclass
@@ -146,9 +146,7 @@ def select(full: KVCache, queries: jax.Array, budget: int, chunk: int = 8,
 
 def _rope(config: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
   """The model's RoPE (as in Llama.__call__) for x [B, T, H, D] at positions [B, T]."""
-  angles = positions[..., None].astype(jnp.float32) * rope_inv_freq(config)
-  angles = jnp.concatenate([angles, angles], axis=-1)
-  return apply_rope(x, jnp.cos(angles), jnp.sin(angles))
+  return apply_rope(x, *rope_cos_sin(positions, rope_inv_freq(config)))
 
 
 def last_token_projections(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array,

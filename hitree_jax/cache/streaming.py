@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from hitree_jax.cache.full import KVCache
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import apply_rope
+from hitree_jax.model.llama import apply_rope, rope_cos_sin
 
 
 def held_positions(seen: jax.Array, sinks: int, window: int) -> jax.Array:
@@ -97,9 +97,7 @@ class StreamingCache:
     if self.shift_freq is None or self.sinks == 0:
       return self
     shift = jnp.maximum(self.seen - self.sinks - self.window, 0)                   # [B]
-    angles = (shift - self.sink_shift).astype(jnp.float32)[:, None, None] * self.shift_freq  # [B,1,D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos, sin = rope_cos_sin((shift - self.sink_shift)[:, None], self.shift_freq)   # [B, 1, D]
 
     def rotate(buf):                                                               # [B, KVH, S, D]
       sink = buf[:, :, :self.sinks].transpose(0, 2, 1, 3)                          # [B, s, KVH, D]

@@ -590,7 +590,8 @@ def level_report(layout: Layout, stats: Stats, round_s: list[float] | None = Non
     entry = dict(level=j, name=names[j], proposer=names[j - 1], forwards=forwards,
                  proposed=proposed, accepted=accepted, acceptance=accepted / proposed if proposed else None,
                  alpha=accepted / tried if tried else None)
-    for key, at in (("reselections", j), ("proposer_reselections", j - 1)):
+    kinds = [("reselections", j)] + ([("proposer_reselections", 0)] if j == 1 else [])
+    for key, at in kinds:  # the drafter has no entry of its own: level 1 reports for it
       kind = layout.cache_kind(at)
       if isinstance(kind, Retrieval) and kind.reselect:
         entry[key] = int(stats.reselected[at])

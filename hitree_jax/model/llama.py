@@ -46,6 +46,13 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
   return inv_freq.astype(np.float32)
 
 
+def rope_cos_sin(positions: jax.Array, inv_freq) -> tuple[jax.Array, jax.Array]:
+  """cos, sin [..., D] of RoPE's angles at positions [...] for inverse frequencies [D/2]."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq
+  angles = jnp.concatenate([angles, angles], axis=-1)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """HF rotate-half RoPE. x [B, T, H, D]; cos, sin [B, T, D]."""
   half = x.shape[-1] // 2
@@ -204,9 +211,7 @@ class Llama(nn.Module):
     """tokens, positions [B,T]; keys/values: per-layer [B,KVH,S,D], written at write_at [B];
     context: read-only caches, each (per-layer keys, per-layer values, lengths [B]); attend [B,T,S]."""
     x = self.embed_tokens(tokens)
-    angles = positions[..., None].astype(jnp.float32) * rope_inv_freq(self.config)  # [B,T,D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))                  # [B,T,D]
     new_keys, new_values = [], []
     for i, (layer, k_buf, v_buf) in enumerate(zip(self.layers, keys, values)):
       layer_context = tuple((ks[i], vs[i], lengths) for ks, vs, lengths in context)
