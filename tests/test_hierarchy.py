@@ -31,6 +31,8 @@ GREEDY_STACKS = {
                            (RETRIEVAL,)),
     "hitree-ternary-iid": Stack(ModelDrafter(DRAFT, "iid", cache=Streaming(4, 8)), tree_lib.kary(3, 2),
                                 (Verifier("target", Retrieval(16, 4), 12),)),
+    "hitree-reindexed-sinks": Stack(ModelDrafter(DRAFT, cache=Streaming(2, 6, reindex=True)),
+                                    tree_lib.kary(2, 2), (RETRIEVAL,)),
     "retrieval": Stack(ModelDrafter(CONFIG, cache=Retrieval(16, 4), weights="target"), tree_lib.chain(4)),
     "self-under-retrieval": Stack(SelfDrafter(1), tree_lib.kary(2, 2), (RETRIEVAL,)),
     "4-level": Stack(NGramDrafter(2), tree_lib.chain(2),
