@@ -1,7 +1,14 @@
-"""Convert weights (GGUF or HF safetensors) to an orbax checkpoint that restores fast.
+"""Convert weights (GGUF or HF safetensors) to an orbax checkpoint, or to a GGUF for llama.cpp.
 
   python -m launch.convert --model=smollm2 --out=checkpoints/smollm2
   python -m launch.generate --model=checkpoints/smollm2 --prompt="..."
+  python -m launch.convert --model=smollm2 --out=smollm2_f32.gguf   # llama.cpp at F32
+
+An --out ending in .gguf writes a llama.cpp GGUF: float32 matrices by default
+(--gguf_type=q8_0 for llama.cpp's 8-bit blocks), with the source's tokenizer
+when the source is a GGUF. The shipped SmolLM2 file is Q4_1: its F32 copy holds
+exactly the weights our float32 model decodes with, which is what comparing
+decode speed with llama.cpp "at the same precision" means (launch.benchmark --peers).
 """
 
 from __future__ import annotations
@@ -13,19 +20,27 @@ from absl import flags, logging
 from launch import common
 
 common.define_model_flags()
-flags.DEFINE_string("out", None, "Folder to write the checkpoint to.", required=True)
+flags.DEFINE_string("out", None, "Folder to write the checkpoint to, or a .gguf file.", required=True)
+flags.DEFINE_enum("gguf_type", "f32", ["f32", "q8_0"], "Matrix type of a .gguf --out.")
 FLAGS = flags.FLAGS
 
 
 def main(argv):
   del argv
   from hitree_jax.loading import load_model
-  from hitree_jax.loading.checkpoint import save_checkpoint
-  from hitree_jax.tokenizer import load_tokenizer
+  from hitree_jax.model.llama import without_decode_head
 
   start = time.perf_counter()
   model = load_model(FLAGS.model, "float32")
-  save_checkpoint(FLAGS.out, model.config, model.params, load_tokenizer(model.path))
+  if FLAGS.out.endswith(".gguf"):
+    from hitree_jax.loading.gguf import save_gguf
+    source = model.path if model.path.suffix == ".gguf" else None
+    save_gguf(FLAGS.out, model.config, without_decode_head(model.params, model.config), vocab=model.vocab,
+              tokenizer_from=source, quantize=FLAGS.gguf_type == "q8_0")
+  else:
+    from hitree_jax.loading.checkpoint import save_checkpoint
+    from hitree_jax.tokenizer import load_tokenizer
+    save_checkpoint(FLAGS.out, model.config, model.params, load_tokenizer(model.path))
   logging.info("wrote %s in %.1f s", FLAGS.out, time.perf_counter() - start)
 
 

@@ -16,18 +16,6 @@ import numpy as np
 from hitree_jax import compile_cache
 
 
-def compiler_options() -> dict:
-  """XLA options for the decoding programs on the current backend.
-
-  On CPU, XLA's YNNPACK dot fusions multiply a few rows (a speculative
-  round's 2-16 tokens) by a weight matrix 2-3x slower than its Eigen kernels
-  (SmolLM2, 4 tokens: 104 ms per target forward with them, 67 ms without);
-  one row and long prompts run the same either way. Scoped to our programs, not
-  set process-wide.
-  """
-  return {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else {}
-
-
 def shape_key(tree) -> tuple:
   """A hashable key of a pytree's array shapes and dtypes (other leaves as they are)."""
   return tuple((x.shape, str(x.dtype)) if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
@@ -52,7 +40,7 @@ class Programs:
     if key not in self._programs:
       start = time.perf_counter()
       hits, misses = compile_cache.EVENTS.hits, compile_cache.EVENTS.misses
-      self._programs[key] = jitted.lower(*example_args).compile(compiler_options())
+      self._programs[key] = jitted.lower(*example_args).compile()
       self.compile_s += time.perf_counter() - start
       if compile_cache.EVENTS.hits > hits and compile_cache.EVENTS.misses == misses:
         self.cache_loads += 1
