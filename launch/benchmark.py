@@ -14,6 +14,13 @@ length), results_acceptance.png (draft tokens accepted per round at each tree
 depth), results_levels.png (acceptance and share of time per level) and
 results_gammas.png (hierarchies: speedup by the bottom tree's depth and the
 middle level's gamma).
+
+--peers=hf,llamacpp adds rows for HF transformers and llama.cpp decoding the same
+prompt ids the same way (launch/peers.py; greedy rows say how many leading
+tokens equal our `ar`'s):
+
+  python -m launch.convert --out=smollm2_f32.gguf
+  python -m launch.benchmark --methods=ar --peers=hf,llamacpp --llamacpp_gguf=smollm2_f32.gguf
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ flags.DEFINE_integer("n_prompts", 3, "Prompts per length.")
 flags.DEFINE_enum("book", "austen", ["austen", "shakespeare", "milton"], "Book corpus of the prompts.")
 flags.DEFINE_bool("time_levels", True, "Time one round of each level alone (a program per level "
                   "to compile) and report each level's share of the decode time.")
+flags.DEFINE_list("peers", [], "Other engines to time on the same prompt ids, when installed: hf "
+                  "(transformers on PyTorch), llamacpp (llama-cpp-python). See launch/peers.py.")
+flags.DEFINE_list("llamacpp_gguf", [], "GGUF files llama.cpp runs, a row each (default: the model's "
+                  "own file; `python -m launch.convert --out=X.gguf` writes our weights at F32).")
 flags.DEFINE_string("out", "results.json", "Where to write the JSON results (the table and plots "
                     "go beside it: OUT.md, OUT_speed.png, OUT_acceptance.png).")
 FLAGS = flags.FLAGS
@@ -71,10 +82,10 @@ def markdown(rows) -> str:
   base = {r["prompt_tokens"]: r["median_decode_tokens_per_s"] for r in rows if r["method"] == "ar"}
   for r in rows:
     speedup = r["median_decode_tokens_per_s"] / base[r["prompt_tokens"]] if r["prompt_tokens"] in base else float("nan")
-    accepted = r["median_mean_accepted"]
+    accepted, compile_s = r["median_mean_accepted"], r["compile_s"]
     lines.append(f"| {r['method']} | {r['prompt_tokens']} | {r['median_decode_tokens_per_s']:.2f} | "
-                 f"{speedup:.2f}x | {accepted if accepted is None else f'{accepted:.2f}'} | "
-                 f"{r['median_prefill_s']:.2f} | {r['compile_s']:.1f} |")
+                 f"{speedup:.2f}x | {'–' if accepted is None else f'{accepted:.2f}'} | "
+                 f"{r['median_prefill_s']:.2f} | {'–' if compile_s is None else f'{compile_s:.1f}'} |")
   return "\n".join(lines)
 
 
@@ -159,8 +170,10 @@ def main(argv):
   model = load_model(FLAGS.model, FLAGS.dtype)
   tokenizer = load_tokenizer(model.path)
   methods = [method.load_draft(model.config) for method in methods]
+  peer_engines = make_peers(model.path, max(lengths))
   rows = []
-  progress = Progress("benchmark", len(lengths) * len(methods) * (FLAGS.n_prompts + 1))
+  ar_tokens = {}  # (prompt length, prompt index) -> ar's tokens: what greedy peers are compared with
+  progress = Progress("benchmark", len(lengths) * (len(methods) + len(peer_engines)) * (FLAGS.n_prompts + 1))
   for n_tokens in lengths:
     prompts = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts, corpus=FLAGS.book)
     for method in methods:
@@ -179,6 +192,8 @@ def main(argv):
                      "compiles": r.compiles, "cache_loads": r.cache_loads, "target_forwards": r.target_forwards,
                      "mean_accepted": r.mean_accepted, "accepted_per_depth": r.accepted_per_depth,
                      "levels": r.levels})
+        if method.label == "ar":
+          ar_tokens[n_tokens, i] = r.tokens[0]
         progress.step(detail=f"{method.label} P={n_tokens} prompt {i}: "
                              f"{r.decode_tokens_per_s:.2f} tok/s")
       accepted = [x["mean_accepted"] for x in runs if x["mean_accepted"] is not None]
@@ -189,7 +204,47 @@ def main(argv):
           "median_mean_accepted": statistics.median(accepted) if accepted else None,
           "median_prefill_s": statistics.median(x["prefill_s"] for x in runs)})
       pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))  # survives a crash
+    for peer in peer_engines:
+      rows.append(peer_row(peer, n_tokens, prompts, ar_tokens, progress))
+      pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))
   write_outputs(record(rows))
+
+
+def make_peers(model_path, longest_prompt: int) -> list:
+  """The --peers engines, loaded once (llama.cpp's context fits the longest prompt)."""
+  from launch import peers
+  context = longest_prompt + FLAGS.max_new_tokens + 16
+  made = []
+  for name in FLAGS.peers:
+    if name == "llamacpp":
+      made += [peers.make_peer(name, model_path, path, context) for path in FLAGS.llamacpp_gguf or [None]]
+    else:
+      made.append(peers.make_peer(name, model_path, None, context))
+  return made
+
+
+def peer_row(peer, n_tokens: int, prompts, ar_tokens: dict, progress) -> dict:
+  """A peer's row, shaped like a method's: warmed up on the first prompt, then each timed."""
+  settings = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
+                  top_k=FLAGS.top_k, seed=FLAGS.seed)
+  peer.run(prompts[0], **settings)
+  progress.step(detail=f"{peer.label} P={n_tokens} warm-up")
+  runs = []
+  for i, ids in enumerate(prompts):
+    r = peer.run(ids, **settings)
+    new = len(r.tokens)
+    run = {"prompt": i, "prefill_s": r.prefill_s, "decode_s": r.decode_s, "new_tokens": new,
+           "decode_tokens_per_s": (new - 1) / r.decode_s, "mean_accepted": None}
+    ours = ar_tokens.get((n_tokens, i))
+    if FLAGS.temperature == 0 and ours is not None:  # sampled tokens differ by random numbers alone
+      run["same_tokens_as_ar"] = next((k for k, (a, b) in enumerate(zip(ours, r.tokens)) if a != b),
+                                      min(len(ours), new))
+    runs.append(run)
+    progress.step(detail=f"{peer.label} P={n_tokens} prompt {i}: {run['decode_tokens_per_s']:.2f} tok/s")
+  return {"method": peer.label, "prompt_tokens": n_tokens, "runs": runs, "compile_s": None, "peer": True,
+          "median_decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in runs),
+          "median_mean_accepted": None,
+          "median_prefill_s": statistics.median(x["prefill_s"] for x in runs)}
 
 
 def record(rows) -> dict:

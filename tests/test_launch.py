@@ -244,3 +244,74 @@ def test_reselection_in_presets_and_levels():
   assert stack.verifiers[0].cache == Retrieval(1024, reselect=32)
   assert str(stack.verifiers[0]) == "target[retrieval:1024:32]/6"
   assert parse_method("retrieval/6").build(target).drafter.cache == Retrieval(1024)  # never
+
+
+@pytest.fixture(scope="module")
+def smollm2_f32_gguf(tmp_path_factory):
+  """SmolLM2 written by launch.convert as an F32 GGUF: the weights our float32 model decodes with."""
+  path = tmp_path_factory.mktemp("f32") / "smollm2_f32.gguf"
+  proc = launch("convert", "--model=smollm2", f"--out={path}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return path
+
+
+@pytest.mark.slow
+def test_convert_writes_the_same_weights_as_an_f32_gguf(smollm2_f32_gguf):
+  import jax
+  import numpy as np
+  from hitree_jax.loading import load_model
+  from hitree_jax.tokenizer import load_tokenizer
+  from launch import peers
+  assert peers.gguf_file_type(smollm2_f32_gguf) == "F32"
+  original, converted = load_model("smollm2"), load_model(str(smollm2_f32_gguf))
+  assert converted.config == original.config
+  for a, b in zip(jax.tree.leaves(original.params), jax.tree.leaves(converted.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  text = "It is a truth universally acknowledged"
+  assert load_tokenizer(smollm2_f32_gguf).encode(text) == load_tokenizer(original.path).encode(text)
+
+
+@pytest.mark.slow
+def test_benchmark_peers_decode_the_same_ids_as_ar(smollm2_f32_gguf, tmp_path):
+  """HF transformers (and llama.cpp on the F32 file, where llama-cpp-python is installed) decode
+  the same prompt ids greedily: their tokens equal our ar's; a missing peer is named."""
+  import importlib.util
+  has_llamacpp = importlib.util.find_spec("llama_cpp") is not None
+  out = tmp_path / "peers.json"
+  peer_list = "hf,llamacpp" if has_llamacpp else "hf"
+  proc = launch("benchmark", "--model=smollm2", "--methods=ar", f"--peers={peer_list}",
+                f"--llamacpp_gguf={smollm2_f32_gguf}", "--prompt_tokens=40", "--max_new_tokens=8",
+                "--n_prompts=1", "--time_levels=false", f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+  assert set(rows) == {"ar", "hf"} | ({"llama.cpp F32"} if has_llamacpp else set())
+  for name, row in rows.items():
+    assert row["median_decode_tokens_per_s"] > 0 and row["median_prefill_s"] > 0
+    if name != "ar":
+      assert row["peer"] and row["runs"][0]["same_tokens_as_ar"] == 8, (name, row["runs"])
+  assert "| hf | 40 |" in (tmp_path / "peers.md").read_text()
+  if not has_llamacpp:
+    proc = launch("benchmark", "--model=smollm2", "--peers=llamacpp", f"--out={tmp_path / 'x.json'}")
+    assert proc.returncode == 2 and "pip install llama-cpp-python" in proc.stderr
+  proc = launch("benchmark", "--model=smollm2", "--peers=vllm", f"--out={tmp_path / 'y.json'}")
+  assert proc.returncode == 2 and "unknown peer 'vllm'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_step_cost_splits_a_step_into_its_parts(tmp_path):
+  out = tmp_path / "cost.json"
+  proc = launch("step_cost", "--model=smollm2", "--prompt_tokens=40", "--widths=1,3", "--repeats=2",
+                "--step_tokens=6", "--temperature=0.6", "--top_p=0.9", f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["prompt_tokens"] == 40 and row["step_ms"] > 0
+  one, three = row["widths"]["1"], row["widths"]["3"]
+  for part in (one, three):
+    assert part["forward_ms"] > part["layers_ms"] > 0 and part["head_ms"] > 0 and part["sampling_ms"] > 0
+    assert part["attention_ms"] == pytest.approx(part["forward_ms"] - part["layers_ms"] - part["head_ms"])
+  assert three["verify_ms"] > 0 and "verify_ms" not in one
+  assert row["loop_ms"] == pytest.approx(row["step_ms"] - one["forward_ms"] - one["sampling_ms"])
+  table = (tmp_path / "cost.md").read_text()
+  assert table.startswith("| prompt tokens | `ar` step ms |") and "| 40 | 3 |" in table
+  proc = launch("step_cost", "--model=smollm2", "--widths=0", f"--out={out}")
+  assert proc.returncode == 2 and "--widths" in proc.stderr
