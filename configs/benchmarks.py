@@ -5,7 +5,8 @@
 `readme` is the table in the README; `long`, `gammas` and `long_greedy` the
 long-context prompts the hierarchy is for (SmolLM2 has 8192 positions: 4K and
 6K tokens, then 7.5K with every method and a sweep of (gamma1, gamma2), then
-7.5K greedy); `quick` a smoke test.
+7.5K greedy); `peers` our `ar` beside HF transformers and llama.cpp (after
+`python -m launch.convert --out=smollm2_f32.gguf`); `quick` a smoke test.
 """
 
 from ml_collections import config_dict
@@ -40,6 +41,11 @@ SUITES = {
     "long_greedy": dict(methods=f"ar,retrieval/6,triforce/{DRAFT},hitree/{DRAFT}/kary:2x2,{FOUR_LEVEL}",
                         budget=1024, gamma2=6, prompt_tokens="7680", max_new_tokens=256, n_prompts=2,
                         temperature=0.0),
+    # `ar` beside HF transformers and llama.cpp on the same prompt ids, greedy (launch/peers.py):
+    # llama.cpp runs our weights at F32 (first: python -m launch.convert --out=smollm2_f32.gguf).
+    "peers": dict(methods="ar", peers="hf,llamacpp", llamacpp_gguf="smollm2_f32.gguf",
+                  prompt_tokens="512,2048,7680", max_new_tokens=128, n_prompts=2, time_levels=False,
+                  temperature=0.0),
     "quick": dict(methods="ar,sd/ngram/4", prompt_tokens="128", max_new_tokens=16, n_prompts=1),
 }
 

@@ -126,6 +126,8 @@ def check_flags() -> list[int]:
                          "comma-separated integers") from None
   if not lengths:
     raise app.UsageError("--prompt_tokens: give at least one length")
+  from launch import peers
+  peers.check(FLAGS.peers, FLAGS.llamacpp_gguf)
   for name, value in [("prompt_tokens", min(lengths)),
                       ("max_new_tokens", FLAGS.max_new_tokens), ("n_prompts", FLAGS.n_prompts)]:
     if value < 1:

@@ -140,6 +140,18 @@ def gguf_file_type(path: pathlib.Path) -> str:
   return "/".join(sorted(kinds))
 
 
+def check(names: list[str], llamacpp_ggufs: list[str]) -> None:
+  """Refuses, before any weights load, a peer that is unknown or not installed, or a missing GGUF."""
+  for name in names:
+    reason = missing(name)
+    if reason:
+      raise ValueError(f"--peers={name}: {reason}")
+  for path in llamacpp_ggufs:
+    if not path.endswith(".gguf") or not pathlib.Path(path).is_file():
+      raise ValueError(f"--llamacpp_gguf={path}: expected an existing .gguf file "
+                       "(python -m launch.convert --out=X.gguf writes one)")
+
+
 def make_peer(name: str, model_path: pathlib.Path, llamacpp_gguf: str | None, context: int):
   """Peer `name` ready to run: hf on the model's own file; llamacpp on `llamacpp_gguf`
   (default: the model's own GGUF). Raises ValueError when it cannot run here."""

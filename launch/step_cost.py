@@ -108,7 +108,7 @@ def part_programs(config, sampling):
   return full_forward, layers, head, sample_all, verify_chain
 
 
-def context_row(model, ids, widths, sampling, programs, peer) -> dict:
+def context_row(model, ids, widths, sampling, programs, peer, progress) -> dict:
   import jax
   import jax.numpy as jnp
   from hitree_jax.cache.full import KVCache
@@ -136,9 +136,11 @@ def context_row(model, ids, widths, sampling, programs, peer) -> dict:
     if peer is not None:
       part["llamacpp_forward_ms"] = peer.forward_ms(ids, w, FLAGS.repeats)
     row["widths"][w] = part
+    progress.step(detail=f"P={len(ids)} w={w}: forward {part['forward_ms']:.1f} ms")
   result = engine.generate(params, config, [ids], max_new_tokens=FLAGS.step_tokens, sampling=sampling,
                            seed=FLAGS.seed, stop_at_eos=False, programs=programs)
   row["step_ms"] = 1e3 / result.decode_tokens_per_s
+  progress.step(detail=f"P={len(ids)} ar step {row['step_ms']:.1f} ms")
   one = row["widths"][1] if 1 in row["widths"] else None
   if one:
     row["loop_ms"] = row["step_ms"] - one["forward_ms"] - one["sampling_ms"]
@@ -183,22 +185,25 @@ def main(argv):
     raise ValueError("--prompt_tokens must be >= 16, --widths and --repeats >= 1")
   if set(FLAGS.peers) - {"llamacpp"}:
     raise ValueError(f"--peers={','.join(FLAGS.peers)}: step_cost times llamacpp only")
+  from launch import peers
+  peers.check(FLAGS.peers, [FLAGS.llamacpp_gguf] if FLAGS.llamacpp_gguf else [])
   sampling = common.sampling_from_flags(FLAGS)
   import jax
   from hitree_jax.data import book_prompts
   from hitree_jax.decode.programs import Programs
   from hitree_jax.loading import load_model
   from hitree_jax.tokenizer import load_tokenizer
-  from launch import peers
+  from launch.progress import Progress
 
   model = load_model(FLAGS.model, FLAGS.dtype)
   tokenizer = load_tokenizer(model.path)
   peer = (peers.make_peer("llamacpp", model.path, FLAGS.llamacpp_gguf,
                           max(lengths) + max(widths) + 16) if FLAGS.peers else None)
   rows = []
+  progress = Progress("step_cost", len(lengths) * (len(widths) + 1))
   for n in lengths:
     ids = book_prompts(tokenizer, n, 1)[0]
-    rows.append(context_row(model, ids, widths, sampling, Programs(), peer))
+    rows.append(context_row(model, ids, widths, sampling, Programs(), peer, progress))
     jax.clear_caches()
   out = pathlib.Path(FLAGS.out)
   record = {"model": FLAGS.model, "dtype": FLAGS.dtype, "temperature": FLAGS.temperature,
