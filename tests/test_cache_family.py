@@ -97,6 +97,11 @@ def decode(context, sequences, steps):
   return np.stack(out)
 
 
+def by_slot(keys):
+  """Keys as [..., S, D] (the caches store them [B, KVH, D, S], slots last)."""
+  return np.swapaxes(np.asarray(keys), -1, -2)
+
+
 # ------------------------------------------------------------------ retrieval: numpy reference
 
 def reference_selection(query, keys, length, chunk, budget):
@@ -129,8 +134,8 @@ def assert_selection_matches(ret, full, queries, budget):
   queries = np.asarray(queries)
   lengths = np.asarray(full.lengths)
   for layer in range(CONFIG.num_layers):
-    k_full, v_full = np.asarray(full.keys[layer]), np.asarray(full.values[layer])
-    k_ret, v_ret = np.asarray(ret.keys[layer]), np.asarray(ret.values[layer])
+    k_full, v_full = by_slot(full.keys[layer]), np.asarray(full.values[layer])
+    k_ret, v_ret = by_slot(ret.keys[layer]), np.asarray(ret.values[layer])
     for b, length in enumerate(lengths):
       _, chunks, kept = reference_selection(queries[layer, b], k_full[b], length, CHUNK, budget)
       np.testing.assert_array_equal(np.asarray(ret.chunks[layer, b]), chunks, err_msg=f"L{layer} b{b}")
@@ -150,7 +155,8 @@ def test_selection_matches_numpy_reference(budget):
   counter = CompileCounter()
   for trial in range(2):  # the second call, with new values, must reuse the program
     shape = (batch, CONFIG.num_kv_heads, MAX_LEN, CONFIG.head_dim)
-    full = KVCache(keys=tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2)),
+    full = KVCache(keys=tuple(jnp.swapaxes(jnp.asarray(rng.standard_normal(shape), jnp.float32), -1, -2)
+                              for _ in range(2)),
                    values=tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2)),
                    lengths=jnp.asarray(lengths, jnp.int32))
     queries = jnp.asarray(2 * rng.standard_normal((2, batch, CONFIG.num_heads, CONFIG.head_dim)),
@@ -165,7 +171,7 @@ def test_selection_matches_numpy_reference(budget):
     for layer in range(2):
       got = np.asarray(retrieval.chunk_scores(queries[layer], full.keys[layer], full.lengths, CHUNK))
       for b, length in enumerate(lengths):
-        want, _, _ = reference_selection(np.asarray(queries[layer, b]), np.asarray(full.keys[layer][b]),
+        want, _, _ = reference_selection(np.asarray(queries[layer, b]), by_slot(full.keys[layer][b]),
                                          length, CHUNK, budget)
         np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-5)
     if budget == 32:  # heads and layers really choose differently (each gathers its own chunks)
@@ -205,7 +211,7 @@ def test_last_token_queries_recompute_the_prefill_exactly():
   for layer in range(CONFIG.num_layers):
     for b, length in enumerate(lengths):
       np.testing.assert_allclose(np.asarray(got["k_proj"][layer, b]),
-                                 np.asarray(full.keys[layer][b, :, length - 1]), atol=ATOL)
+                                 by_slot(full.keys[layer])[b, :, length - 1], atol=ATOL)
   # Layer 0's query by hand: embedding -> RMSNorm -> q_proj -> RoPE.
   p = jax.tree.map(np.asarray, params)
   for b, length in enumerate(lengths):
@@ -279,7 +285,7 @@ def synthetic_cache(shape, position_of_slot, batch_tag):
     k[..., 2] = np.arange(kvh)[None, :, None]
     k[..., 3] = layer
     keys.append(jnp.asarray(k))
-  return tuple(keys), tuple(-k for k in keys)
+  return tuple(jnp.swapaxes(k, -1, -2) for k in keys), tuple(-k for k in keys)  # keys stored [.., D, S]
 
 
 def assert_stream_holds(stream, reference_seen):
@@ -290,7 +296,7 @@ def assert_stream_holds(stream, reference_seen):
     assert int(stream.seen[b]) == seen and int(stream.lengths[b]) == len(want)
     assert set(held[b, :len(want)]) == want and (held[b, len(want):] == -1).all()
     for layer in range(CONFIG.num_layers):
-      k = np.asarray(stream.keys[layer][b, :, :len(want)])
+      k = by_slot(stream.keys[layer])[b, :, :len(want)]
       np.testing.assert_array_equal(k[..., 0], np.broadcast_to(held[b, :len(want)], k.shape[:2]))
       assert (k[..., 1] == b).all() and (k[..., 3] == layer).all()
       assert (k[..., 2] == np.arange(CONFIG.num_kv_heads)[:, None]).all()
@@ -380,8 +386,8 @@ def test_streaming_small_window_equals_masked_full_attention():
     for layer in range(CONFIG.num_layers):
       for b in range(2):
         n = int(stream.lengths[b])
-        np.testing.assert_allclose(np.asarray(stream.keys[layer][b, :, :n]),
-                                   np.asarray(full.keys[layer])[b][:, held[b, :n]], atol=ATOL)
+        np.testing.assert_allclose(by_slot(stream.keys[layer])[b, :, :n],
+                                   by_slot(full.keys[layer])[b][:, held[b, :n]], atol=ATOL)
     if i == 0:
       counter.count = 0  # the first block compiles; later ones must not
   assert counter.count == 0, "a later block compiled something"
@@ -403,7 +409,7 @@ def test_streaming_reindex_moves_only_the_sinks_right_before_the_ring():
     shift = np.maximum(seen - sinks - window, 0)
     np.testing.assert_array_equal(np.asarray(reindexed.sink_shift), shift)
     for layer in range(CONFIG.num_layers):
-      got, base = np.asarray(reindexed.keys[layer]), np.asarray(plain.keys[layer])
+      got, base = by_slot(reindexed.keys[layer]), by_slot(plain.keys[layer])
       np.testing.assert_array_equal(got[:, :, sinks:], base[:, :, sinks:])
       np.testing.assert_array_equal(np.asarray(reindexed.values[layer]), np.asarray(plain.values[layer]))
       for b in range(len(seen)):

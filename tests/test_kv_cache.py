@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hitree_jax.cache.full import KVCache, causal_attend, write_slots
+from hitree_jax.cache.full import KVCache, causal_attend, write_key_slots, write_slots
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.programs import Programs
 from hitree_jax.model import llama as model_lib
@@ -69,12 +69,17 @@ def reference(tokens):
   return np.asarray(logits[0, :t]), cache
 
 
+def by_slot(name, x):
+  """A cache array as [B, KVH, S, D] (keys are stored [B, KVH, D, S])."""
+  return np.swapaxes(np.asarray(x), -1, -2) if name == "keys" else np.asarray(x)
+
+
 def assert_cache_rows_equal(cache, row, ref_cache, n):
   """Slots 0..n-1 of `cache` row `row` equal those of the single-row `ref_cache`."""
   for layer in range(CONFIG.num_layers):
     for name in ("keys", "values"):
-      got = np.asarray(getattr(cache, name)[layer][row, :, :n])
-      want = np.asarray(getattr(ref_cache, name)[layer][0, :, :n])
+      got = by_slot(name, getattr(cache, name)[layer])[row, :, :n]
+      want = by_slot(name, getattr(ref_cache, name)[layer])[0, :, :n]
       np.testing.assert_allclose(got, want, atol=ATOL, err_msg=f"{name}[{layer}] row {row}")
 
 
@@ -255,16 +260,16 @@ def test_forward_writes_past_the_end_are_dropped():
                            causal_attend(write_at, 1, max_len), write_at)
   for layer in range(CONFIG.num_layers):
     for name in ("keys", "values"):
-      got = np.asarray(getattr(after, name)[layer])
-      old = np.asarray(getattr(full, name)[layer])
+      got = by_slot(name, getattr(after, name)[layer])
+      old = by_slot(name, getattr(full, name)[layer])
       np.testing.assert_array_equal(got[0, :, :max_len - 1], old[0, :, :max_len - 1])
       np.testing.assert_array_equal(got[1, :, :max_len - 2], old[1, :, :max_len - 2])
-      want_one = np.asarray(getattr(one, name)[layer])
-      want_two = np.asarray(getattr(two, name)[layer])
+      want_one = by_slot(name, getattr(one, name)[layer])
+      want_two = by_slot(name, getattr(two, name)[layer])
       np.testing.assert_allclose(got[0, :, max_len - 1], want_one[0, :, max_len - 1], atol=ATOL)
       np.testing.assert_allclose(got[1, :, max_len - 2:], want_two[1, :, max_len - 2:], atol=ATOL)
       # and a clamped write of the dropped token would really have shown
-      clamp = np.asarray(getattr(clamped, name)[layer])[0, :, max_len - 1]
+      clamp = by_slot(name, getattr(clamped, name)[layer])[0, :, max_len - 1]
       assert np.abs(got[0, :, max_len - 1] - clamp).max() > 1e-3
 
 
@@ -273,6 +278,8 @@ def test_write_slots_and_commit_drop_out_of_range():
   buf = jnp.asarray(rng.standard_normal((2, 2, 8, 4)), jnp.float32)
   new = jnp.asarray(rng.standard_normal((2, 3, 2, 4)), jnp.float32)
   out = np.asarray(write_slots(buf, new, jnp.asarray([7, 2], jnp.int32)))
+  keys_out = write_key_slots(jnp.swapaxes(buf, -1, -2), new, jnp.asarray([7, 2], jnp.int32))
+  np.testing.assert_array_equal(by_slot("keys", keys_out), out)  # keys: the same slots, stored [.., D, S]
   np.testing.assert_array_equal(out[0, :, :7], np.asarray(buf)[0, :, :7])
   np.testing.assert_array_equal(out[0, :, 7], np.asarray(new)[0, 0])
   np.testing.assert_array_equal(out[1, :, 2:5], np.asarray(new)[1].transpose(1, 0, 2))
@@ -280,12 +287,12 @@ def test_write_slots_and_commit_drop_out_of_range():
                                 np.delete(np.asarray(buf)[1], [2, 3, 4], axis=1))
 
   # commit: row 0 has room for 2 of its 3 gathered slots; the 3rd must not clamp onto slot 7.
-  cache = KVCache(keys=(buf,), values=(buf * 2,), lengths=jnp.asarray([6, 1], jnp.int32))
+  cache = KVCache(keys=(jnp.swapaxes(buf, -1, -2),), values=(buf * 2,), lengths=jnp.asarray([6, 1], jnp.int32))
   slots = jnp.asarray([[0, 1, 2], [5, 6, 7]], jnp.int32)
   done = cache.commit(slots, jnp.asarray([2, 3], jnp.int32))
   np.testing.assert_array_equal(np.asarray(done.lengths), [8, 4])
   b = np.asarray(buf)
-  for got, scale in ((np.asarray(done.keys[0]), 1), (np.asarray(done.values[0]), 2)):
+  for got, scale in ((by_slot("keys", done.keys[0]), 1), (np.asarray(done.values[0]), 2)):
     np.testing.assert_array_equal(got[0, :, :6], scale * b[0, :, :6])
     np.testing.assert_array_equal(got[0, :, 6:8], scale * b[0, :, 0:2])
     np.testing.assert_array_equal(got[1, :, :1], scale * b[1, :, :1])

@@ -30,17 +30,20 @@ from hitree_jax.model.config import ModelConfig
 class KVCache:
   # Heads before slots: attention is then a batched matmul over (B, KVH) with
   # no per-step transpose of the whole cache (a [B, S, KVH, D] layout cost XLA:CPU
-  # a full copy of every layer's cache per decoded token).
-  keys: tuple[jax.Array, ...]    # per layer [B, KVH, S, D]
+  # a full copy of every layer's cache per decoded token). Keys keep their slots
+  # last, so queries . keys is a plain [R, D] x [D, S] product: over 7.9K slots a
+  # 1-token SmolLM2 forward took 31 ms instead of 37 with keys [B, KVH, S, D].
+  keys: tuple[jax.Array, ...]    # per layer [B, KVH, D, S]
   values: tuple[jax.Array, ...]  # per layer [B, KVH, S, D]
   lengths: jax.Array             # [B] int32: committed slots per row
 
   @classmethod
   def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
     dtype = dtype or jnp.dtype(config.dtype)
-    shape = (batch, config.num_kv_heads, max_len, config.head_dim)
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-    return cls(keys=zeros(), values=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+    kvh, d = config.num_kv_heads, config.head_dim
+    zeros = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    return cls(keys=zeros((batch, kvh, d, max_len)), values=zeros((batch, kvh, max_len, d)),
+               lengths=jnp.zeros((batch,), jnp.int32))
 
   @property
   def batch(self) -> int:
@@ -48,7 +51,7 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
-    return self.keys[0].shape[2]
+    return self.values[0].shape[2]
 
   @property
   def next_positions(self) -> jax.Array:
@@ -69,27 +72,37 @@ class KVCache:
     batch, width = slots.shape
     rows = jnp.arange(batch)[:, None]
     dest = self.lengths[:, None] + jnp.arange(width)[None, :]
-    move = lambda buf: buf.at[rows, :, dest].set(buf[rows, :, slots], mode="drop")
-    return self.replace(keys=tuple(map(move, self.keys)),
-                        values=tuple(map(move, self.values)),
+    move_key = lambda buf: buf.at[rows, :, :, dest].set(buf[rows, :, :, slots], mode="drop")
+    move_value = lambda buf: buf.at[rows, :, dest].set(buf[rows, :, slots], mode="drop")
+    return self.replace(keys=tuple(map(move_key, self.keys)),
+                        values=tuple(map(move_value, self.values)),
                         lengths=self.lengths + n_accepted)
 
   def append(self, other: "KVCache") -> "KVCache":
     """Appends the committed slots of `other` (a short cache) after this cache's committed slots."""
-    keys = tuple(write_slots(buf, new.transpose(0, 2, 1, 3), self.lengths)
+    keys = tuple(write_key_slots(buf, new.transpose(0, 3, 1, 2), self.lengths)
                  for buf, new in zip(self.keys, other.keys))
     values = tuple(write_slots(buf, new.transpose(0, 2, 1, 3), self.lengths)
                    for buf, new in zip(self.values, other.values))
     return self.replace(keys=keys, values=values, lengths=self.lengths + other.lengths)
 
 
-def write_slots(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-  """Writes new [B, T, KVH, D] into buffer [B, KVH, S, D] at slots start[b] + 0..T-1."""
+def _slots(new: jax.Array, start: jax.Array):
   batch, t = new.shape[:2]
-  rows = jnp.arange(batch)[:, None]
-  cols = start[:, None] + jnp.arange(t)[None, :]
+  return jnp.arange(batch)[:, None], start[:, None] + jnp.arange(t)[None, :]
+
+
+def write_slots(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+  """Writes values new [B, T, KVH, D] into buffer [B, KVH, S, D] at slots start[b] + 0..T-1."""
+  rows, cols = _slots(new, start)
   # Advanced indices split by a slice index as [B, T, KVH, D]: no transpose of `new`.
   return buffer.at[rows, :, cols].set(new.astype(buffer.dtype), mode="drop")
+
+
+def write_key_slots(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+  """Writes keys new [B, T, KVH, D] into buffer [B, KVH, D, S] at slots start[b] + 0..T-1."""
+  rows, cols = _slots(new, start)
+  return buffer.at[rows, :, :, cols].set(new.astype(buffer.dtype), mode="drop")
 
 
 def causal_attend(start: jax.Array, t: int, max_len: int) -> jax.Array:

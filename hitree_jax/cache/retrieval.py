@@ -69,13 +69,13 @@ class RetrievalCache(KVCache):
 def chunk_scores(query: jax.Array, keys: jax.Array, lengths: jax.Array, chunk: int) -> jax.Array:
   """Scores [B, KVH, C] float32 of each chunk: (sum of the group's queries) . (mean committed key).
 
-  query [B, H, D] post-RoPE; keys [B, KVH, S, D] with S a multiple of chunk.
+  query [B, H, D] post-RoPE; keys [B, KVH, D, S] with S a multiple of chunk.
   The mean is taken over the chunk's committed slots (a chunk without any
   scores 0). Dot-then-average equals average-then-dot and needs no [.., D] temporary.
   """
-  batch, kvh, slots, _ = keys.shape
+  batch, kvh, _, slots = keys.shape
   grouped = query.reshape(batch, kvh, -1, query.shape[-1]).sum(axis=2)  # [B, KVH, D]
-  per_slot = jnp.einsum("bkd,bksd->bks", grouped, keys, preferred_element_type=jnp.float32)
+  per_slot = jnp.einsum("bkd,bkds->bks", grouped, keys, preferred_element_type=jnp.float32)
   committed = jnp.arange(slots)[None, :] < lengths[:, None]               # [B, S]
   per_slot = jnp.where(committed[:, None, :], per_slot, 0.0)
   counts = committed.reshape(batch, 1, slots // chunk, chunk).sum(axis=-1)  # [B, 1, C]
@@ -110,13 +110,17 @@ def kept_lengths(lengths: jax.Array, chunk: int, budget: int) -> jax.Array:
   return lengths - jnp.maximum(n_chunks - budget // chunk, 0) * chunk
 
 
-def _gather_chunks(buf: jax.Array, chunks: jax.Array, chunk: int, tail: int) -> jax.Array:
-  """buf [B, KVH, S, D], chunks [B, KVH, N] -> [B, KVH, N * chunk + tail, D] (tail zeroed)."""
-  batch, kvh, slots, _ = buf.shape
+def _gather_chunks(buf: jax.Array, chunks: jax.Array, chunk: int, tail: int, axis: int) -> jax.Array:
+  """The chosen chunks' slots of buf (values [B, KVH, S, D]: axis 2; keys [B, KVH, D, S]: axis 3),
+  chunks [B, KVH, N] -> N * chunk + tail slots on that axis (tail zeroed)."""
+  batch, kvh, slots = buf.shape[0], buf.shape[1], buf.shape[axis]
   index = chunks[..., None] * chunk + jnp.arange(chunk)                  # [B, KVH, N, chunk]
   index = jnp.minimum(index.reshape(batch, kvh, -1), slots - 1)          # past-the-end: hidden by lengths
-  kept = jnp.take_along_axis(buf, index[..., None], axis=2)
-  return jnp.pad(kept, ((0, 0), (0, 0), (0, tail), (0, 0)))
+  index = index[..., None] if axis == 2 else index[:, :, None, :]
+  kept = jnp.take_along_axis(buf, index, axis=axis)
+  pad = [(0, 0)] * 4
+  pad[axis] = (0, tail)
+  return jnp.pad(kept, pad)
 
 
 def select(full: KVCache, queries: jax.Array, budget: int, chunk: int = 8,
@@ -136,8 +140,8 @@ def select(full: KVCache, queries: jax.Array, budget: int, chunk: int = 8,
   for query, k_buf, v_buf in zip(queries, full.keys, full.values):
     chosen = choose_chunks(chunk_scores(query, k_buf, full.lengths, chunk), full.lengths, chunk, budget)
     chunks.append(chosen)
-    keys.append(_gather_chunks(k_buf, chosen, chunk, tail))
-    values.append(_gather_chunks(v_buf, chosen, chunk, tail))
+    keys.append(_gather_chunks(k_buf, chosen, chunk, tail, axis=3))
+    values.append(_gather_chunks(v_buf, chosen, chunk, tail, axis=2))
   kept = kept_lengths(full.lengths, chunk, budget)
   return RetrievalCache(keys=tuple(keys), values=tuple(values), lengths=kept,
                         chunks=jnp.stack(chunks), dropped=full.lengths - kept,

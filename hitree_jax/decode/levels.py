@@ -32,7 +32,7 @@ from hitree_jax.cache.full import KVCache
 @flax.struct.dataclass
 class LevelCache:
   long: KVCache     # KVCache | RetrievalCache | StreamingCache: read-only within a block
-  recent: KVCache   # [B, KVH, W, D] per layer: this block's tokens, then speculative ones
+  recent: KVCache   # W slots per layer: this block's tokens, then speculative ones
 
   @property
   def cached(self) -> jax.Array:

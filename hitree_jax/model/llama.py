@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hitree_jax.cache.full import KVCache, write_slots
+from hitree_jax.cache.full import KVCache, write_key_slots, write_slots
 from hitree_jax.model.config import ModelConfig
 
 _MASKED = -1e30
@@ -85,18 +85,18 @@ def _context_blocks(rows, k_buf, v_buf, lengths, stats, scale):
   Only the blocks holding committed slots are read (a dynamic trip count), so a
   prefill chunk early in a long prompt does not pay for the whole buffer.
   """
-  size = k_buf.shape[2]
+  size = k_buf.shape[3]
   if rows.shape[2] < BLOCKWISE_MIN_ROWS or size % CONTEXT_BLOCK:
-    scores = jnp.einsum("bkrd,bksd->bkrs", rows, k_buf, preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum("bkrd,bkds->bkrs", rows, k_buf, preferred_element_type=jnp.float32) * scale
     visible = jnp.arange(size)[None, :] < lengths[:, None]
     return _merge(stats, jnp.where(visible[:, None, None, :], scores, _MASKED), v_buf)
   block = CONTEXT_BLOCK
   n_blocks = (jnp.max(lengths) + block - 1) // block
 
   def body(i, stats):
-    k = jax.lax.dynamic_slice_in_dim(k_buf, i * block, block, axis=2)
+    k = jax.lax.dynamic_slice_in_dim(k_buf, i * block, block, axis=3)
     v = jax.lax.dynamic_slice_in_dim(v_buf, i * block, block, axis=2)
-    scores = jnp.einsum("bkrd,bksd->bkrs", rows, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum("bkrd,bkds->bkrs", rows, k, preferred_element_type=jnp.float32) * scale
     visible = (i * block + jnp.arange(block))[None, :] < lengths[:, None]  # [B, block]
     return _merge(stats, jnp.where(visible[:, None, None, :], scores, _MASKED), v)
 
@@ -107,7 +107,7 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, attend: jax.Arra
               context=()) -> jax.Array:
   """Grouped-query attention over a cache under an explicit mask, plus read-only context caches.
 
-  q [B,T,H,D]; k_buf, v_buf [B,KVH,S,D] with attend [B,T,S] bool; context:
+  q [B,T,H,D]; k_buf [B,KVH,D,S], v_buf [B,KVH,S,D] with attend [B,T,S] bool; context:
   (k_buf, v_buf, lengths [B]) caches whose committed slots every query sees.
   One online softmax spans all of them, so splitting a cache is exact.
   The query heads sharing a KV head and the T new tokens are folded into one
@@ -119,7 +119,7 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, attend: jax.Arra
   g = h // kvh
   scale = 1.0 / math.sqrt(d)
   rows = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
-  scores = jnp.einsum("bkrd,bksd->bkrs", rows, k_buf, preferred_element_type=jnp.float32) * scale
+  scores = jnp.einsum("bkrd,bkds->bkrs", rows, k_buf, preferred_element_type=jnp.float32) * scale
   mask = jnp.broadcast_to(attend[:, None, None], (b, 1, g, t, attend.shape[-1]))
   scores = jnp.where(mask.reshape(b, 1, g * t, -1), scores, _MASKED)
   stats = (jnp.full(scores.shape[:-1], _MASKED, jnp.float32), jnp.zeros(scores.shape[:-1], jnp.float32),
@@ -153,7 +153,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, cos, sin, attend, k_buf, v_buf, write_at, context=()):
-    """x [B,T,E]; k_buf, v_buf [B,KVH,S,D] (written at write_at [B]);
+    """x [B,T,E]; k_buf [B,KVH,D,S], v_buf [B,KVH,S,D] (written at write_at [B]);
     context: read-only (k, v, lengths) caches whose committed slots all queries see; attend [B,T,S]."""
     c = self.config
     dtype = jnp.dtype(c.dtype)
@@ -162,7 +162,7 @@ class Attention(nn.Module):
     k = _dense(c.num_kv_heads * c.head_dim, "k_proj", dtype)(x).reshape(b, t, c.num_kv_heads, c.head_dim)
     v = _dense(c.num_kv_heads * c.head_dim, "v_proj", dtype)(x).reshape(b, t, c.num_kv_heads, c.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_buf = write_slots(k_buf, k, write_at)
+    k_buf = write_key_slots(k_buf, k, write_at)
     v_buf = write_slots(v_buf, v, write_at)
 
     out = attention(q, k_buf, v_buf, attend, context).reshape(b, t, c.num_heads * c.head_dim)
@@ -208,7 +208,7 @@ class Llama(nn.Module):
       self.lm_head = _dense(c.vocab_size, "lm_head", dtype)
 
   def __call__(self, tokens, positions, attend, keys, values, write_at, context=()):
-    """tokens, positions [B,T]; keys/values: per-layer [B,KVH,S,D], written at write_at [B];
+    """tokens, positions [B,T]; keys/values: per-layer [B,KVH,D,S] / [B,KVH,S,D], written at write_at [B];
     context: read-only caches, each (per-layer keys, per-layer values, lengths [B]); attend [B,T,S]."""
     x = self.embed_tokens(tokens)
     cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))                  # [B,T,D]
