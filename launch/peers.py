@@ -154,17 +154,12 @@ def check(names: list[str], llamacpp_ggufs: list[str]) -> None:
 
 def make_peer(name: str, model_path: pathlib.Path, llamacpp_gguf: str | None, context: int):
   """Peer `name` ready to run: hf on the model's own file; llamacpp on `llamacpp_gguf`
-  (default: the model's own GGUF). Raises ValueError when it cannot run here."""
-  reason = missing(name)
-  if reason:
-    raise ValueError(f"--peers={name}: {reason}")
+  (default: the model's own GGUF). Raises ValueError when it cannot run here (see `check`)."""
+  gguf_path = pathlib.Path(llamacpp_gguf) if llamacpp_gguf else model_path
+  check([name], [str(gguf_path)] if name == "llamacpp" else [])
   threads = os.cpu_count() or 1
   if name == "hf":
     if model_path.suffix != ".gguf":
       raise ValueError(f"--peers=hf loads a GGUF model; {model_path} is not one")
     return HFPeer(model_path, threads)
-  gguf_path = pathlib.Path(llamacpp_gguf) if llamacpp_gguf else model_path
-  if gguf_path.suffix != ".gguf" or not gguf_path.is_file():
-    raise ValueError(f"--llamacpp_gguf={gguf_path}: expected an existing .gguf file "
-                     "(python -m launch.convert --out=X.gguf writes one)")
   return LlamaCppPeer(gguf_path, threads, context)
