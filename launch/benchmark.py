@@ -171,7 +171,7 @@ def main(argv):
 
   model = load_model(FLAGS.model, FLAGS.dtype)
   tokenizer = load_tokenizer(model.path)
-  methods = [method.load_draft(model.config) for method in methods]
+  methods = [method.load_draft(model.config, model.params) for method in methods]
   peer_engines = make_peers(model.path, max(lengths))
   rows = []
   ar_tokens = {}  # (prompt length, prompt index) -> ar's tokens: what greedy peers are compared with

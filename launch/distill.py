@@ -3,6 +3,8 @@
 Train (labels, training and export; an interrupted run resumes from workdir):
   python -m launch.distill --teacher=smollm2 --workdir=runs/draft \
       --out=drafts/smollm2-draft.gguf
+Train EAGLE's one-layer feature draft on the target's features (heads/eagle.py):
+  python -m launch.distill --kind=eagle --workdir=runs/eagle --out=drafts/smollm2-eagle
 Evaluate a draft on held-out books (agreement, acceptance, cost ratio):
   python -m launch.distill --eval --draft=drafts/smollm2-draft.gguf --json
 
@@ -26,9 +28,12 @@ from launch.progress import Progress
 
 common.define_config_flag()
 
+flags.DEFINE_enum("kind", "draft", ["draft", "eagle"], "What to train: a small draft model made "
+                  "of teacher layers (GGUF), or EAGLE's feature draft on the teacher (a folder).")
 flags.DEFINE_string("teacher", "smollm2", "The target model to imitate (any --model spec).")
 flags.DEFINE_string("workdir", "runs/draft", "Labels, orbax checkpoints and logs (resumable).")
-flags.DEFINE_string("out", "drafts/smollm2-draft.gguf", "Where the trained draft is exported (GGUF).")
+flags.DEFINE_string("out", "drafts/smollm2-draft.gguf", "Where the trained draft is written: a GGUF "
+                    "(--kind=draft) or a folder (--kind=eagle; by default drafts/smollm2-eagle).")
 flags.DEFINE_list("layers", ["0", "1", "29"], "Teacher layers the student starts from, in order.")
 flags.DEFINE_integer("vocab_size", 8192, "Draft vocabulary: most frequent training tokens (+ other).")
 flags.DEFINE_integer("window", 256, "Tokens per training window.")
@@ -42,14 +47,74 @@ flags.DEFINE_integer("warmup", 20, "Warmup steps.")
 flags.DEFINE_integer("until", None, "Stop after this step (resume later with the same flags); 0 only labels.")
 flags.DEFINE_integer("seed", 0, "Data order seed.")
 flags.DEFINE_bool("quantize", True, "Export weight matrices as Q8_0 (else float32).")
+flags.DEFINE_float("feature_weight", 1.0, "--kind=eagle: weight of the feature regression (Huber).")
+flags.DEFINE_bool("unroll", True, "--kind=eagle: also train a second pass on the draft's own "
+                  "predicted features (what depth-2 tree nodes read).")
 flags.DEFINE_bool("eval", False, "Evaluate --draft against --teacher instead of training.")
 flags.DEFINE_string("draft", None, "--eval: the draft, as --draft of launch.generate: PATH (a GGUF "
-                    "from this launcher) or self:K (the teacher's first K layers).")
+                    "from this launcher), eagle:PATH (a --kind=eagle folder) or self:K (the "
+                    "teacher's first K layers).")
 flags.DEFINE_float("temperature", 0.6, "--eval: sampling temperature of the acceptance metric.")
 flags.DEFINE_float("top_p", 0.9, "--eval: nucleus mass of the acceptance metric.")
 flags.DEFINE_integer("cost_context", 512, "--eval: prompt tokens when timing a decode step.")
 flags.DEFINE_bool("json", False, "Print one JSON record as the last line.")
 FLAGS = flags.FLAGS
+
+
+def out_path() -> pathlib.Path:
+  """--out, or for --kind=eagle left at the GGUF default, drafts/smollm2-eagle."""
+  if FLAGS.kind == "eagle" and FLAGS.out == FLAGS["out"].default:
+    return pathlib.Path("drafts/smollm2-eagle")
+  return pathlib.Path(FLAGS.out)
+
+
+def command() -> str:
+  """The launch.distill command line that reproduces this training run."""
+  return "python -m launch.distill " + " ".join(
+      f"--{name}={flag.value if not isinstance(flag.value, list) else ','.join(flag.value)}"
+      for name, flag in sorted(FLAGS.__flags.items())
+      if flag.present and name in _TRAIN_FLAGS)
+
+
+def train_eagle_main():
+  import jax
+  from hitree_jax.heads import eagle
+  from hitree_jax.loading import load_model
+  from hitree_jax.model.vocab import ReducedVocab
+  from hitree_jax.tokenizer import load_tokenizer
+  from hitree_jax.train import corpus, distill
+  from hitree_jax.train import eagle as eagle_train
+
+  workdir = pathlib.Path(FLAGS.workdir)
+  teacher = load_model(FLAGS.teacher)
+  tokenizer = load_tokenizer(teacher.path)
+  vocab = ReducedVocab.most_frequent(corpus.token_counts(tokenizer, teacher.config.vocab_size),
+                                     FLAGS.vocab_size)
+  labels = {split: distill.prepare_labels(workdir, split, teacher, tokenizer, window=FLAGS.window,
+                                          n_windows=n, k=FLAGS.topk, features=True,
+                                          progress=Progress(f"labelling {split} windows").update)
+            for split, n in (("train", FLAGS.train_windows), ("eval", FLAGS.eval_windows))}
+  data = {split: (l["tokens"], l["features"], *distill.sparse_targets(l["ids"], l["log_probs"], vocab))
+          for split, l in labels.items()}
+  config = eagle.layer_config(teacher.config, vocab.size)
+  objective = eagle_train.objective(config, True, FLAGS.feature_weight, FLAGS.unroll)
+  start = time.perf_counter()
+  params, history = distill.train(workdir, config, eagle.init_params(config, jax.random.key(FLAGS.seed)),
+                                  data["train"], data["eval"], steps=FLAGS.steps, batch=FLAGS.batch,
+                                  lr=FLAGS.lr, warmup=FLAGS.warmup, seed=FLAGS.seed, until=FLAGS.until,
+                                  progress=Progress("training", min_interval_s=30).update,
+                                  objective=objective, frozen=eagle_train.frozen_arrays(teacher.params, vocab))
+  record = {"train_s_this_run": time.perf_counter() - start, "history": history, "vocab_size": vocab.size}
+  if FLAGS.until is not None and FLAGS.until < FLAGS.steps:
+    return record
+  out = out_path()
+  final = history[-1] if history else {}
+  eagle_train.save(out, params, teacher.config, vocab,
+                   {"command": command(), "steps": FLAGS.steps,
+                    **{k: final[k] for k in ("eval_loss", "eval_agreement") if k in final}})
+  logging.info("EAGLE draft written to %s", out)
+  record.update(out=str(out))
+  return record
 
 
 def train_main():
@@ -84,7 +149,7 @@ def train_main():
             "layers": layers, "vocab_size": vocab.size}
   if FLAGS.until is not None and FLAGS.until < FLAGS.steps:
     return record
-  out = pathlib.Path(FLAGS.out)
+  out = out_path()
   out.parent.mkdir(parents=True, exist_ok=True)
   save_gguf(out, config, jax_to_numpy(params), vocab=vocab,
             tokenizer_from=teacher.path if teacher.path.suffix == ".gguf" else None,
@@ -92,10 +157,7 @@ def train_main():
   record.update(out=str(out), out_mb=out.stat().st_size / 2**20)
   logging.info("draft written to %s (%.1f MB); evaluating it", out, record["out_mb"])
   record.update(evaluate(teacher, tokenizer, load_model(str(out)), str(out)))
-  record["command"] = "python -m launch.distill " + " ".join(
-      f"--{name}={flag.value if not isinstance(flag.value, list) else ','.join(flag.value)}"
-      for name, flag in sorted(FLAGS.__flags.items())
-      if flag.present and name in _TRAIN_FLAGS)
+  record["command"] = command()
   sidecar = out.with_suffix(".json")
   sidecar.write_text(json.dumps({k: v for k, v in record.items()
                                  if k not in ("history", "train_s_this_run")}, indent=1))
@@ -103,8 +165,9 @@ def train_main():
   return record
 
 
-_TRAIN_FLAGS = ("teacher", "workdir", "out", "layers", "vocab_size", "window", "train_windows",
-                "eval_windows", "topk", "steps", "batch", "lr", "warmup", "seed", "quantize")
+_TRAIN_FLAGS = ("kind", "teacher", "workdir", "out", "layers", "vocab_size", "window", "train_windows",
+                "eval_windows", "topk", "steps", "batch", "lr", "warmup", "seed", "quantize",
+                "feature_weight", "unroll")
 
 
 def jax_to_numpy(tree):
@@ -140,6 +203,39 @@ def evaluate(teacher, tokenizer, draft, name: str) -> dict:
   return record
 
 
+def evaluate_eagle(teacher, tokenizer, path: str) -> dict:
+  """evaluate()'s figures for an EAGLE draft (depth 1 and depth 2), its cost from one timed
+  round of `sd` with a one-token chain against `ar`'s decode step on the same prompt."""
+  from hitree_jax.decode import engine
+  from hitree_jax.decode.drafters import DraftWeights
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.decode.stack import Stack
+  from hitree_jax.heads.drafter import EagleDrafter
+  from hitree_jax.train import corpus, metrics
+  from hitree_jax.train import eagle as eagle_train
+  from hitree_jax.tree import shapes as tree_lib
+
+  config, params, vocab = eagle_train.load(path, teacher.params, teacher.config)
+  sampling = SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
+  windows = corpus.token_windows(tokenizer, "eval", FLAGS.window, FLAGS.eval_windows)
+  record = metrics.evaluate_eagle(teacher, params, config, vocab, windows, sampling)
+  prompt = corpus.token_windows(tokenizer, "eval", FLAGS.cost_context, 1)[0].tolist()
+  ar = [engine.generate(teacher.params, teacher.config, [prompt], max_new_tokens=65, stop_at_eos=False)
+        for _ in range(3)]
+  drafter = EagleDrafter(config, target_vocab_size=vocab and vocab.target_vocab_size)
+  sd = engine.generate(teacher.params, teacher.config, [prompt], max_new_tokens=65, stop_at_eos=False,
+                       stack=Stack(drafter, tree_lib.chain(1)), draft=DraftWeights.create(params, vocab),
+                       time_levels=True)
+  target_ms = 1e3 * float(np.median([r.decode_s / 64 for r in ar]))
+  draft_ms = sd.levels[0]["proposer_round_ms"]
+  record.update(target_ms_per_token=target_ms, draft_ms_per_token=draft_ms, cost_ratio=draft_ms / target_ms,
+                cost_context=FLAGS.cost_context, draft=f"eagle:{path}", temperature=FLAGS.temperature,
+                top_p=FLAGS.top_p, eval_windows=FLAGS.eval_windows, window=FLAGS.window)
+  for key, value in record.items():
+    print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
+  return record
+
+
 def eval_main():
   from hitree_jax.decode.drafters import SelfDrafter, parse_draft_spec
   from hitree_jax.loading import LoadedModel, load_model
@@ -147,6 +243,8 @@ def eval_main():
 
   teacher = load_model(FLAGS.teacher)
   tokenizer = load_tokenizer(teacher.path)
+  if FLAGS.draft.startswith("eagle:"):
+    return evaluate_eagle(teacher, tokenizer, FLAGS.draft.removeprefix("eagle:"))
   if FLAGS.draft.startswith("self:"):
     drafter = parse_draft_spec(FLAGS.draft)
     assert isinstance(drafter, SelfDrafter)
@@ -181,8 +279,10 @@ def check_flags() -> None:
     raise app.UsageError(f"--lr={FLAGS.lr} must be > 0")
   if FLAGS.batch > FLAGS.train_windows:
     raise app.UsageError(f"--batch={FLAGS.batch} must be <= --train_windows={FLAGS.train_windows}")
-  if pathlib.Path(FLAGS.out).suffix != ".gguf":
+  if FLAGS.kind == "draft" and out_path().suffix != ".gguf":
     raise app.UsageError(f"--out={FLAGS.out} must end in .gguf (the draft is exported as GGUF)")
+  if FLAGS.kind == "eagle" and out_path().suffix:
+    raise app.UsageError(f"--out={FLAGS.out}: an EAGLE draft is a folder (no file suffix)")
   try:
     layers = [int(x) for x in FLAGS.layers]
   except ValueError:
@@ -208,7 +308,14 @@ def check_draft() -> None:
   from hitree_jax.decode.drafters import SelfDrafter, parse_draft_spec
   from hitree_jax.loading import resolve
   if not FLAGS.draft:
-    raise app.UsageError("--eval needs --draft=PATH (or self:K)")
+    raise app.UsageError("--eval needs --draft=PATH (or self:K, or eagle:PATH)")
+  if FLAGS.draft.startswith("eagle:"):
+    from hitree_jax.train import eagle as eagle_train
+    try:
+      eagle_train.read_meta(FLAGS.draft.removeprefix("eagle:"))
+    except FileNotFoundError as e:
+      raise app.UsageError(f"--draft={FLAGS.draft}: {e}") from None
+    return
   if FLAGS.draft.startswith(("self:", "ngram")):
     try:
       drafter = parse_draft_spec(FLAGS.draft)
@@ -236,7 +343,7 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(_quiet_orbax)  # it logs every save step at INFO
   check_flags()
-  record = eval_main() if FLAGS.eval else train_main()
+  record = eval_main() if FLAGS.eval else train_eagle_main() if FLAGS.kind == "eagle" else train_main()
   if FLAGS.json:
     print(json.dumps(record))
 

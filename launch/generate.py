@@ -105,7 +105,7 @@ def main(argv):
   check_prompt(ids, config, draft_config, is_draft_alone)
 
   model = load_model(FLAGS.model, FLAGS.dtype)
-  method = method.load_draft(model.config)
+  method = method.load_draft(model.config, model.params)
   model_ids = ids if model.vocab is None else model.vocab.to_draft(ids).tolist()  # a draft alone
   result = method.generate(model.params, model.config, [model_ids],
                            max_new_tokens=FLAGS.max_new_tokens, sampling=sampling, seed=FLAGS.seed,

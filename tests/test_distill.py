@@ -95,10 +95,10 @@ def test_training_lowers_the_loss(tmp_path, teacher_params, data):
   vocab = data[3]
   config, params = distill.student_from_teacher(teacher_params, TEACHER, (0,), vocab)
   train = student_data(data)
-  before = distill.evaluate_loss(params, config, train, batch=8)[0]
+  before = distill.evaluate_loss(params, distill.draft_objective(config), train, batch=8)[0]
   params, history = distill.train(tmp_path, config, params, train, None, steps=30, batch=8,
                                   lr=1e-2, warmup=3, seed=0, log_every=10)
-  after = distill.evaluate_loss(params, config, train, batch=8)[0]
+  after = distill.evaluate_loss(params, distill.draft_objective(config), train, batch=8)[0]
   assert [h["step"] for h in history] == [10, 20, 30]
   probs = train[2]
   entropy = float(np.mean(-np.sum(np.where(probs > 0, probs * np.log(np.maximum(probs, 1e-30)), 0), -1)))

@@ -156,14 +156,14 @@ SMALL = CONFIG.replace(vocab_size=6)
 N_SAMPLES = 4000
 
 
-def exact_three_token_law(params, prompt, sampling):
+def exact_three_token_law(params, prompt, sampling, config=SMALL):
   """P(a) P(b | a) P(c | a, b) [V, V, V] from one batched cache-free forward over every context."""
-  v, t = SMALL.vocab_size, len(prompt) + 2
+  v, t = config.vocab_size, len(prompt) + 2
   contexts = [[]] + [[a] for a in range(v)] + [[a, b] for a in range(v) for b in range(v)]
   seqs = np.array([prompt + c + [0] * (2 - len(c)) for c in contexts], np.int32)
-  cache = KVCache.init(SMALL, len(seqs), t)
+  cache = KVCache.init(config, len(seqs), t)
   logits, _, _ = jax.jit(forward, static_argnums=1)(
-      params, SMALL, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), seqs.shape), cache,
+      params, config, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), seqs.shape), cache,
       causal_attend(cache.lengths, t, t))
   last = np.array([len(prompt) - 1 + len(c) for c in contexts])
   probs = np.asarray(probabilities(logits[np.arange(len(seqs)), last], sampling), np.float64)

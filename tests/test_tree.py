@@ -361,11 +361,14 @@ def test_dynamic_tree_keeps_the_most_probable_candidates(shape):
   table = np.asarray(jax.nn.log_softmax(rng.normal(size=(vocab, vocab)) * 3, axis=-1))
   roots = jnp.array([2, 7])
 
-  def run(scratch, fed, depth, first, attend):
+  def run(scratch, fed, depth, first, attend, parents):
     # Each fed token sees its own slot, the root and its ancestors: depth + 1 scratch slots.
-    attend, t = np.asarray(attend), fed.shape[1]
+    attend, t, parents = np.asarray(attend), fed.shape[1], np.asarray(parents)
     assert attend.shape == (2, t, dynamic_tree.scratch_slots(tree))
     assert (attend.sum(-1) == depth + 1).all() and attend[:, np.arange(t), first + np.arange(t)].all()
+    # Its parent's slot: an ancestor's, of the depth before (the root's, slot 0, at depth <= 1).
+    assert attend[np.arange(2)[:, None], np.arange(t)[None, :], parents].all()
+    assert ((parents == 0) if depth <= 1 else (parents >= 1 + (depth - 2) * tree.width) & (parents < first)).all()
     return jnp.asarray(table)[fed], scratch
 
   tokens, trees = dynamic_tree.grow(tree, roots, run, None)

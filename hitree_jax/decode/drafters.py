@@ -53,6 +53,7 @@ class DraftInputs:
   draft: "DraftWeights | None"  # a ModelDrafter's weights
   sampling: SamplingParams
   config: ModelConfig = flax.struct.field(pytree_node=False)  # the target's
+  features: jax.Array | None = None  # [B, L, E] the target's features by position mod L (heads/drafter.py)
 
 
 @flax.struct.dataclass
@@ -66,6 +67,8 @@ class Proposal:
   children: jax.Array | None = None  # [B, N+1, K] each row's own children (None: the static tree's)
   cache: LevelCache | None = None    # a ModelDrafter's cache with the round written past its length
   cached_depth: int = flax.struct.field(pytree_node=False, default=0)  # path nodes `cache` holds
+  # True: `cache` already holds what the drafter keeps (a feature draft keeps none of its tree)
+  committed: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +156,8 @@ class SelfDrafter:
     k, base, config = self.num_layers, inp.end - 1, inp.config
     context = (_first_layers(inp.cache.long, k), _first_layers(inp.cache.recent, k))
 
-    def run(scratch, fed, depth, first, attend):
+    def run(scratch, fed, depth, first, attend, parents):
+      del parents
       logits, _, scratch = forward(inp.params, config, fed, _positions(base, depth, fed), scratch, attend,
                                    write_at=jnp.full_like(base, first), context=context)
       return logits, scratch
@@ -306,7 +310,8 @@ class ModelDrafter:
     config, draft, cache, base = self.config, self._weights(inp), inp.cache, inp.end - 1
     context = (cache.long, cache.recent)
 
-    def run(scratch, fed, depth, first, attend):
+    def run(scratch, fed, depth, first, attend, parents):
+      del parents
       logits, _, scratch = forward(draft.params, config, fed, _positions(base, depth, fed), scratch,
                                    attend, write_at=jnp.full_like(base, first), context=context)
       return draft.never_other(logits), scratch

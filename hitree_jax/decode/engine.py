@@ -46,6 +46,8 @@ from hitree_jax.decode.result import GenerationResult
 from hitree_jax.decode.sampling import SamplingParams, probabilities, sample
 from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming
 from hitree_jax.decode.verify import verify
+from hitree_jax.heads import eagle
+from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter, keep_features
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import forward, rope_inv_freq
 from hitree_jax.tree import shapes as tree_lib
@@ -66,7 +68,14 @@ class Layout:
     return self.stack.num_levels - 1
 
   def config(self, j: int) -> ModelConfig:
+    if j == 0 and isinstance(self.stack.drafter, EagleDrafter):
+      return self.stack.drafter.config
     return self.draft if self.weights(j) == "draft" else self.target
+
+  @property
+  def reads_features(self) -> bool:
+    """Whether the drafter reads the features of the level above's verify forwards."""
+    return isinstance(self.stack.drafter, (EagleDrafter, MedusaDrafter))
 
   def weights(self, j: int) -> str | None:
     if j == self.top:
@@ -80,7 +89,7 @@ class Layout:
     if j == self.top:
       return Full()
     if j == 0:
-      return self.stack.drafter.cache if isinstance(self.stack.drafter, ModelDrafter) else None
+      return getattr(self.stack.drafter, "cache", None)
     return self.stack.verifiers[j - 1].cache
 
   def lead(self, j: int) -> int:
@@ -88,6 +97,8 @@ class Layout:
     accept all it was handed, and for a drafter with a static tree the leaf it never runs."""
     if j == 0 and self.cache_kind(0) is None:
       return self.lead(1)
+    if j == 0 and isinstance(self.stack.drafter, EagleDrafter):
+      return self.top + self.stack.tree.max_depth  # it keeps none of its tree: the accepted path waits
     if j == 0 and isinstance(self.stack.tree, DynamicTree):
       return self.top  # it runs its whole tree: an accepted leaf is in its cache
     return self.top - j + 1
@@ -146,6 +157,7 @@ class LoopState:
   done: jax.Array       # [B]
   key: jax.Array
   stats: Stats
+  features: jax.Array | None  # [B, L, E] level 1's features by position mod L, for a feature drafter
 
 
 @flax.struct.dataclass
@@ -180,18 +192,19 @@ class _Decoder:
 
   def _level_probs(self, j: int, fed, positions, cache: LevelCache, attend, first: int):
     """Level j's forward over fed [B, T] (target ids) -> (probs [B, T - first, V_target] of the
-    positions from `first` on, its recent cache with fed's keys/values written)."""
+    positions from `first` on, hidden states [B, T, E], its recent cache with fed's keys/values
+    written)."""
     layout = self.layout
     config = layout.config(j)
     if layout.weights(j) == "draft":
       draft = self.weights.draft
-      logits, _, recent = forward(draft.params, config, draft.to_draft(fed), positions, cache.recent,
-                                  attend, context=(cache.long,))
+      logits, hidden, recent = forward(draft.params, config, draft.to_draft(fed), positions, cache.recent,
+                                       attend, context=(cache.long,))
       probs = probabilities(draft.never_other(logits[:, first:]), self.sampling)
-      return draft.target_probs(probs, layout.target.vocab_size), recent
-    logits, _, recent = forward(self.weights.target, config, fed, positions, cache.recent, attend,
-                                context=(cache.long,))
-    return probabilities(logits[:, first:], self.sampling), recent
+      return draft.target_probs(probs, layout.target.vocab_size), hidden, recent
+    logits, hidden, recent = forward(self.weights.target, config, fed, positions, cache.recent, attend,
+                                     context=(cache.long,))
+    return probabilities(logits[:, first:], self.sampling), hidden, recent
 
   def _check(self, j: int, st: LoopState, prop: Proposal, mode: str, length, key, live):
     """Level j verifies `prop` with one forward; commits its cache (and a drafter's below);
@@ -208,14 +221,16 @@ class _Decoder:
     positions = jnp.concatenate([lead.positions, prop.start[:, None] - 1 + depth], axis=1)
     attend = round_attend(cache.recent.lengths, self.width, round_mask(lead.valid, prop.attend))
     fed = jnp.concatenate([lead.tokens, prop.tokens], axis=1)
-    probs, recent = self._level_probs(j, fed, positions, cache, attend, first=p - 1)  # root, nodes
+    probs, hidden, recent = self._level_probs(j, fed, positions, cache, attend, first=p - 1)  # root, nodes
     tree = self._proposal_tree(j - 1)
     verdict = verify(key, tree, prop.tokens, probs, prop.q, mode, prop.children)
     n_acc = jnp.where(live, verdict.n_accepted, 0)
     caches = list(st.caches)
     caches[j] = cache.replace(recent=commit(recent, lead, verdict.path, n_acc, live,
                                             base=cache.recent.lengths))
-    if prop.cache is not None:  # a drafter's own cache, written in its round: keep the same path
+    if prop.committed:          # a drafter's own cache that holds what it keeps
+      caches[j - 1] = prop.cache
+    elif prop.cache is not None:  # a drafter's own cache, written in its round: keep the same path
       below = prop.cache
       below_lead = Lead.of(st.seq, prop.start, below.cached, layout.lead(j - 1))
       held = jnp.minimum(n_acc, prop.cached_depth)   # an accepted leaf waits in its next lead
@@ -243,6 +258,13 @@ class _Decoder:
                           accepted=stats.accepted.at[j].add(jnp.sum(n_acc)),
                           stopped=stats.stopped.at[j].add(jnp.sum(live & (n_acc < length))))
     st = st.replace(caches=tuple(caches), seq=seq, end=end, stats=stats)
+    if j == 1 and layout.reads_features:  # the features of what this forward accepted
+      k = jnp.arange(path.shape[1])[None, :]
+      nodes = jnp.take_along_axis(hidden[:, p:], path[:, :, None], axis=1)
+      st = st.replace(features=keep_features(
+          st.features, jnp.concatenate([hidden[:, :p], nodes], axis=1),
+          jnp.concatenate([lead.positions, prop.start[:, None] + k], axis=1),
+          jnp.concatenate([lead.valid, k < n_acc[:, None]], axis=1) & live[:, None]))
     return st, emitted, n_acc, emitted_probs
 
   def _proposal_tree(self, j: int):
@@ -263,7 +285,7 @@ class _Decoder:
     inputs = DraftInputs(seq=st.seq, end=st.end,
                          lead=Lead.of(st.seq, st.end, cache.cached, layout.lead(reader)),
                          cache=cache, params=self.weights.target, draft=self.weights.draft,
-                         sampling=self.sampling, config=layout.target)
+                         sampling=self.sampling, config=layout.target, features=st.features)
     if isinstance(tree, DynamicTree):
       prop = drafter.propose_dynamic(tree, inputs)
     else:
@@ -380,9 +402,11 @@ class _Decoder:
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), block, st)
 
 
-def _initial_state(layout: Layout, long_caches, first_logits, max_new_tokens: int,
+def _initial_state(layout: Layout, long_caches, prefilled, max_new_tokens: int,
                    sampling: SamplingParams, eos_id, key, seq, end) -> LoopState:
-  """The loop's state after prefill: the first token sampled, an empty recent cache per level."""
+  """The loop's state after prefill: the first token sampled, an empty recent cache per level.
+  prefilled: (the last prompt tokens' logits [B, V], their hidden states [B, E] or None)."""
+  first_logits, last_hidden = prefilled
   batch = first_logits.shape[0]
   key, sub = jax.random.split(key)
   first = sample(sub, first_logits, sampling)
@@ -395,6 +419,10 @@ def _initial_state(layout: Layout, long_caches, first_logits, max_new_tokens: in
   top = layout.top
   depth = 1 if top == 0 else layout.proposal_depth(top - 1)
   zeros = jnp.zeros((top + 1,), jnp.int32)
+  features = None
+  if layout.reads_features:  # the first token's drafter reads the last prompt token's feature
+    ring = jnp.zeros((batch, width, last_hidden.shape[-1]), last_hidden.dtype)
+    features = keep_features(ring, last_hidden[:, None], (end - 1)[:, None], jnp.ones((batch, 1), bool))
   return LoopState(
       caches=caches, seq=seq, end=end + 1,
       out=jnp.full((batch, max_new_tokens + layout.max_emitted), -1, jnp.int32).at[:, 0].set(first),
@@ -402,15 +430,16 @@ def _initial_state(layout: Layout, long_caches, first_logits, max_new_tokens: in
       done=(first == eos_id) | (max_new_tokens <= 1), key=key,
       stats=Stats(rounds=jnp.zeros((batch,), jnp.int32), per_depth=jnp.zeros((depth,), jnp.int32),
                   forwards=zeros, proposed=zeros, accepted=zeros, stopped=zeros,
-                  reselected=zeros))
+                  reselected=zeros),
+      features=features)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
-def _decode(layout: Layout, weights: Weights, long_caches, first_logits, max_new_tokens: int,
+def _decode(layout: Layout, weights: Weights, long_caches, prefilled, max_new_tokens: int,
             sampling: SamplingParams, eos_id, key, seq, end):
   """The whole generation after prefill. Returns (tokens [B, N + slack], n_tokens [B], Stats,
   the long caches: returned so that the donated ones are updated in place, not copied)."""
-  state = _initial_state(layout, long_caches, first_logits, max_new_tokens, sampling, eos_id, key,
+  state = _initial_state(layout, long_caches, prefilled, max_new_tokens, sampling, eos_id, key,
                          seq, end)
   decoder = _Decoder(layout, weights, sampling, eos_id, max_new_tokens)
   state = decoder.run(state)
@@ -419,12 +448,12 @@ def _decode(layout: Layout, weights: Weights, long_caches, first_logits, max_new
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 10))
-def _level_round(layout: Layout, weights: Weights, long_caches, first_logits, max_new_tokens: int,
+def _level_round(layout: Layout, weights: Weights, long_caches, prefilled, max_new_tokens: int,
                  sampling: SamplingParams, eos_id, key, seq, end, j: int, below: Proposal | None):
   """One round of level j alone, from the state after prefill (to time it): the drafter (j = 0)
   proposes; a level j >= 1 verifies a proposal of the level below (the drafter's, `below`, or a
   full buffer) with its forward, and commits. Returns small outputs that depend on all of it."""
-  st = _initial_state(layout, long_caches, first_logits, max_new_tokens, sampling, eos_id, key,
+  st = _initial_state(layout, long_caches, prefilled, max_new_tokens, sampling, eos_id, key,
                       seq, end)
   decoder = _Decoder(layout, weights, sampling, eos_id, max_new_tokens)
   if j == 0:
@@ -468,12 +497,14 @@ def _time_levels(programs: programs_lib.Programs, args: tuple, repeats: int = 5)
 
 def _long_caches(layout: Layout, weights: Weights, config: ModelConfig, batch: prefill_lib.PromptBatch,
                  slots: int, tail: int, programs: programs_lib.Programs):
-  """Prefills what each level keeps: -> (first logits [B, V], long caches per level)."""
+  """Prefills what each level keeps: -> ((first logits [B, V], the last prompt tokens' hidden
+  states [B, E] for a feature drafter, else None), long caches per level)."""
   params = weights.target
   full = KVCache.init(config, batch.batch, slots)
-  first_logits, full = prefill_lib.prefill(params, config, full, batch, programs)
+  first_logits, full, *hidden = prefill_lib.prefill(params, config, full, batch, programs,
+                                                    all_hidden=layout.reads_features)
   draft_full = None
-  if layout.stack.uses_draft_weights:
+  if layout.stack.draft_config is not None:
     draft = weights.draft
     draft_batch = dataclasses.replace(batch, tokens=np.asarray(draft.to_draft(batch.tokens)))
     _, draft_full = prefill_lib.prefill(draft.params, layout.draft,
@@ -486,6 +517,11 @@ def _long_caches(layout: Layout, weights: Weights, config: ModelConfig, batch: p
     source = draft_full if layout.weights(j) == "draft" else full
     if kind is None:
       longs.append(None)
+    elif j == 0 and isinstance(layout.stack.drafter, EagleDrafter):  # its own cache, from the prompt's features
+      tokens, chunk = prefill_lib.chunked_tokens(batch)
+      longs.append(eagle.prefill(weights.draft.params, layout.config(0), params["embed_tokens"]["embedding"],
+                                 KVCache.init(layout.config(0), batch.batch, slots), tokens, hidden[0],
+                                 batch.lengths, chunk, programs))
     elif isinstance(kind, Full):  # each level's cache is its own buffer (the decode loop donates them)
       longs.append(jax.tree.map(jnp.copy, source) if any(source is c for c in longs) else source)
     elif isinstance(kind, Streaming):
@@ -493,7 +529,8 @@ def _long_caches(layout: Layout, weights: Weights, config: ModelConfig, batch: p
       longs.append(_streaming(source, kind.sinks, kind.window, shift_freq))
     else:
       longs.append(_retrieval(params, config, full, last_tokens, kind.budget, kind.chunk, tail))
-  return first_logits, tuple(longs)
+  last_hidden = hidden[0][np.arange(batch.batch), batch.lengths - 1] if hidden else None
+  return (first_logits, last_hidden), tuple(longs)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -513,6 +550,10 @@ def check_stack(stack: Stack, config: ModelConfig) -> None:
   if isinstance(stack.drafter, SelfDrafter) and stack.verifiers and stack.verifiers[0].weights != "target":
     raise ValueError("a self-draft reads the cache of the level above it: that level must have "
                      "the target's weights (e.g. the retrieval level)")
+  if (isinstance(stack.drafter, (EagleDrafter, MedusaDrafter)) and stack.verifiers
+      and stack.verifiers[0].weights != "target"):
+    raise ValueError(f"a {stack.drafter} draft reads the features of the level above it: that level "
+                     "must have the target's weights (e.g. the retrieval level)")
 
 
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -533,7 +574,8 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
   if stack.uses_draft_weights and draft is None:
     raise ValueError("a stack with a draft model needs its weights: pass "
                      "draft=DraftWeights.create(params, vocab)")
-  if stack.uses_draft_weights and draft.target_ids is None and stack.draft_config.vocab_size != config.vocab_size:
+  if (stack.draft_config is not None and draft.target_ids is None
+      and stack.draft_config.vocab_size != config.vocab_size):
     raise ValueError(f"draft and target vocabularies differ: the draft's has "
                      f"{stack.draft_config.vocab_size} tokens, the target's {config.vocab_size}")
   if not stack.uses_draft_weights:
@@ -546,16 +588,16 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
   weights = Weights(params, draft)
 
   start = time.perf_counter()
-  first_logits, longs = _long_caches(layout, weights, config, batch, slots,
-                                     prefill_lib.round_up(max_new_tokens + width, 8), programs)
-  first_logits.block_until_ready()
+  prefilled, longs = _long_caches(layout, weights, config, batch, slots,
+                                  prefill_lib.round_up(max_new_tokens + width, 8), programs)
+  jax.block_until_ready(prefilled)
   prefill_s = time.perf_counter() - start - (programs.compile_s - counts_before[0])
 
   history_width = prefill_lib.round_up(batch.tokens.shape[1] + max_new_tokens + width, 128)
   seq = np.zeros((batch.batch, history_width), np.int32)
   seq[:, :batch.tokens.shape[1]] = batch.tokens
   eos = jnp.int32(config.eos_token_id if stop_at_eos and config.eos_token_id is not None else -1)
-  args = (layout, weights, longs, first_logits, max_new_tokens, sampling, eos, jax.random.key(seed),
+  args = (layout, weights, longs, prefilled, max_new_tokens, sampling, eos, jax.random.key(seed),
           jnp.asarray(seq), jnp.asarray(batch.lengths))
   round_s = _time_levels(programs, args) if time_levels and layout.top > 0 else None
   loop = programs.get(("engine", layout, max_new_tokens, programs_lib.shape_key(args[1:])),

@@ -88,7 +88,8 @@ def cache_slots(prompt_len: int, max_new_tokens: int, extra: int = 0) -> int:
 @functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(2,))
 def _prefill_chunk(params, config: ModelConfig, cache: KVCache, tokens, start, lengths,
                    last_hidden):
-  """Runs prompt tokens [B, C] at slots start..start+C-1; keeps each row's last-token hidden.
+  """Runs prompt tokens [B, C] at slots start..start+C-1; keeps each row's last-token hidden
+  and returns the chunk's hidden states [B, C, E] too (a feature draft's prefill reads them).
 
   The chunk attends causally to itself (a C-slot cache) and to the `start`
   slots already in `cache` (read-only context, in blocks), then is appended.
@@ -103,7 +104,7 @@ def _prefill_chunk(params, config: ModelConfig, cache: KVCache, tokens, start, l
   index = lengths - 1 - start                                      # [B]
   picked = jnp.take_along_axis(hidden, jnp.clip(index, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
   in_chunk = (index >= 0) & (index < chunk)
-  return cache, jnp.where(in_chunk[:, None], picked, last_hidden)
+  return cache, jnp.where(in_chunk[:, None], picked, last_hidden), hidden
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
@@ -111,19 +112,32 @@ def _last_logits(params, config: ModelConfig, last_hidden):
   return logits_from_hidden(params, config, last_hidden)
 
 
-def prefill(params, config: ModelConfig, cache: KVCache, batch: PromptBatch, programs: Programs):
-  """Fills the cache with the prompts; returns (logits [B, V] of each last prompt token, cache)."""
+def chunked_tokens(batch: PromptBatch) -> tuple[np.ndarray, int]:
+  """(the prompts padded to a whole number of chunks [B, P'], the chunk size)."""
   chunk = prefill_chunk_size(int(batch.lengths.max()))
   padded = round_up(batch.tokens.shape[1], chunk)
   tokens = np.zeros((batch.batch, padded), np.int32)
   tokens[:, :batch.tokens.shape[1]] = batch.tokens
+  return tokens, chunk
+
+
+def prefill(params, config: ModelConfig, cache: KVCache, batch: PromptBatch, programs: Programs,
+            all_hidden: bool = False):
+  """Fills the cache with the prompts; returns (logits [B, V] of each last prompt token, cache),
+  and with all_hidden the hidden states of every position [B, P', E] (chunked_tokens' P') too."""
+  tokens, chunk = chunked_tokens(batch)
+  padded = tokens.shape[1]
   lengths = jnp.asarray(batch.lengths)
   last_hidden = jnp.zeros((batch.batch, config.hidden_size), jnp.dtype(config.dtype))
   args = (params, config, cache, tokens[:, :chunk], jnp.int32(0), lengths, last_hidden)
   step = programs.get(("prefill", config, shape_key(args)), _prefill_chunk, *args)
+  hidden = []
   for start in range(0, padded, chunk):
-    cache, last_hidden = step(params, cache, tokens[:, start:start + chunk], jnp.int32(start),
-                              lengths, last_hidden)
+    cache, last_hidden, chunk_hidden = step(params, cache, tokens[:, start:start + chunk],
+                                            jnp.int32(start), lengths, last_hidden)
+    if all_hidden:
+      hidden.append(chunk_hidden)
   logits_fn = programs.get(("logits", config, shape_key((params, last_hidden))), _last_logits,
                            params, config, last_hidden)
-  return logits_fn(params, last_hidden), cache.replace(lengths=lengths)
+  out = logits_fn(params, last_hidden), cache.replace(lengths=lengths)
+  return (*out, jnp.concatenate(hidden, axis=1)) if all_hidden else out

@@ -119,7 +119,9 @@ class Stack:
 
   @property
   def uses_draft_weights(self) -> bool:
-    return self.draft_config is not None  # __post_init__: a draft verifier needs the config
+    """Whether generation needs DraftWeights: a draft model's, or a feature draft's (heads/)."""
+    # __post_init__: a draft verifier needs the config
+    return self.draft_config is not None or getattr(self.drafter, "weights", None) in ("eagle", "medusa")
 
   @property
   def draft_config(self) -> ModelConfig | None:

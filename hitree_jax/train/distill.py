@@ -35,9 +35,12 @@ ProgressFn = Callable[[int, int, str], None]
 
 
 def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, *, window: int,
-                   n_windows: int, k: int, progress: ProgressFn | None = None) -> dict:
-  """{'tokens' [N,T], 'ids' [N,T,k], 'log_probs' [N,T,k]} for a split, computed once per workdir."""
-  path = pathlib.Path(workdir) / f"labels_{split}_{n_windows}x{window}_top{k}.npz"
+                   n_windows: int, k: int, progress: ProgressFn | None = None,
+                   features: bool = False) -> dict:
+  """{'tokens' [N,T], 'ids' [N,T,k], 'log_probs' [N,T,k]} for a split, computed once per workdir;
+  with features also 'features' [N,T,E] (the teacher's hidden states, float16)."""
+  name = f"labels_{split}_{n_windows}x{window}_top{k}" + ("_features" if features else "")
+  path = pathlib.Path(workdir) / f"{name}.npz"
   if path.is_file():
     with np.load(path) as f:
       return dict(f)
@@ -45,12 +48,12 @@ def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, 
   logging.info("labelling %d %s windows of %d tokens with the teacher's top-%d", n_windows, split,
                window, k)
   return label_windows(path, windows, teacher_model.params, teacher_model.config, k,
-                       progress=progress)
+                       progress=progress, features=features)
 
 
 def label_windows(path: pathlib.Path, windows: np.ndarray, params, config: ModelConfig, k: int,
-                  chunk: int = 64, progress: ProgressFn | None = None) -> dict:
-  """Labels windows [N, T] with the teacher's top-k and saves them at path.
+                  chunk: int = 64, progress: ProgressFn | None = None, features: bool = False) -> dict:
+  """Labels windows [N, T] with the teacher's top-k (and features) and saves them at path.
 
   Labelling is the slow part of distillation (the teacher runs at ~190 tokens/s on two cores), so
   each `chunk` of windows is saved as it is done and a rerun after an interruption labels only
@@ -63,8 +66,10 @@ def label_windows(path: pathlib.Path, windows: np.ndarray, params, config: Model
     progress(0, len(todo), "")
   for done, i in enumerate(todo, 1):
     start = i * chunk
-    ids, log_probs = teacher.teacher_topk(params, config, windows[start:start + chunk], k)
-    _save_npz(parts[i], ids=ids, log_probs=log_probs.astype(np.float16))
+    ids, log_probs, *hidden = teacher.teacher_topk(params, config, windows[start:start + chunk], k,
+                                                   features=features)
+    _save_npz(parts[i], ids=ids, log_probs=log_probs.astype(np.float16),
+              **({"features": hidden[0]} if features else {}))
     detail = f"labelled windows {start}-{start + len(ids)} of {len(windows)}"
     if progress:
       progress(done, len(todo), detail)
@@ -73,7 +78,7 @@ def label_windows(path: pathlib.Path, windows: np.ndarray, params, config: Model
   with contextlib.ExitStack() as stack:
     loaded = [stack.enter_context(np.load(part)) for part in parts]
     labels = {"tokens": windows, **{key: np.concatenate([f[key] for f in loaded])
-                                    for key in ("ids", "log_probs")}}
+                                    for key in loaded[0].files}}
   _save_npz(path, **labels)
   for part in parts:
     part.unlink()
@@ -147,18 +152,28 @@ def optimizer(lr: float, steps: int, warmup: int) -> optax.GradientTransformatio
   return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
 
 
+# A training objective: loss(params, frozen, *batch arrays) -> (loss, top-1 agreement); `frozen`
+# holds arrays the student reads but does not train (e.g. a feature draft's embedding and head).
+Objective = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+@functools.lru_cache(maxsize=None)
+def draft_objective(config: ModelConfig) -> Objective:
+  """loss_fn for a draft model of this config (one object per config: a jit-static argument)."""
+  return lambda params, frozen, tokens, ids, probs: loss_fn(params, config, tokens, ids, probs)
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=(0,))
-def train_step(state, config: ModelConfig, tx: optax.GradientTransformation, tokens, ids, probs):
-  (loss, agree), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-      state["params"], config, tokens, ids, probs)
+def train_step(state, objective: Objective, tx: optax.GradientTransformation, frozen, *batch):
+  (loss, agree), grads = jax.value_and_grad(objective, has_aux=True)(state["params"], frozen, *batch)
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
   return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, loss, agree
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
-def eval_step(params, config: ModelConfig, tokens, ids, probs):
-  return loss_fn(params, config, tokens, ids, probs)
+def eval_step(params, objective: Objective, frozen, *batch):
+  return objective(params, frozen, *batch)
 
 
 def batch_indices(n_examples: int, batch: int, step: int, seed: int) -> np.ndarray:
@@ -169,10 +184,10 @@ def batch_indices(n_examples: int, batch: int, step: int, seed: int) -> np.ndarr
   return order[i * batch:(i + 1) * batch]
 
 
-def evaluate_loss(params, config: ModelConfig, data, batch: int) -> tuple[float, float]:
+def evaluate_loss(params, objective: Objective, data, batch: int, frozen=None) -> tuple[float, float]:
   losses, agrees, sizes = [], [], []
   for i in range(0, len(data[0]), batch):  # a shorter last batch compiles once more
-    loss, agree = eval_step(params, config, *(jnp.asarray(x[i:i + batch]) for x in data))
+    loss, agree = eval_step(params, objective, frozen, *(jnp.asarray(x[i:i + batch]) for x in data))
     losses.append(float(loss))
     agrees.append(float(agree))
     sizes.append(len(data[0][i:i + batch]))
@@ -182,8 +197,11 @@ def evaluate_loss(params, config: ModelConfig, data, batch: int) -> tuple[float,
 def train(workdir: pathlib.Path, config: ModelConfig, params, train_data, eval_data, *, steps: int,
           batch: int, lr: float, warmup: int, seed: int, save_every: int = 25,
           eval_every: int = 50, log_every: int = 5, until: int | None = None,
-          progress: ProgressFn | None = None):
+          progress: ProgressFn | None = None, objective: Objective | None = None, frozen=None):
   """Trains (or resumes) in workdir/ckpt; returns (params, history of logged metrics).
+
+  objective / frozen: what is minimised (default: a draft model's loss_fn for `config`) and the
+  untrained arrays it reads besides the batch.
 
   `until`: stop after that step (and save), e.g. to train in slices of a session (0: none);
   rerunning with the same settings continues exactly where it stopped.
@@ -191,6 +209,7 @@ def train(workdir: pathlib.Path, config: ModelConfig, params, train_data, eval_d
 
   train_data / eval_data: (tokens [N,T], target ids [N,T,k], target probs [N,T,k]) in draft ids.
   """
+  objective = objective or draft_objective(config)
   tx = optimizer(lr, steps, warmup)
   params = jax.tree.map(jnp.array, params)  # a copy: the step donates its state's buffers
   state = {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0)}
@@ -207,14 +226,14 @@ def train(workdir: pathlib.Path, config: ModelConfig, params, train_data, eval_d
     progress(0, max(end - start, 0), "")
   for step in range(start, end):
     idx = batch_indices(len(train_data[0]), batch, step, seed)
-    state, loss, agree = train_step(state, config, tx, *(jnp.asarray(x[idx]) for x in train_data))
+    state, loss, agree = train_step(state, objective, tx, frozen, *(jnp.asarray(x[idx]) for x in train_data))
     record = {"step": step + 1}
     if (step + 1) % log_every == 0 or step + 1 == steps:
       record.update(loss=float(loss), agreement=float(agree),
                     s_per_step=(time.perf_counter() - tic) / (step + 1 - start))
     if eval_data is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
-      record["eval_loss"], record["eval_agreement"] = evaluate_loss(state["params"], config,
-                                                                    eval_data, batch)
+      record["eval_loss"], record["eval_agreement"] = evaluate_loss(state["params"], objective,
+                                                                    eval_data, batch, frozen)
     if len(record) > 1:
       logging.info("step %s", " ".join(f"{k}={v:.4g}" for k, v in record.items()))
       history.append(record)

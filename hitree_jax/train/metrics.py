@@ -25,7 +25,7 @@ from hitree_jax.decode.sampling import SamplingParams, probabilities
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.vocab import ReducedVocab, spread_probs
 from hitree_jax.train.distill import draft_logits
-from hitree_jax.train.teacher import full_sequence_logits
+from hitree_jax.train.teacher import full_sequence, full_sequence_logits
 
 
 PROFILE_RANKS = 8
@@ -80,3 +80,42 @@ def evaluate_draft(target, draft, vocab: ReducedVocab | None, windows: np.ndarra
           "greedy_acceptance_profile": np.concatenate(greedy_profile).mean(0).round(5).tolist(),
           "positions": int(sum(len(a) for a in agree)),
           "vocab_coverage": 1.0 if vocab is None else vocab.coverage(windows)}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def _eagle_window_metrics(target_params, target_config: ModelConfig, eagle_params, eagle_config: ModelConfig,
+                          tokens, target_ids, sampling):
+  from hitree_jax.heads import eagle
+  from hitree_jax.train.eagle import two_passes
+  target, hidden = full_sequence(target_params, target_config, tokens)
+  embedding = target_params["embed_tokens"]["embedding"]
+  out = []
+  for predicted in two_passes(eagle_params, eagle_config, embedding, tokens, hidden):
+    logits = eagle.logits(eagle_params, predicted, target_ids is not None)
+    q = probabilities(logits, sampling)
+    ranked = jax.lax.top_k(logits, PROFILE_RANKS)[1]
+    if target_ids is not None:
+      q, ranked = spread_probs(q, target_ids, target_config.vocab_size), target_ids[ranked]
+    out.append(position_metrics(target, q, ranked, sampling))
+  return out
+
+
+def evaluate_eagle(target, eagle_params, eagle_config: ModelConfig, vocab: ReducedVocab | None,
+                   windows: np.ndarray, sampling: SamplingParams, batch: int = 4) -> dict:
+  """evaluate_draft's figures for an EAGLE feature draft reading the target's true features
+  (a depth-1 node), and its agreement and acceptance when it reads its own predicted ones
+  (a depth-2 node: `depth2_*`)."""
+  ids = None if vocab is None else jnp.asarray(vocab.target_ids)
+  parts = [[], []]
+  for i in range(0, len(windows), batch):
+    for store, metrics in zip(parts, _eagle_window_metrics(target.params, target.config, eagle_params,
+                                                            eagle_config, jnp.asarray(windows[i:i + batch]),
+                                                            ids, sampling)):
+      store.append([np.asarray(m) for m in metrics])
+  (a1, e1, r1, g1), (a2, e2, _, _) = [[np.concatenate([m[k].reshape(-1, *m[k].shape[2:]) for m in store])
+                                       for k in range(4)] for store in parts]
+  return {"greedy_agreement": float(a1.mean()), "expected_acceptance": float(e1.mean()),
+          "acceptance_profile": r1.mean(0).round(5).tolist(),
+          "greedy_acceptance_profile": g1.mean(0).round(5).tolist(),
+          "depth2_greedy_agreement": float(a2.mean()), "depth2_expected_acceptance": float(e2.mean()),
+          "positions": int(a1.size), "vocab_coverage": 1.0 if vocab is None else vocab.coverage(windows)}

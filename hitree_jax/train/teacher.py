@@ -23,36 +23,48 @@ from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import forward
 
 
-def full_sequence_logits(params, config: ModelConfig, tokens):
-  """Logits [B, T, V] float32 of every position of windows tokens [B, T] (causal, positions 0..T-1)."""
+def full_sequence(params, config: ModelConfig, tokens):
+  """(logits [B, T, V] float32, final-normed hidden states [B, T, E]) of every position of
+  windows tokens [B, T] (causal, positions 0..T-1)."""
   batch, length = tokens.shape
   cache = KVCache.init(config, batch, length)
   positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
-  logits, _, _ = forward(params, config, tokens, positions, cache,
-                         causal_attend(cache.lengths, length, length))
-  return logits
+  logits, hidden, _ = forward(params, config, tokens, positions, cache,
+                              causal_attend(cache.lengths, length, length))
+  return logits, hidden
+
+
+def full_sequence_logits(params, config: ModelConfig, tokens):
+  """Logits [B, T, V] float32 of every position of windows tokens [B, T] (causal, positions 0..T-1)."""
+  return full_sequence(params, config, tokens)[0]
 
 
 @functools.partial(jax.jit, static_argnums=(1, 3))
 def _topk_log_probs(params, config: ModelConfig, tokens, k: int):
-  log_probs = jax.nn.log_softmax(full_sequence_logits(params, config, tokens), axis=-1)
-  values, ids = jax.lax.top_k(log_probs, k)
-  return ids.astype(jnp.int32), values
+  logits, hidden = full_sequence(params, config, tokens)
+  values, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
+  return ids.astype(jnp.int32), values, hidden.astype(jnp.float16)
 
 
-def teacher_topk(params, config: ModelConfig, windows: np.ndarray, k: int, batch: int = 4):
-  """(ids [N, T, k] int32, log_probs [N, T, k] float32): the teacher's top-k at every position."""
-  ids, values = [], []
+def teacher_topk(params, config: ModelConfig, windows: np.ndarray, k: int, batch: int = 4,
+                 features: bool = False):
+  """(ids [N, T, k] int32, log_probs [N, T, k] float32): the teacher's top-k at every position;
+  with features, also its final-normed hidden states [N, T, E] in float16 (a feature draft's
+  inputs and regression targets: heads/eagle.py)."""
+  ids, values, hidden = [], [], []
   start = time.perf_counter()
   for i in range(0, len(windows), batch):
     chunk = windows[i:i + batch]
     pad = batch - len(chunk)
     chunk = np.concatenate([chunk, np.zeros((pad, chunk.shape[1]), chunk.dtype)]) if pad else chunk
-    top_ids, top_values = _topk_log_probs(params, config, jnp.asarray(chunk), k)
+    top_ids, top_values, chunk_hidden = _topk_log_probs(params, config, jnp.asarray(chunk), k)
     ids.append(np.asarray(top_ids)[:batch - pad])
     values.append(np.asarray(top_values)[:batch - pad])
+    if features:
+      hidden.append(np.asarray(chunk_hidden)[:batch - pad])
     done = i + batch - pad
     logging.log_every_n_seconds(
         logging.INFO, "teacher: %d/%d windows, %.0f tokens/s", 30, done, len(windows),
         done * windows.shape[1] / (time.perf_counter() - start))
-  return np.concatenate(ids), np.concatenate(values)
+  out = np.concatenate(ids), np.concatenate(values)
+  return (*out, np.concatenate(hidden)) if features else out

@@ -37,21 +37,24 @@ def scratch_slots(tree: DynamicTree) -> int:
 def grow(tree: DynamicTree, root, run, scratch):
   """-> (tokens [B, N] draft ids, RowTrees).
 
-  run(scratch, fed [B, T], depth d, first slot, attend [B, T, S]) -> (logits [B, T, V], scratch):
-  a draft forward of tokens at depth d (positions: committed length + d), written at scratch
-  slots first..first+T-1, each seeing the scratch slots `attend` allows (and committed tokens).
+  run(scratch, fed [B, T], depth d, first slot, attend [B, T, S], parents [B, T]) -> (logits
+  [B, T, V], scratch): a draft forward of tokens at depth d (positions: committed length + d),
+  written at scratch slots first..first+T-1, each seeing the scratch slots `attend` allows (and
+  committed tokens); `parents` are the scratch slots of their parents (a feature draft reads
+  what its parent predicted).
   """
   width, batch = tree.width, root.shape[0]
   n_slots = scratch_slots(tree)
   slot_of = lambda first: jax.nn.one_hot(first + jnp.arange(width), n_slots, dtype=bool)  # [W, S]
   sees = jnp.zeros((batch, 1, n_slots), bool).at[:, :, 0].set(True)                 # the root
-  logits, scratch = run(scratch, root[:, None], 0, 0, sees)
+  logits, scratch = run(scratch, root[:, None], 0, 0, sees, jnp.zeros((batch, 1), jnp.int32))
   score, token = jax.lax.top_k(_log_probs(logits[:, 0]), width)                      # [B, W]
   pool_score, pool_token, pool_parent = [score], [token], [jnp.full((batch, width), -1, jnp.int32)]
   frontier = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))   # pool indices
+  parents = jnp.zeros((batch, width), jnp.int32)                                    # scratch slots
   sees = sees | slot_of(1)[None]                                                    # [B, W, S]
   for d in range(1, tree.max_depth):
-    logits, scratch = run(scratch, token, d, 1 + (d - 1) * width, sees)
+    logits, scratch = run(scratch, token, d, 1 + (d - 1) * width, sees, parents)
     child_score, child = jax.lax.top_k(_log_probs(logits), width)                    # [B, W, W]
     child_score = (score[:, :, None] + child_score).reshape(batch, width * width)
     child = child.reshape(batch, width * width)
@@ -63,6 +66,7 @@ def grow(tree: DynamicTree, root, run, scratch):
       score, best = jax.lax.top_k(child_score, width)
       token = jnp.take_along_axis(child, best, axis=1)
       frontier = first_index + best
+      parents = (1 + (d - 1) * width + best // width).astype(jnp.int32)
       parent_sees = jnp.take_along_axis(sees, (best // width)[:, :, None], axis=1)
       sees = parent_sees | slot_of(1 + d * width)[None]
   pool_score = jnp.concatenate(pool_score, axis=1)                                   # [B, P]

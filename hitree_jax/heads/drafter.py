@@ -1,0 +1,200 @@
+"""Drafts on the target's features as the bottom level of any stack, and the ring they read.
+
+The level right above the drafter (the target, or the target over a retrieval
+cache) runs one forward per verification anyway; the engine keeps the hidden
+states of the tokens that forward accepted in a small ring indexed by
+sequence position (`keep_features`), so drafting the next round needs no
+target forward of its own. A round of `EagleDrafter`:
+
+  1. runs its pending tokens (the sequence since its last round, the root
+     last) with their true features f_{i-1}, and commits them to its cache;
+  2. grows the tree from the root's predicted feature: each node reads the
+     feature its parent predicted, on a scratch cache that sees the committed
+     one; nothing of the tree is kept (the next round re-runs what was
+     accepted with the target's features).
+
+`MedusaDrafter` reads only the feature of the token before the root: its
+head k fills depth k of the tree, the same guesses under every parent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hitree_jax.cache.full import KVCache
+from hitree_jax.decode.drafters import (DraftInputs, Proposal, _check_dynamic_mode, _positions,
+                                        fill_tree, round_attend, tree_attend_mask)
+from hitree_jax.decode.levels import commit, round_mask
+from hitree_jax.decode.stack import Full
+from hitree_jax.heads import eagle, medusa
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.tree import dynamic as dynamic_tree
+from hitree_jax.tree.shapes import DynamicTree, TokenTree
+
+
+def feature_at(ring: jax.Array, positions: jax.Array) -> jax.Array:
+  """ring [B, L, E] of features by position mod L -> [B, T, E] at positions [B, T] (0 before 0)."""
+  picked = jnp.take_along_axis(ring, (jnp.maximum(positions, 0) % ring.shape[1])[:, :, None], axis=1)
+  return jnp.where((positions >= 0)[:, :, None], picked, 0)
+
+
+def keep_features(ring: jax.Array, hidden: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
+  """Writes hidden [B, T, E] at positions [B, T] where valid [B, T] into the ring [B, L, E]."""
+  slots = jnp.where(valid, positions % ring.shape[1], ring.shape[1])
+  return ring.at[jnp.arange(ring.shape[0])[:, None], slots].set(hidden.astype(ring.dtype), mode="drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter:
+  """EAGLE's one-layer feature draft (heads/eagle.py) with a full cache of its own."""
+  config: ModelConfig                   # eagle.layer_config: the target's width, one layer
+  mode: str = "deterministic"
+  target_vocab_size: int | None = None  # set when its vocabulary is a subset (vocab.py)
+  cache: Full = Full()
+  weights: str = "eagle"
+
+  def __str__(self) -> str:
+    return "eagle"
+
+  def check(self, tree, config: ModelConfig) -> None:
+    target_vocab = self.target_vocab_size or self.config.vocab_size
+    if target_vocab != config.vocab_size:
+      raise ValueError(f"draft and target vocabularies differ: the EAGLE draft's maps onto "
+                       f"{target_vocab} tokens, the target has {config.vocab_size}")
+    if (self.config.hidden_size, self.config.num_heads) != (config.hidden_size, config.num_heads):
+      raise ValueError(f"the EAGLE draft reads features of width {self.config.hidden_size} "
+                       f"({self.config.num_heads} heads); the target's are {config.hidden_size} "
+                       f"({config.num_heads} heads): it was trained for another target")
+    _check_dynamic_mode(tree, self.mode)
+
+  def _reduced(self) -> bool:
+    return self.target_vocab_size is not None
+
+  def _lead_round(self, inp: DraftInputs):
+    """Runs and commits the pending tokens: -> (the root's predicted feature [B, E], cache)."""
+    lead, cache, draft = inp.lead, inp.cache, inp.draft
+    recent = cache.recent
+    attend = round_attend(recent.lengths, recent.max_len, round_mask(lead.valid, np.ones((1, 1), bool)))
+    out, recent = eagle.features(draft.params, self.config, inp.params["embed_tokens"]["embedding"],
+                                 lead.tokens, feature_at(inp.features, lead.positions - 1),
+                                 lead.positions, recent, attend, context=(cache.long,))
+    batch = lead.tokens.shape[0]
+    recent = commit(recent, lead, jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32),
+                    jnp.ones((batch,), bool))
+    return out[:, -1], cache.replace(recent=recent)
+
+  def _node_features(self, inp: DraftInputs, cache, scratch, fed, prev, positions, attend, first: int):
+    """A forward of tree nodes fed [B, T] (draft ids) on the scratch cache (slot 0, the root's, is
+    unused: the root is in the draft's cache) -> (predicted features [B, T, E], logits, scratch)."""
+    draft = inp.draft
+    tokens = jnp.maximum(draft.to_target(fed), 0)
+    out, scratch = eagle.features(draft.params, self.config, inp.params["embed_tokens"]["embedding"],
+                                  tokens, prev, positions, scratch, attend.at[..., 0].set(False),
+                                  write_at=jnp.full((fed.shape[0],), first, jnp.int32),
+                                  context=(cache.long, cache.recent))
+    return out, eagle.logits(draft.params, out, self._reduced()), scratch
+
+  def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
+    """A static tree, one forward per depth; node i's scratch slot is i + 1."""
+    root_feature, cache = self._lead_round(inp)
+    batch, n = inp.end.shape[0], tree.size
+    parent_slot = np.asarray(tree.parents) + 1
+    attend = jnp.broadcast_to(tree_attend_mask(tree)[1:], (batch, n, n + 1))     # nodes over (root, nodes)
+    positions = inp.end[:, None] - 1 + jnp.asarray(tree.depth)[None, :]
+
+    def step(state, fed, idx):
+      scratch, predicted = state
+      if idx[0] == 0:  # the root: predicted by the lead round
+        return eagle.logits(inp.draft.params, root_feature[:, None], self._reduced()), state
+      nodes = idx - 1
+      out, logits, scratch = self._node_features(inp, cache, scratch, fed, predicted[:, parent_slot[nodes]],
+                                                 positions[:, nodes], attend[:, nodes], int(idx[0]))
+      return logits, (scratch, predicted.at[:, idx].set(out))
+
+    predicted = jnp.zeros((batch, n + 1, self.config.hidden_size), root_feature.dtype)
+    state = (KVCache.init(self.config, batch, n + 1), predicted.at[:, 0].set(root_feature))
+    tokens, q, _ = fill_tree(key, tree, inp.lead.tokens[:, -1:], step, state, self.config.vocab_size,
+                             inp.sampling, self.mode)
+    return Proposal(tokens=jnp.maximum(inp.draft.to_target(tokens), 0),
+                    q=inp.draft.target_probs(q, self.target_vocab_size), start=inp.end,
+                    depth=jnp.asarray(tree.depth), attend=jnp.asarray(tree_attend_mask(tree)),
+                    cache=cache, committed=True)
+
+  def propose_dynamic(self, tree: DynamicTree, inp: DraftInputs) -> Proposal:
+    """EAGLE-2's tree, grown from the root's predicted feature (dynamic_tree.grow)."""
+    root_feature, cache = self._lead_round(inp)
+    base, batch = inp.end - 1, inp.end.shape[0]
+    slots = dynamic_tree.scratch_slots(tree)
+
+    def run(state, fed, depth, first, attend, parent_slots):
+      scratch, predicted = state
+      if depth == 0:
+        return eagle.logits(inp.draft.params, root_feature[:, None], self._reduced()), state
+      prev = jnp.take_along_axis(predicted, parent_slots[:, :, None], axis=1)
+      out, logits, scratch = self._node_features(inp, cache, scratch, fed, prev,
+                                                 _positions(base, depth, fed), attend, first)
+      return logits, (scratch, jax.lax.dynamic_update_slice_in_dim(predicted, out, first, axis=1))
+
+    predicted = jnp.zeros((batch, slots, self.config.hidden_size), root_feature.dtype)
+    state = (KVCache.init(self.config, batch, slots), predicted.at[:, 0].set(root_feature))
+    tokens, trees = dynamic_tree.grow(tree, inp.draft.to_draft(inp.lead.root), run, state)
+    return Proposal(tokens=jnp.maximum(inp.draft.to_target(tokens), 0), q=None, start=inp.end,
+                    depth=trees.depth, attend=trees.attend, children=trees.children, cache=cache,
+                    committed=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaDrafter:
+  """Medusa's K heads (heads/medusa.py): no cache, no forward; depth k's children are head k's."""
+  num_heads: int
+  vocab_size: int                       # the heads' (reduced) vocabulary
+  mode: str = "deterministic"
+  target_vocab_size: int | None = None  # set when its vocabulary is a subset (vocab.py)
+  weights: str = "medusa"
+
+  def __str__(self) -> str:
+    return f"medusa:{self.num_heads}"
+
+  def check(self, tree, config: ModelConfig) -> None:
+    target_vocab = self.target_vocab_size or self.vocab_size
+    if target_vocab != config.vocab_size:
+      raise ValueError(f"draft and target vocabularies differ: the Medusa heads map onto "
+                       f"{target_vocab} tokens, the target has {config.vocab_size}")
+    if tree.max_depth > self.num_heads:
+      raise ValueError(f"a tree of depth {tree.max_depth} needs as many Medusa heads; these "
+                       f"have {self.num_heads}")
+    _check_dynamic_mode(tree, self.mode)
+
+  def _head_logits(self, inp: DraftInputs):
+    """[B, K, V'] every head's logits from the feature of the token before the root."""
+    feature = feature_at(inp.features, (inp.end - 2)[:, None])[:, 0]
+    return medusa.logits(inp.draft.params, feature, self.target_vocab_size is not None)
+
+  def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
+    heads = self._head_logits(inp)
+    depth = np.concatenate([[0], tree.depth])                     # of the root, then each node
+
+    def step(state, fed, idx):  # the children of slot idx (root 0, node i at i + 1) are head depth+1's
+      del fed
+      return heads[:, depth[idx]], state
+
+    tokens, q, _ = fill_tree(key, tree, inp.lead.tokens[:, -1:], step, None, self.vocab_size,
+                             inp.sampling, self.mode)
+    return Proposal(tokens=jnp.maximum(inp.draft.to_target(tokens), 0),
+                    q=inp.draft.target_probs(q, self.target_vocab_size), start=inp.end,
+                    depth=jnp.asarray(tree.depth), attend=jnp.asarray(tree_attend_mask(tree)))
+
+  def propose_dynamic(self, tree: DynamicTree, inp: DraftInputs) -> Proposal:
+    heads = self._head_logits(inp)
+
+    def run(state, fed, depth, first, attend, parents):
+      del first, attend, parents
+      return jnp.broadcast_to(heads[:, depth, None], (*fed.shape, heads.shape[-1])), state
+
+    tokens, trees = dynamic_tree.grow(tree, inp.draft.to_draft(inp.lead.root), run, None)
+    return Proposal(tokens=jnp.maximum(inp.draft.to_target(tokens), 0), q=None, start=inp.end,
+                    depth=trees.depth, attend=trees.attend, children=trees.children)

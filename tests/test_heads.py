@@ -1,0 +1,226 @@
+"""The EAGLE feature draft on tiny random models: greedy equals ar, its rounds read the right
+features, sampling is exact, and a second generation compiles nothing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hitree_jax.cache.full import KVCache, causal_attend
+from hitree_jax.decode import engine
+from hitree_jax.decode.drafters import DraftWeights
+from hitree_jax.decode.programs import Programs
+from hitree_jax.decode.sampling import SamplingParams
+from hitree_jax.decode.stack import Full, Retrieval, Stack, Verifier
+from hitree_jax.heads import eagle, medusa
+from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import hidden_states, init_params, with_decode_head
+from hitree_jax.model.vocab import ReducedVocab
+from hitree_jax.tree import shapes as tree_lib
+from tests.test_engine import SMALL, N_SAMPLES, chi_square_pvalue, exact_three_token_law
+
+# One layer: an EAGLE layer that copies it reproduces the target exactly.
+CONFIG = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                     num_kv_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=None)
+PROMPTS = [[3, 5, 7, 11, 13, 17, 19, 3, 5, 7], [2, 4], [8, 1, 9, 30, 2]]
+
+
+def target_params(config, seed=0):
+  p = init_params(config, jax.random.key(seed))
+  p = jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, p)  # peaked: no greedy near-ties
+  return with_decode_head(p, config)
+
+
+def eagle_draft(target, config, feature_weight: float, vocab: ReducedVocab | None = None, mode="deterministic"):
+  """(drafter, weights): an EAGLE layer that is the 1-layer target's own layer, reading the
+  token's embedding plus feature_weight x a random map of the previous feature: with 0 it is
+  the target itself; otherwise it depends on the features it is handed."""
+  e = config.hidden_size
+  mix = feature_weight * jax.random.normal(jax.random.key(5), (e, e)) / np.sqrt(e)
+  params = {"fc": {"kernel": jnp.concatenate([jnp.eye(e), mix], axis=0)},
+            "layer": target["layers_0"], "norm": target["norm"],
+            "head": eagle.head_from_target(target, None if vocab is None else vocab.target_ids)}
+  size = config.vocab_size if vocab is None else vocab.size
+  drafter = EagleDrafter(eagle.layer_config(config, size), mode,
+                         None if vocab is None else vocab.target_vocab_size)
+  return drafter, DraftWeights.create(params, vocab)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return target_params(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(params):
+  return engine.generate(params, CONFIG, PROMPTS, max_new_tokens=40).tokens
+
+
+@pytest.mark.parametrize("tree", [tree_lib.chain(3), tree_lib.kary(2, 2), tree_lib.DynamicTree(6, 3, 2)],
+                         ids=["chain3", "binary2x2", "dynamic6x3"])
+def test_greedy_equals_ar_and_a_copy_of_the_target_is_always_accepted(params, ar_tokens, tree):
+  drafter, weights = eagle_draft(params, CONFIG, 0.0)
+  result = engine.generate(params, CONFIG, PROMPTS, tree=tree, drafter=drafter, draft=weights,
+                           max_new_tokens=40)
+  assert result.tokens == ar_tokens
+  # Every round but a row's last (cut at max_new_tokens) accepts the whole greedy path the tree
+  # holds: a full-depth one in a static tree; in a dynamic one at least the root's first child
+  # (the most probable node; deeper ones of the greedy path may lose their place to siblings).
+  rounds = sum(result.rounds_per_row) - len(PROMPTS)
+  depth = 0 if isinstance(tree, tree_lib.DynamicTree) else -1
+  assert result.accepted_per_depth[depth] >= rounds
+
+
+def teacher_forced_hits(params, draft: DraftWeights, drafter, sequence, prompt_len):
+  """Offline: the EAGLE layer over the whole sequence with the target's true features (no
+  cache, no engine); walks chain:1 rounds as verification would: -> tokens accepted."""
+  t = len(sequence)
+  tokens = jnp.asarray([sequence])
+  positions = jnp.arange(t)[None]
+  cache = KVCache.init(CONFIG, 1, t)
+  attend = causal_attend(cache.lengths, t, t)
+  true, _ = hidden_states(params, CONFIG, tokens, positions, cache, attend)
+  predicted, _ = eagle.features(draft.params, drafter.config, params["embed_tokens"]["embedding"],
+                                tokens, eagle.shifted(true), positions,
+                                KVCache.init(drafter.config, 1, t), attend)
+  guess = np.asarray(jnp.argmax(eagle.logits(draft.params, predicted, False), axis=-1))[0]
+  root, accepted = prompt_len, 0       # the first generated token is the first root
+  while root + 1 < t:                  # a round whose root is the last token never runs
+    hit = guess[root] == sequence[root + 1]
+    accepted += int(hit)
+    root += 2 if hit else 1            # accepted + bonus, or the correction
+  return accepted
+
+
+def test_each_round_reads_the_targets_features_of_what_it_accepted(params, ar_tokens):
+  # The draft depends on the features; chain:1 rounds accept exactly where the EAGLE layer run
+  # offline over the sequence with the target's true features predicts the next token.
+  drafter, weights = eagle_draft(params, CONFIG, 2.0)
+  result = engine.generate(params, CONFIG, PROMPTS, tree=tree_lib.chain(1), drafter=drafter,
+                           draft=weights, max_new_tokens=40)
+  assert result.tokens == ar_tokens
+  expected = sum(teacher_forced_hits(params, weights, drafter, prompt + out, len(prompt))
+                 for prompt, out in zip(PROMPTS, ar_tokens))
+  assert 0 < expected < 40 * len(PROMPTS) // 2  # a draft that is right some of the time
+  assert result.accepted_per_depth[0] == expected
+
+
+def test_under_a_retrieval_level(params, ar_tokens):
+  drafter, weights = eagle_draft(params, CONFIG, 0.5)
+  stack = Stack(drafter, tree_lib.chain(2), (Verifier("target", Retrieval(16, chunk=4), 3),))
+  result = engine.generate(params, CONFIG, PROMPTS, stack=stack, draft=weights, max_new_tokens=40)
+  assert result.tokens == ar_tokens
+  assert result.levels[0]["accepted"] > 0
+
+
+def test_reduced_vocabulary_and_second_generation_compiles_nothing(params, ar_tokens):
+  vocab = ReducedVocab(np.array([-1, *range(0, 53, 2)], np.int32), CONFIG.vocab_size)
+  drafter, weights = eagle_draft(params, CONFIG, 0.5, vocab)
+  programs = Programs()
+  for _ in range(2):
+    result = engine.generate(params, CONFIG, PROMPTS, tree=tree_lib.kary(2, 2), drafter=drafter,
+                             draft=weights, max_new_tokens=40, programs=programs)
+    assert result.tokens == ar_tokens
+  assert result.compiles == 0 and result.accepted_per_depth[0] > 0
+
+
+def test_refused_over_a_draft_model_level_or_another_width(params):
+  drafter, weights = eagle_draft(params, CONFIG, 0.0)
+  stack = Stack(drafter, tree_lib.chain(2), (Verifier("draft", Full(), 3),),
+                draft=CONFIG)
+  with pytest.raises(ValueError, match="features of the level above"):
+    engine.check_stack(stack, CONFIG)
+  wide = CONFIG.replace(hidden_size=48, head_dim=12)
+  with pytest.raises(ValueError, match="features of width 32"):
+    engine.check_stack(Stack(drafter, tree_lib.chain(2)), wide)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree,mode,temperature,top_p", [
+    (tree_lib.chain(2), "iid", 1.0, 1.0),
+    (tree_lib.kary(2, 2), "without_replacement", 0.8, 0.95),
+    (tree_lib.DynamicTree(5, 2, width=3), "deterministic", 0.8, 0.9),
+], ids=["chain-iid", "binary-wor-topp", "dynamic-topp"])
+def test_sampling_is_exact(tree, mode, temperature, top_p):
+  config = SMALL.replace(num_layers=1)
+  params = with_decode_head(jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x,
+                                         init_params(config, jax.random.key(2))), config)
+  drafter, weights = eagle_draft(params, config, 1.0, mode=mode)
+  prompt = [1, 4, 2, 5, 1, 4]
+  sampling = SamplingParams.create(temperature, top_p)
+  result = engine.generate(params, config, [prompt] * N_SAMPLES, tree=tree, drafter=drafter,
+                           draft=weights, max_new_tokens=3, sampling=sampling, seed=11,
+                           stop_at_eos=False)
+  assert result.accepted_per_depth[0] > 0
+  samples = np.array([t[:3] for t in result.tokens])
+  assert chi_square_pvalue(samples, exact_three_token_law(params, prompt, sampling, config)) > 1e-4
+
+
+# --- Medusa ---
+
+def medusa_draft(target, config, num_heads: int, scale: float, mode="deterministic"):
+  """(drafter, weights): random residual blocks on the target's own head."""
+  e = config.hidden_size
+  blocks = scale * jax.random.normal(jax.random.key(9), (num_heads, e, e)) / np.sqrt(e)
+  params = {"blocks": blocks, "head": eagle.head_from_target(target, None)}
+  return MedusaDrafter(num_heads, config.vocab_size, mode), DraftWeights(params)
+
+
+def medusa_hits(params, draft: DraftWeights, sequence, prompt_len):
+  """Offline: head 1 on the target's true feature of the token before each chain:1 root."""
+  t = len(sequence)
+  cache = KVCache.init(CONFIG, 1, t)
+  true, _ = hidden_states(params, CONFIG, jnp.asarray([sequence]), jnp.arange(t)[None], cache,
+                          causal_attend(cache.lengths, t, t))
+  guess = np.asarray(jnp.argmax(medusa.logits(draft.params, true[0], False)[:, 0], axis=-1))
+  root, accepted = prompt_len, 0
+  while root + 1 < t:
+    hit = guess[root - 1] == sequence[root + 1]  # the feature before the root guesses past it
+    accepted += int(hit)
+    root += 2 if hit else 1
+  return accepted
+
+
+def test_medusa_reads_the_feature_before_the_root(params, ar_tokens):
+  drafter, weights = medusa_draft(params, CONFIG, 1, 1.0)
+  result = engine.generate(params, CONFIG, PROMPTS, tree=tree_lib.chain(1), drafter=drafter,
+                           draft=weights, max_new_tokens=40)
+  assert result.tokens == ar_tokens
+  expected = sum(medusa_hits(params, weights, prompt + out, len(prompt))
+                 for prompt, out in zip(PROMPTS, ar_tokens))
+  assert expected > 0
+  assert result.accepted_per_depth[0] == expected
+
+
+@pytest.mark.parametrize("tree", [tree_lib.kary(3, 2), tree_lib.DynamicTree(6, 3, 3)],
+                         ids=["ternary2", "dynamic6x3"])
+def test_medusa_greedy_equals_ar(params, ar_tokens, tree):
+  drafter, weights = medusa_draft(params, CONFIG, 3, 1.0)
+  result = engine.generate(params, CONFIG, PROMPTS, tree=tree, drafter=drafter, draft=weights,
+                           max_new_tokens=40)
+  assert result.tokens == ar_tokens
+
+
+def test_medusa_needs_a_head_per_depth(params):
+  drafter, _ = medusa_draft(params, CONFIG, 2, 1.0)
+  with pytest.raises(ValueError, match="depth 3 needs as many Medusa heads"):
+    engine.check_stack(Stack(drafter, tree_lib.chain(3)), CONFIG)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree,mode", [(tree_lib.chain(2), "iid"), (tree_lib.kary(2, 2), "deterministic")],
+                         ids=["chain-iid", "binary-det"])
+def test_medusa_sampling_is_exact(tree, mode):
+  config = SMALL.replace(num_layers=1)
+  params = with_decode_head(jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x,
+                                         init_params(config, jax.random.key(2))), config)
+  drafter, weights = medusa_draft(params, config, 2, 1.0, mode)
+  prompt = [1, 4, 2, 5, 1, 4]
+  sampling = SamplingParams.create(0.9, 0.95)
+  result = engine.generate(params, config, [prompt] * N_SAMPLES, tree=tree, drafter=drafter,
+                           draft=weights, max_new_tokens=3, sampling=sampling, seed=11,
+                           stop_at_eos=False)
+  assert result.accepted_per_depth[0] > 0
+  samples = np.array([t[:3] for t in result.tokens])
+  assert chi_square_pvalue(samples, exact_three_token_law(params, prompt, sampling, config)) > 1e-4
