@@ -5,13 +5,17 @@
 `readme` is the table in the README; `long`, `gammas` and `long_greedy` the
 long-context prompts the hierarchy is for (SmolLM2 has 8192 positions: 4K and
 6K tokens, then 7.5K with every method and a sweep of (gamma1, gamma2), then
-7.5K greedy); `peers` our `ar` beside HF transformers and llama.cpp (after
+7.5K greedy); `heads` / `heads_greedy` EAGLE and Medusa against the distilled
+draft; `peers` our `ar` beside HF transformers and llama.cpp (after
 `python -m launch.convert --out=smollm2_f32.gguf`); `quick` a smoke test.
 """
 
 from ml_collections import config_dict
 
 DRAFT = "drafts/smollm2-draft.gguf"
+EAGLE, MEDUSA = "eagle:drafts/smollm2-eagle", "medusa:drafts/smollm2-medusa"  # drafts on the target's features
+HEADS = (f"ar,sd/{DRAFT}/2,sd/{EAGLE}/2,sd/{EAGLE}/3,tree/{EAGLE}/kary:2x2,tree/{EAGLE}/dynamic:8,4,"
+         f"sd/{MEDUSA}/2,tree/{MEDUSA}/kary:2x2")
 SAMPLED = dict(temperature=0.6, top_p=0.9)  # TriForce's and HiTree's setting
 
 STREAMING = f"{DRAFT}@streaming:16x234"  # TriForce's draft cache: 16 sinks + 234 recent tokens
@@ -41,6 +45,10 @@ SUITES = {
     "long_greedy": dict(methods=f"ar,retrieval/6,triforce/{DRAFT},hitree/{DRAFT}/kary:2x2,{FOUR_LEVEL}",
                         budget=1024, gamma2=6, prompt_tokens="7680", max_new_tokens=256, n_prompts=2,
                         temperature=0.0),
+    # EAGLE's feature draft and Medusa's heads against the distilled draft (issue: heads).
+    "heads": dict(methods=HEADS, prompt_tokens="512,2048", max_new_tokens=128, n_prompts=2, **SAMPLED),
+    "heads_greedy": dict(methods=HEADS, prompt_tokens="512,2048", max_new_tokens=128, n_prompts=2,
+                         temperature=0.0),
     # `ar` beside HF transformers and llama.cpp on the same prompt ids, greedy (launch/peers.py):
     # llama.cpp runs our weights at F32 (first: python -m launch.convert --out=smollm2_f32.gguf).
     "peers": dict(methods="ar", peers="hf,llamacpp", llamacpp_gguf="smollm2_f32.gguf",

@@ -10,10 +10,11 @@ instead of a traceback. `HITREE_TRACEBACK=1` shows the traceback.
 from __future__ import annotations
 
 import dataclasses
+import logging as std_logging
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 METHODS = ("ar", "sd", "tree", "retrieval", "triforce", "hitree", "hsd")
@@ -99,10 +100,16 @@ def check_method_flags(method_name: str, given: set[str]) -> None:
                        f"(it sets --method={'|'.join(users)})")
 
 
+def _quiet_orbax(record) -> bool:
+  """Drops orbax's INFO lines (a record's levelno is Python's; absl's WARNING constant is -1)."""
+  return record.levelno >= std_logging.WARNING or "orbax" not in record.pathname
+
+
 def run(main) -> None:
   """app.run(main) with --config applied, the compilation cache on, and one-line usage errors."""
 
   def checked(argv):
+    logging.get_absl_handler().addFilter(_quiet_orbax)  # it logs every save and load at INFO
     if len(argv) > 1:
       _fail(app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}"))
     try:
@@ -134,8 +141,9 @@ def define_sampling_flags():
 def define_speculation_flags():
   flags.DEFINE_string("draft", "self:8", "Drafter: self:K[,iid|without_replacement|deterministic] "
                       "(the target's first K layers), ngram[:N] (prompt lookup), eagle:PATH[,mode] "
-                      "(EAGLE's feature draft on the target, e.g. eagle:drafts/smollm2-eagle), or "
-                      "PATH[,mode]: a separate draft model (e.g. drafts/smollm2-draft.gguf).")
+                      "or medusa:PATH[,mode] (drafts on the target's features, e.g. "
+                      "eagle:drafts/smollm2-eagle), or PATH[,mode]: a separate draft model (e.g. "
+                      "drafts/smollm2-draft.gguf).")
   flags.DEFINE_integer("gamma", 4, "Draft tokens per round for --method=sd and --method=retrieval.")
   flags.DEFINE_string("tree", None, "Tree for --method=tree (default kary:2x2) and --method=hitree "
                       "(default kary:2x4, HiTree's binary tree of depth 4): chain:N, kary:KxD, "
@@ -202,7 +210,7 @@ class Method:
   draft_mode: str = "deterministic"
   stack: object = None           # the stack.Stack, once built
   draft: object = None           # its DraftWeights once loaded
-  eagle_path: str | None = None  # an EAGLE feature draft's folder (the bottom level eagle:PATH)
+  heads: str | None = None       # a draft on the target's features: eagle:PATH or medusa:PATH
 
   def build(self, target_config, draft_config=None, vocab=None):
     """The Stack for this target (and draft model config / vocabulary, if the stack has one)."""
@@ -211,7 +219,7 @@ class Method:
       return Stack()
     bottom, *middle = self.levels.split("+")
     who, _, _ = bottom.rpartition("/")
-    drafter = _drafter(who, target_config, draft_config, vocab, self.eagle_path)
+    drafter = _drafter(who, target_config, draft_config, vocab)
     verifiers = tuple(_verifier(piece) for piece in middle)
     stack = Stack(drafter, self.tree, verifiers, draft=draft_config)
     from hitree_jax.decode.engine import check_stack
@@ -221,9 +229,10 @@ class Method:
   def check_draft(self, target_config, target_tokenizer):
     """Checks the stack and a separate draft against the target from metadata (no weights):
     vocabulary, tokenizer, tree and levels. Returns the draft's config, or None."""
-    if self.eagle_path is not None:
-      from hitree_jax.train import eagle as eagle_train
-      eagle_train.check_target(eagle_train.read_meta(self.eagle_path), target_config, self.eagle_path)
+    if self.heads is not None:
+      from hitree_jax.train import heads
+      kind, path = _heads_spec(self.heads)
+      heads.check_target(heads.read_meta(path, kind), target_config, path)
     if self.draft_path is None:
       self.build(target_config)
       return None
@@ -242,12 +251,13 @@ class Method:
     return config
 
   def load_draft(self, target_config, target_params=None):
-    """Loads a separate draft model or an EAGLE draft (which reads target_params' embedding and
-    head) -- slow: after every flag is validated -- and builds the stack."""
+    """Loads a separate draft model or a draft on the target's features (which reads
+    target_params' head) -- slow: after every flag is validated -- and builds the stack."""
     from hitree_jax.decode.drafters import DraftWeights
-    if self.eagle_path is not None:
-      from hitree_jax.train import eagle as eagle_train
-      _, params, vocab = eagle_train.load(self.eagle_path, target_params, target_config)
+    if self.heads is not None:
+      from hitree_jax.train import heads
+      kind, path = _heads_spec(self.heads)
+      _, params, vocab = heads.load(path, target_params, target_config, kind)
       return dataclasses.replace(self, stack=self.build(target_config),
                                  draft=DraftWeights.create(params, vocab))
     if self.draft_path is None:
@@ -272,21 +282,28 @@ TREE_KINDS = ("chain", "kary", "sequoia", "dynamic")
 HIERARCHY_DEFAULTS = {"triforce": dict(gamma1=1, gamma2=6), "hitree": dict(tree="kary:2x4", gamma2=12)}
 
 
-def _drafter(who: str, target_config, draft_config, vocab, eagle_path=None):
+HEADS = ("eagle:", "medusa:")  # drafts on the target's features (hitree_jax/heads)
+
+
+def _heads_spec(name: str) -> tuple[str, str]:
+  """'eagle:PATH' | 'medusa:PATH' -> (kind, PATH)."""
+  kind, _, path = name.partition(":")
+  return kind, path
+
+
+def _drafter(who: str, target_config, draft_config, vocab):
   """The bottom level of a --levels spec: NAME[@streaming:SxW][,MODE] with NAME ngram[:N],
-  self:K, retrieval:B, eagle:PATH, draft or a draft model's path (the last two: the --draft model)."""
+  self:K, retrieval:B, eagle:PATH, medusa:PATH, draft or a draft model's path (the last two:
+  the --draft model)."""
   from hitree_jax.decode.drafters import ModelDrafter, parse_draft_spec
   from hitree_jax.decode.stack import Full
   name, cache, mode = _split_level(who)
-  if name.startswith("eagle:"):
-    from hitree_jax.heads import eagle
-    from hitree_jax.heads.drafter import EagleDrafter
-    from hitree_jax.train import eagle as eagle_train
+  if name.startswith(HEADS):
+    from hitree_jax.train import heads
     if cache is not None:
-      raise ValueError(f"level {who!r}: an EAGLE draft keeps a full cache of its own")
-    size = eagle_train.read_meta(eagle_path or name.removeprefix("eagle:")).get("vocab_size")
-    return EagleDrafter(eagle.layer_config(target_config, size or target_config.vocab_size), mode,
-                        target_config.vocab_size if size else None)
+      raise ValueError(f"level {who!r}: a draft on the target's features has no cache to choose")
+    kind, path = _heads_spec(name)
+    return heads.drafter(heads.read_meta(path, kind), target_config, mode)
   if name.startswith("retrieval:"):
     return ModelDrafter(target_config, mode, cache=_retrieval(name), weights="target")
   if name.startswith(("ngram", "self:")):
@@ -309,7 +326,7 @@ def _verifier(piece: str):
     raise ValueError(f"level {piece!r}: a middle level hands up its own samples; no draw mode")
   if name.startswith("retrieval:"):
     return Verifier("target", _retrieval(name), int(gamma))
-  if name.startswith(("ngram", "self:", "eagle:")):
+  if name.startswith(("ngram", "self:") + HEADS):
     raise ValueError(f"level {piece!r}: {name} only proposes (it must be the bottom level)")
   return Verifier("draft", cache or Full(), int(gamma))
 
@@ -456,12 +473,11 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
     raise ValueError(f"level {bottom!r}: expected DRAFTER/TREE (e.g. ngram:3/chain:2)")
   mode = _split_level(who)[2]
   names = [_split_level(piece.rpartition("/")[0])[0] for piece in levels.split("+")]
-  model_named = [n for n in names if not n.startswith(("ngram", "self:", "retrieval:", "eagle:"))]
-  eagle_path = None
-  if names[0].startswith("eagle:"):
-    from hitree_jax.train import eagle as eagle_train
-    eagle_path = names[0].removeprefix("eagle:")
-    eagle_train.read_meta(eagle_path)  # FileNotFoundError naming it, before any load
+  model_named = [n for n in names if not n.startswith(("ngram", "self:", "retrieval:") + HEADS)]
+  heads = names[0] if names[0].startswith(HEADS) else None
+  if heads is not None:
+    from hitree_jax.train.heads import read_meta
+    read_meta(*reversed(_heads_spec(heads)))  # FileNotFoundError naming it, before any load
   for n in model_named:
     if n != "draft" and "/" not in n and "." not in n:  # not a path: a misspelt drafter
       from hitree_jax.decode.drafters import parse_draft_spec
@@ -482,7 +498,7 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
     profile = acceptance_profile(knobs.acceptance, draft_path, greedy)
     token_tree = tree_lib.from_acceptance(profile, *token_tree[1:])
   return Method(name, _label(name, rest, knobs, shape, levels), levels, token_tree, draft_path, mode,
-                eagle_path=eagle_path)
+                heads=heads)
 
 
 def _label(name: str, rest: str, knobs: Knobs, shape: str, levels: str) -> str:

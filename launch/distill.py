@@ -3,8 +3,9 @@
 Train (labels, training and export; an interrupted run resumes from workdir):
   python -m launch.distill --teacher=smollm2 --workdir=runs/draft \
       --out=drafts/smollm2-draft.gguf
-Train EAGLE's one-layer feature draft on the target's features (heads/eagle.py):
+Train EAGLE's one-layer feature draft, or Medusa's heads, on the target's features (heads/):
   python -m launch.distill --kind=eagle --workdir=runs/eagle --out=drafts/smollm2-eagle
+  python -m launch.distill --kind=medusa --workdir=runs/eagle --out=drafts/smollm2-medusa
 Evaluate a draft on held-out books (agreement, acceptance, cost ratio):
   python -m launch.distill --eval --draft=drafts/smollm2-draft.gguf --json
 
@@ -28,8 +29,9 @@ from launch.progress import Progress
 
 common.define_config_flag()
 
-flags.DEFINE_enum("kind", "draft", ["draft", "eagle"], "What to train: a small draft model made "
-                  "of teacher layers (GGUF), or EAGLE's feature draft on the teacher (a folder).")
+flags.DEFINE_enum("kind", "draft", ["draft", "eagle", "medusa"], "What to train: a small draft "
+                  "model made of teacher layers (GGUF), or EAGLE's feature draft or Medusa's heads "
+                  "on the teacher's features (a folder).")
 flags.DEFINE_string("teacher", "smollm2", "The target model to imitate (any --model spec).")
 flags.DEFINE_string("workdir", "runs/draft", "Labels, orbax checkpoints and logs (resumable).")
 flags.DEFINE_string("out", "drafts/smollm2-draft.gguf", "Where the trained draft is written: a GGUF "
@@ -50,21 +52,28 @@ flags.DEFINE_bool("quantize", True, "Export weight matrices as Q8_0 (else float3
 flags.DEFINE_float("feature_weight", 1.0, "--kind=eagle: weight of the feature regression (Huber).")
 flags.DEFINE_bool("unroll", True, "--kind=eagle: also train a second pass on the draft's own "
                   "predicted features (what depth-2 tree nodes read).")
+flags.DEFINE_integer("num_heads", 4, "--kind=medusa: heads (the deepest tree they can fill).")
+flags.DEFINE_enum("train_text", "books", ["books", "own"], "Training text: book windows, or "
+                  "windows whose first --own_prompt_tokens are a book's and the rest the teacher's "
+                  "own continuation, sampled at --temperature / --top_p (the text a draft meets "
+                  "while decoding). Held-out evaluation stays on books.")
+flags.DEFINE_integer("own_prompt_tokens", 64, "--train_text=own: book tokens before each continuation.")
 flags.DEFINE_bool("eval", False, "Evaluate --draft against --teacher instead of training.")
 flags.DEFINE_string("draft", None, "--eval: the draft, as --draft of launch.generate: PATH (a GGUF "
-                    "from this launcher), eagle:PATH (a --kind=eagle folder) or self:K (the "
-                    "teacher's first K layers).")
-flags.DEFINE_float("temperature", 0.6, "--eval: sampling temperature of the acceptance metric.")
-flags.DEFINE_float("top_p", 0.9, "--eval: nucleus mass of the acceptance metric.")
+                    "from this launcher), eagle:PATH or medusa:PATH (a --kind=eagle|medusa folder) "
+                    "or self:K (the teacher's first K layers).")
+flags.DEFINE_float("temperature", 0.6, "Sampling temperature of the acceptance metric (and of "
+                   "--train_text=own's continuations).")
+flags.DEFINE_float("top_p", 0.9, "Nucleus mass of the acceptance metric (and of --train_text=own's).")
 flags.DEFINE_integer("cost_context", 512, "--eval: prompt tokens when timing a decode step.")
 flags.DEFINE_bool("json", False, "Print one JSON record as the last line.")
 FLAGS = flags.FLAGS
 
 
 def out_path() -> pathlib.Path:
-  """--out, or for --kind=eagle left at the GGUF default, drafts/smollm2-eagle."""
-  if FLAGS.kind == "eagle" and FLAGS.out == FLAGS["out"].default:
-    return pathlib.Path("drafts/smollm2-eagle")
+  """--out, or for heads left at the GGUF default, drafts/smollm2-KIND."""
+  if FLAGS.kind != "draft" and FLAGS.out == FLAGS["out"].default:
+    return pathlib.Path(f"drafts/smollm2-{FLAGS.kind}")
   return pathlib.Path(FLAGS.out)
 
 
@@ -76,14 +85,22 @@ def command() -> str:
       if flag.present and name in _TRAIN_FLAGS)
 
 
-def train_eagle_main():
+def own_text():
+  """prepare_labels' own_text for --train_text=own (None for books)."""
+  if FLAGS.train_text == "books":
+    return None
+  from hitree_jax.decode.sampling import SamplingParams
+  return FLAGS.own_prompt_tokens, SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
+
+
+def train_heads_main():
+  """--kind=eagle|medusa: labels with features, training, the folder, and its evaluation."""
   import jax
-  from hitree_jax.heads import eagle
+  from hitree_jax.heads import eagle, medusa
   from hitree_jax.loading import load_model
   from hitree_jax.model.vocab import ReducedVocab
   from hitree_jax.tokenizer import load_tokenizer
-  from hitree_jax.train import corpus, distill
-  from hitree_jax.train import eagle as eagle_train
+  from hitree_jax.train import corpus, distill, heads
 
   workdir = pathlib.Path(FLAGS.workdir)
   teacher = load_model(FLAGS.teacher)
@@ -92,28 +109,40 @@ def train_eagle_main():
                                      FLAGS.vocab_size)
   labels = {split: distill.prepare_labels(workdir, split, teacher, tokenizer, window=FLAGS.window,
                                           n_windows=n, k=FLAGS.topk, features=True,
-                                          progress=Progress(f"labelling {split} windows").update)
+                                          progress=Progress(f"labelling {split} windows").update,
+                                          own_text=own_text() if split == "train" else None)
             for split, n in (("train", FLAGS.train_windows), ("eval", FLAGS.eval_windows))}
   data = {split: (l["tokens"], l["features"], *distill.sparse_targets(l["ids"], l["log_probs"], vocab))
           for split, l in labels.items()}
   config = eagle.layer_config(teacher.config, vocab.size)
-  objective = eagle_train.objective(config, True, FLAGS.feature_weight, FLAGS.unroll)
+  if FLAGS.kind == "eagle":
+    objective = heads.eagle_objective(config, True, FLAGS.feature_weight, FLAGS.unroll)
+    params = eagle.init_params(config, jax.random.key(FLAGS.seed))
+  else:
+    objective = heads.medusa_objective(FLAGS.num_heads, True)
+    params = medusa.init_params(FLAGS.num_heads, config.hidden_size)
   start = time.perf_counter()
-  params, history = distill.train(workdir, config, eagle.init_params(config, jax.random.key(FLAGS.seed)),
+  # Labels are shared by the kinds (one workdir); each kind's checkpoints are its own.
+  run = FLAGS.kind if FLAGS.train_text == "books" else f"{FLAGS.kind}_own"
+  params, history = distill.train(workdir / run, config, params,
                                   data["train"], data["eval"], steps=FLAGS.steps, batch=FLAGS.batch,
                                   lr=FLAGS.lr, warmup=FLAGS.warmup, seed=FLAGS.seed, until=FLAGS.until,
                                   progress=Progress("training", min_interval_s=30).update,
-                                  objective=objective, frozen=eagle_train.frozen_arrays(teacher.params, vocab))
+                                  objective=objective, frozen=heads.frozen_arrays(teacher.params, vocab))
   record = {"train_s_this_run": time.perf_counter() - start, "history": history, "vocab_size": vocab.size}
   if FLAGS.until is not None and FLAGS.until < FLAGS.steps:
     return record
   out = out_path()
   final = history[-1] if history else {}
-  eagle_train.save(out, params, teacher.config, vocab,
-                   {"command": command(), "steps": FLAGS.steps,
-                    **{k: final[k] for k in ("eval_loss", "eval_agreement") if k in final}})
-  logging.info("EAGLE draft written to %s", out)
+  heads.save(out, FLAGS.kind, params, teacher.config, vocab,
+             {"command": command(), "steps": FLAGS.steps,
+              **{k: final[k] for k in ("eval_loss", "eval_agreement") if k in final}})
+  logging.info("%s draft written to %s; evaluating it", FLAGS.kind, out)
   record.update(out=str(out))
+  record.update(evaluate_heads(teacher, tokenizer, f"{FLAGS.kind}:{out}"))
+  meta = heads.read_meta(out)
+  meta["evaluation"] = {k: v for k, v in record.items() if k not in ("history", "train_s_this_run")}
+  (out / heads.META).write_text(json.dumps(meta, indent=1))
   return record
 
 
@@ -132,7 +161,8 @@ def train_main():
                                      FLAGS.vocab_size)
   labels = {split: distill.prepare_labels(workdir, split, teacher, tokenizer, window=FLAGS.window,
                                           n_windows=n, k=FLAGS.topk,
-                                          progress=Progress(f"labelling {split} windows").update)
+                                          progress=Progress(f"labelling {split} windows").update,
+                                          own_text=own_text() if split == "train" else None)
             for split, n in (("train", FLAGS.train_windows), ("eval", FLAGS.eval_windows))}
   data = {split: (vocab.to_draft(l["tokens"]), *distill.sparse_targets(l["ids"], l["log_probs"], vocab))
           for split, l in labels.items()}
@@ -167,7 +197,7 @@ def train_main():
 
 _TRAIN_FLAGS = ("kind", "teacher", "workdir", "out", "layers", "vocab_size", "window", "train_windows",
                 "eval_windows", "topk", "steps", "batch", "lr", "warmup", "seed", "quantize",
-                "feature_weight", "unroll")
+                "feature_weight", "unroll", "num_heads", "train_text", "own_prompt_tokens")
 
 
 def jax_to_numpy(tree):
@@ -203,33 +233,37 @@ def evaluate(teacher, tokenizer, draft, name: str) -> dict:
   return record
 
 
-def evaluate_eagle(teacher, tokenizer, path: str) -> dict:
-  """evaluate()'s figures for an EAGLE draft (depth 1 and depth 2), its cost from one timed
-  round of `sd` with a one-token chain against `ar`'s decode step on the same prompt."""
+def evaluate_heads(teacher, tokenizer, spec: str) -> dict:
+  """evaluate()'s figures for a draft on the target's features (eagle:PATH: reading true
+  features and its own predictions; medusa:PATH: per head), and its cost: one timed proposal
+  of a one-token chain (after `sd`'s prefill) against `ar`'s decode step on the same prompt."""
   from hitree_jax.decode import engine
   from hitree_jax.decode.drafters import DraftWeights
   from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.decode.stack import Stack
-  from hitree_jax.heads.drafter import EagleDrafter
-  from hitree_jax.train import corpus, metrics
-  from hitree_jax.train import eagle as eagle_train
+  from hitree_jax.heads import eagle
+  from hitree_jax.train import corpus, heads, metrics
   from hitree_jax.tree import shapes as tree_lib
 
-  config, params, vocab = eagle_train.load(path, teacher.params, teacher.config)
+  kind, _, path = spec.partition(":")
+  meta, params, vocab = heads.load(path, teacher.params, teacher.config, kind)
   sampling = SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
   windows = corpus.token_windows(tokenizer, "eval", FLAGS.window, FLAGS.eval_windows)
-  record = metrics.evaluate_eagle(teacher, params, config, vocab, windows, sampling)
+  if kind == "eagle":
+    config = eagle.layer_config(teacher.config, vocab.size if vocab else teacher.config.vocab_size)
+    record = metrics.evaluate_eagle(teacher, params, config, vocab, windows, sampling)
+  else:
+    record = metrics.evaluate_medusa(teacher, params, vocab, windows, sampling)
   prompt = corpus.token_windows(tokenizer, "eval", FLAGS.cost_context, 1)[0].tolist()
   ar = [engine.generate(teacher.params, teacher.config, [prompt], max_new_tokens=65, stop_at_eos=False)
         for _ in range(3)]
-  drafter = EagleDrafter(config, target_vocab_size=vocab and vocab.target_vocab_size)
   sd = engine.generate(teacher.params, teacher.config, [prompt], max_new_tokens=65, stop_at_eos=False,
-                       stack=Stack(drafter, tree_lib.chain(1)), draft=DraftWeights.create(params, vocab),
-                       time_levels=True)
+                       stack=Stack(heads.drafter(meta, teacher.config), tree_lib.chain(1)),
+                       draft=DraftWeights.create(params, vocab), time_levels=True)
   target_ms = 1e3 * float(np.median([r.decode_s / 64 for r in ar]))
   draft_ms = sd.levels[0]["proposer_round_ms"]
   record.update(target_ms_per_token=target_ms, draft_ms_per_token=draft_ms, cost_ratio=draft_ms / target_ms,
-                cost_context=FLAGS.cost_context, draft=f"eagle:{path}", temperature=FLAGS.temperature,
+                cost_context=FLAGS.cost_context, draft=spec, temperature=FLAGS.temperature,
                 top_p=FLAGS.top_p, eval_windows=FLAGS.eval_windows, window=FLAGS.window)
   for key, value in record.items():
     print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
@@ -243,8 +277,8 @@ def eval_main():
 
   teacher = load_model(FLAGS.teacher)
   tokenizer = load_tokenizer(teacher.path)
-  if FLAGS.draft.startswith("eagle:"):
-    return evaluate_eagle(teacher, tokenizer, FLAGS.draft.removeprefix("eagle:"))
+  if FLAGS.draft.startswith(("eagle:", "medusa:")):
+    return evaluate_heads(teacher, tokenizer, FLAGS.draft)
   if FLAGS.draft.startswith("self:"):
     drafter = parse_draft_spec(FLAGS.draft)
     assert isinstance(drafter, SelfDrafter)
@@ -281,8 +315,13 @@ def check_flags() -> None:
     raise app.UsageError(f"--batch={FLAGS.batch} must be <= --train_windows={FLAGS.train_windows}")
   if FLAGS.kind == "draft" and out_path().suffix != ".gguf":
     raise app.UsageError(f"--out={FLAGS.out} must end in .gguf (the draft is exported as GGUF)")
-  if FLAGS.kind == "eagle" and out_path().suffix:
-    raise app.UsageError(f"--out={FLAGS.out}: an EAGLE draft is a folder (no file suffix)")
+  if FLAGS.kind != "draft" and out_path().suffix:
+    raise app.UsageError(f"--out={FLAGS.out}: {FLAGS.kind} heads are saved as a folder (no file suffix)")
+  if FLAGS.num_heads < 1:
+    raise app.UsageError(f"--num_heads={FLAGS.num_heads} must be >= 1")
+  if FLAGS.train_text == "own" and not 1 <= FLAGS.own_prompt_tokens < FLAGS.window:
+    raise app.UsageError(f"--own_prompt_tokens={FLAGS.own_prompt_tokens} must be in [1, --window="
+                         f"{FLAGS.window})")
   try:
     layers = [int(x) for x in FLAGS.layers]
   except ValueError:
@@ -308,12 +347,13 @@ def check_draft() -> None:
   from hitree_jax.decode.drafters import SelfDrafter, parse_draft_spec
   from hitree_jax.loading import resolve
   if not FLAGS.draft:
-    raise app.UsageError("--eval needs --draft=PATH (or self:K, or eagle:PATH)")
-  if FLAGS.draft.startswith("eagle:"):
-    from hitree_jax.train import eagle as eagle_train
+    raise app.UsageError("--eval needs --draft=PATH (or self:K, eagle:PATH, medusa:PATH)")
+  if FLAGS.draft.startswith(("eagle:", "medusa:")):
+    from hitree_jax.train import heads
+    kind, _, path = FLAGS.draft.partition(":")
     try:
-      eagle_train.read_meta(FLAGS.draft.removeprefix("eagle:"))
-    except FileNotFoundError as e:
+      heads.read_meta(path, kind)
+    except (FileNotFoundError, ValueError) as e:
       raise app.UsageError(f"--draft={FLAGS.draft}: {e}") from None
     return
   if FLAGS.draft.startswith(("self:", "ngram")):
@@ -334,16 +374,11 @@ def check_draft() -> None:
     raise app.UsageError(f"--draft={FLAGS.draft}: {e}") from None
 
 
-def _quiet_orbax(record) -> bool:
-  return record.levelno >= logging.WARNING or "orbax" not in record.pathname
-
-
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  logging.get_absl_handler().addFilter(_quiet_orbax)  # it logs every save step at INFO
   check_flags()
-  record = eval_main() if FLAGS.eval else train_eagle_main() if FLAGS.kind == "eagle" else train_main()
+  record = eval_main() if FLAGS.eval else train_main() if FLAGS.kind == "draft" else train_heads_main()
   if FLAGS.json:
     print(json.dumps(record))
 

@@ -231,6 +231,27 @@ def test_distill_trains_exports_and_evaluates_a_draft(tmp_path):
     assert line in proc.stderr, line
 
 
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_distill_trains_heads_that_generate_like_ar(tmp_path, kind):
+  """launch.distill --kind=eagle|medusa writes a folder that --draft=KIND:PATH decodes with."""
+  out = tmp_path / kind
+  proc = launch("distill", f"--kind={kind}", "--teacher=smollm2", f"--workdir={tmp_path / 'work'}",
+                f"--out={out}", "--vocab_size=512", "--window=32", "--train_windows=4", "--num_heads=2",
+                "--eval_windows=1", "--steps=2", "--batch=2", "--cost_context=32", "--json")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  record = json.loads(proc.stdout.strip().splitlines()[-1])
+  meta = json.loads((out / "heads.json").read_text())
+  assert meta["kind"] == kind and meta["vocab_size"] == 512 and "--kind=" + kind in meta["command"]
+  assert 0 <= record["greedy_agreement"] <= 1 and 0 < record["cost_ratio"] < 1
+  assert meta["evaluation"]["greedy_agreement"] == record["greedy_agreement"]
+  runs = [json.loads(launch("generate", "--book=austen", "--prompt_tokens=64", "--max_new_tokens=12",
+                            "--temperature=0", "--json", *args).stdout.strip().splitlines()[-1])
+          for args in ([], ["--method=sd", f"--draft={kind}:{out}", "--gamma=2"])]
+  assert runs[0]["tokens"] == runs[1]["tokens"]
+  proc = launch("generate", "--method=sd", f"--draft={kind}:{tmp_path / 'none'}", "--prompt=hi")
+  assert proc.returncode != 0 and "expected a folder with heads.json" in proc.stderr
+
+
 def test_reselection_in_presets_and_levels():
   from hitree_jax.decode.stack import Retrieval
   from hitree_jax.model.config import ModelConfig

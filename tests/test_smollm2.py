@@ -91,20 +91,23 @@ def test_tokenizer_and_chat_template(tokenizer):
 
 
 DRAFT = "drafts/smollm2-draft.gguf"
+EAGLE, MEDUSA = "eagle:drafts/smollm2-eagle", "medusa:drafts/smollm2-medusa"
 # Floors on tokens per target forward (mean_accepted) over the 23 decoded tokens of the
 # prompt above. A drafter whose proposals are never accepted gets exactly 1.0. Measured
 # (CPU, float32): ngram 1.21 (7 draft tokens accepted), self:8 1.15 (3), the distilled
-# draft's chain 1.92 (11), Sequoia 2.30 (13), dynamic 2.30 (13). Each floor asks for about
+# draft's chain 1.92 (11), Sequoia 2.30 (13), dynamic 2.30 (13); EAGLE's chain 1.53 (8),
+# its dynamic tree 1.92 (13), Medusa's binary tree 1.53 (8). Each floor asks for about
 # half of those acceptances, so a small numerical shift passes and a broken drafter fails.
 MEAN_ACCEPTED_FLOOR = {"sd/ngram/4": 1.1, "tree/self:8/kary:2x2": 1.04, f"sd/{DRAFT}/3": 1.5,
-                       f"tree/{DRAFT}/sequoia:8,4": 1.7, f"tree/{DRAFT}/dynamic:10,4": 1.7}
+                       f"tree/{DRAFT}/sequoia:8,4": 1.7, f"tree/{DRAFT}/dynamic:10,4": 1.7,
+                       f"sd/{EAGLE}/3": 1.2, f"tree/{EAGLE}/dynamic:8,4": 1.35, f"tree/{MEDUSA}/kary:2x2": 1.2}
 
 
 @pytest.mark.parametrize("method", list(MEAN_ACCEPTED_FLOOR))
 def test_speculative_greedy_equals_ar(ours, prompt, method, monkeypatch):
   from launch.common import parse_method
   monkeypatch.chdir(pathlib.Path(__file__).resolve().parent.parent)
-  spec = parse_method(method).load_draft(ours.config)
+  spec = parse_method(method).load_draft(ours.config, ours.params)
   new = 24
   expected = engine.generate(ours.params, ours.config, [prompt], max_new_tokens=new,
                                stop_at_eos=False).tokens[0]
@@ -118,6 +121,29 @@ def test_speculative_greedy_equals_ar(ours, prompt, method, monkeypatch):
   assert new - 1 <= sum(per_depth) + got.target_forwards <= new - 1 + depth
   assert got.mean_accepted == pytest.approx((new - 1) / got.target_forwards)
   assert got.mean_accepted > MEAN_ACCEPTED_FLOOR[method]
+
+
+@pytest.mark.parametrize("spec", [EAGLE, MEDUSA])
+def test_heads_ship_small_and_agree_with_the_target(ours, tokenizer, spec):
+  """The committed drafts on the target's features: <= 25 MB, trained for SmolLM2's shape, and
+  their agreement on held-out text is what their heads.json recorded."""
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.heads import eagle
+  from hitree_jax.train import corpus, heads, metrics
+  kind, _, path = spec.partition(":")
+  path = pathlib.Path(__file__).resolve().parent.parent / path
+  assert sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) <= 25 * 2**20
+  meta, params, vocab = heads.load(path, ours.params, ours.config, kind)
+  windows = corpus.token_windows(tokenizer, "eval", 128, 2)
+  greedy = SamplingParams.create(0.0)
+  if kind == "eagle":
+    got = metrics.evaluate_eagle(ours, params, eagle.layer_config(ours.config, vocab.size), vocab, windows,
+                                 greedy)
+  else:
+    got = metrics.evaluate_medusa(ours, params, vocab, windows, greedy)
+  shipped = meta["evaluation"]["greedy_agreement"]
+  assert got["greedy_agreement"] > 0.2
+  assert abs(got["greedy_agreement"] - shipped) < 0.15  # 256 of its positions
 
 
 def test_distilled_draft_ships_small_and_agrees_with_the_target(ours, tokenizer):
@@ -147,6 +173,7 @@ HIERARCHIES = {
     "triforce": f"--method=triforce --draft={DRAFT}",
     "hitree": f"--method=hitree --draft={DRAFT} --tree=kary:2x2",
     "4-level": f"--method=hsd --draft={DRAFT} --levels=ngram:3/chain:2+draft@streaming:16x234/3+retrieval:512/6",
+    "eagle-retrieval": f"--method=hsd --levels={EAGLE}/chain:3+retrieval:512/6",
 }
 
 
@@ -169,7 +196,7 @@ def launch_generate(*args):
 
 @pytest.mark.parametrize("name", list(HIERARCHIES))
 def test_hierarchy_greedy_equals_ar_on_a_long_prompt(long_prompt_ar, name):
-  budget = [] if name == "4-level" else ["--budget=512"]
+  budget = [] if name.startswith(("4-level", "eagle")) else ["--budget=512"]
   record = launch_generate(*HIERARCHIES[name].split(), *budget)
   assert len(record["prompt_ids"]) == 4096
   assert record["tokens"] == long_prompt_ar

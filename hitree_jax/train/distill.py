@@ -36,15 +36,27 @@ ProgressFn = Callable[[int, int, str], None]
 
 def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, *, window: int,
                    n_windows: int, k: int, progress: ProgressFn | None = None,
-                   features: bool = False) -> dict:
+                   features: bool = False, own_text=None) -> dict:
   """{'tokens' [N,T], 'ids' [N,T,k], 'log_probs' [N,T,k]} for a split, computed once per workdir;
-  with features also 'features' [N,T,E] (the teacher's hidden states, float16)."""
+  with features also 'features' [N,T,E] (the teacher's hidden states, float16).
+  own_text: (prompt tokens, SamplingParams): each window keeps that many book tokens and the
+  rest is the teacher's own sampled continuation (teacher.own_continuations), cached too."""
   name = f"labels_{split}_{n_windows}x{window}_top{k}" + ("_features" if features else "")
+  if own_text is not None:
+    name += f"_own{own_text[0]}_t{float(own_text[1].temperature):g}_p{float(own_text[1].top_p):g}"
   path = pathlib.Path(workdir) / f"{name}.npz"
   if path.is_file():
     with np.load(path) as f:
       return dict(f)
   windows = corpus.token_windows(tokenizer, split, window, n_windows)
+  if own_text is not None:
+    text_path = path.with_name(f"{name}_text.npy")
+    if not text_path.is_file():
+      logging.info("the teacher continues %d %s windows after %d book tokens", n_windows, split, own_text[0])
+      path.parent.mkdir(parents=True, exist_ok=True)
+      np.save(text_path, teacher.own_continuations(teacher_model.params, teacher_model.config, windows,
+                                                   own_text[0], own_text[1], progress=progress))
+    windows = np.load(text_path)
   logging.info("labelling %d %s windows of %d tokens with the teacher's top-%d", n_windows, split,
                window, k)
   return label_windows(path, windows, teacher_model.params, teacher_model.config, k,

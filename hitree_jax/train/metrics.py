@@ -86,7 +86,7 @@ def evaluate_draft(target, draft, vocab: ReducedVocab | None, windows: np.ndarra
 def _eagle_window_metrics(target_params, target_config: ModelConfig, eagle_params, eagle_config: ModelConfig,
                           tokens, target_ids, sampling):
   from hitree_jax.heads import eagle
-  from hitree_jax.train.eagle import two_passes
+  from hitree_jax.train.heads import two_passes
   target, hidden = full_sequence(target_params, target_config, tokens)
   embedding = target_params["embed_tokens"]["embedding"]
   out = []
@@ -119,3 +119,37 @@ def evaluate_eagle(target, eagle_params, eagle_config: ModelConfig, vocab: Reduc
           "greedy_acceptance_profile": g1.mean(0).round(5).tolist(),
           "depth2_greedy_agreement": float(a2.mean()), "depth2_expected_acceptance": float(e2.mean()),
           "positions": int(a1.size), "vocab_coverage": 1.0 if vocab is None else vocab.coverage(windows)}
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _medusa_window_metrics(target_params, target_config: ModelConfig, medusa_params, tokens, target_ids,
+                           sampling):
+  from hitree_jax.heads import medusa
+  target, hidden = full_sequence(target_params, target_config, tokens)
+  logits = medusa.logits(medusa_params, hidden, target_ids is not None)     # [B, T, K, V']
+  out = []
+  for h in range(logits.shape[2]):  # head h + 1 at position i guesses what the target says at i + h + 1
+    k = h + 1
+    q = probabilities(logits[:, :-k, h], sampling)
+    ranked = jax.lax.top_k(logits[:, :-k, h], PROFILE_RANKS)[1]
+    if target_ids is not None:
+      q, ranked = spread_probs(q, target_ids, target_config.vocab_size), target_ids[ranked]
+    hits, accept, _, _ = position_metrics(target[:, k:], q, ranked, sampling)
+    out.append((jnp.mean(hits), jnp.mean(accept)))
+  return out
+
+
+def evaluate_medusa(target, medusa_params, vocab: ReducedVocab | None, windows: np.ndarray,
+                    sampling: SamplingParams, batch: int = 4) -> dict:
+  """Per head k: how often its top-1 is the target's greedy token k places past the root, and its
+  expected acceptance there (reading the target's true feature, as it always does)."""
+  ids = None if vocab is None else jnp.asarray(vocab.target_ids)
+  per_batch = [_medusa_window_metrics(target.params, target.config, medusa_params,
+                                      jnp.asarray(windows[i:i + batch]), ids, sampling)
+               for i in range(0, len(windows), batch)]
+  heads = len(per_batch[0])
+  mean = lambda j, h: float(np.mean([float(b[h][j]) for b in per_batch]))
+  return {"greedy_agreement_per_head": [round(mean(0, h), 5) for h in range(heads)],
+          "expected_acceptance_per_head": [round(mean(1, h), 5) for h in range(heads)],
+          "greedy_agreement": mean(0, 0), "expected_acceptance": mean(1, 0),
+          "vocab_coverage": 1.0 if vocab is None else vocab.coverage(windows)}

@@ -68,3 +68,26 @@ def teacher_topk(params, config: ModelConfig, windows: np.ndarray, k: int, batch
         done * windows.shape[1] / (time.perf_counter() - start))
   out = np.concatenate(ids), np.concatenate(values)
   return (*out, np.concatenate(hidden)) if features else out
+
+
+def own_continuations(params, config: ModelConfig, windows: np.ndarray, prompt_tokens: int, sampling,
+                      seed: int = 0, batch: int = 64, progress=None) -> np.ndarray:
+  """[N, T] windows whose first prompt_tokens are the book's and the rest the teacher's own
+  continuation, sampled with `sampling`: the text a draft meets while decoding (ar, batched)."""
+  from hitree_jax.decode import engine
+  from hitree_jax.decode.programs import Programs
+  n, t = windows.shape
+  out = windows.copy()
+  programs = Programs()
+  if progress:
+    progress(0, -(-n // batch), "")
+  for i in range(0, n, batch):
+    rows = windows[i:i + batch, :prompt_tokens]
+    pad = batch - len(rows)
+    prompts = np.concatenate([rows, np.repeat(rows[-1:], pad, 0)]) if pad else rows
+    result = engine.generate(params, config, prompts, max_new_tokens=t - prompt_tokens, sampling=sampling,
+                             seed=seed + i, stop_at_eos=False, programs=programs)
+    out[i:i + batch, prompt_tokens:] = np.asarray(result.tokens[:batch - pad], np.int32)
+    if progress:
+      progress(i // batch + 1, -(-n // batch), f"the teacher continued windows {i}-{i + len(rows)} of {n}")
+  return out

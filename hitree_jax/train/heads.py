@@ -1,8 +1,9 @@
-"""Training EAGLE's feature draft (heads/eagle.py), and saving and loading it.
+"""Training drafts on the target's features (heads/), and saving and loading them.
 
 Data: the teacher's features (final-normed hidden states) and top-k next-token
 log-probabilities on book windows (distill.prepare_labels(features=True)).
-The objective at position i, reading token x_i and the feature f_{i-1}:
+
+EAGLE's objective at position i, reading token x_i and the feature f_{i-1}:
 
   cross-entropy of the draft's distribution of x_{i+1} to the teacher's top-k
   + feature_weight x Huber(f^_i, f_i)          (EAGLE's feature regression)
@@ -11,9 +12,14 @@ The objective at position i, reading token x_i and the feature f_{i-1}:
     earlier positions: exactly what a depth-2 tree node sees while drafting
     (a one-step "training-time test", EAGLE-3).
 
+Medusa's objective: head k at position i, reading f_i, against the teacher's
+distribution of token i+1+k (its labels at position i+k), weighted 0.8^(k-1)
+as in Medusa.
+
 The embedding and the output head are the target's, frozen (`frozen`); only
-fc, the layer and the output norm train. A trained draft is an orbax
-checkpoint plus `eagle.json` (its shape, vocabulary and how it was made).
+the draft's own parameters train (EAGLE: fc, the layer, the output norm;
+Medusa: the residual blocks). A trained draft is a folder: an orbax
+checkpoint plus `heads.json` (its kind, shape, vocabulary and how it was made).
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ import optax
 import orbax.checkpoint as ocp
 
 from hitree_jax.cache.full import KVCache, causal_attend
-from hitree_jax.heads import eagle
+from hitree_jax.heads import eagle, medusa
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.vocab import ReducedVocab
 
-META = "eagle.json"
+META = "heads.json"
+KINDS = {"eagle": eagle.OWN, "medusa": medusa.OWN}  # each kind's trained parameters
 
 
 def frozen_arrays(target_params, vocab: ReducedVocab | None) -> dict:
@@ -69,7 +76,7 @@ def two_passes(params, config: ModelConfig, embedding, tokens, features, unroll:
 
 
 @functools.lru_cache(maxsize=None)
-def objective(config: ModelConfig, reduced: bool, feature_weight: float = 1.0, unroll: bool = True):
+def eagle_objective(config: ModelConfig, reduced: bool, feature_weight: float = 1.0, unroll: bool = True):
   """loss(params, frozen, tokens [B,T] target ids, features [B,T,E], ids [B,T,k] draft ids,
   probs [B,T,k]) -> (loss, first-pass top-1 agreement); one object per setting (jit-static)."""
 
@@ -86,12 +93,30 @@ def objective(config: ModelConfig, reduced: bool, feature_weight: float = 1.0, u
   return loss
 
 
-def save(path: pathlib.Path, params, target_config: ModelConfig, vocab: ReducedVocab | None,
+@functools.lru_cache(maxsize=None)
+def medusa_objective(num_heads: int, reduced: bool, decay: float = 0.8):
+  """loss(params, frozen, tokens, features, ids, probs) -> (loss, head 1's top-1 agreement)."""
+
+  def loss(params, frozen, tokens, features, ids, probs):
+    del tokens
+    logits = medusa.logits(dict(params, head=frozen["head"]), features.astype(jnp.float32), reduced)
+    total, agree = 0.0, None
+    for h in range(num_heads):                      # head h + 1 at i guesses token i + h + 2
+      k = h + 1
+      ce, hits = _cross_entropy(logits[:, :-k, h], ids[:, k:], probs[:, k:])
+      total = total + decay ** h * ce
+      agree = hits if agree is None else agree
+    return total, agree
+
+  return loss
+
+
+def save(path: pathlib.Path, kind: str, params, target_config: ModelConfig, vocab: ReducedVocab | None,
          meta: dict) -> None:
-  """Writes the trained parameters (fc, layer, norm) and the vocabulary with orbax, and eagle.json."""
+  """Writes the trained parameters and the vocabulary with orbax, and heads.json."""
   path = pathlib.Path(path).absolute()
   path.mkdir(parents=True, exist_ok=True)
-  own = {name: jax.tree.map(np.asarray, params[name]) for name in eagle.OWN}
+  own = {name: jax.tree.map(np.asarray, params[name]) for name in KINDS[kind]}
   tree = {"params": own, "target_ids": np.asarray(vocab.target_ids if vocab else [-1], np.int32)}
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(path / "checkpoint", tree, force=True)
@@ -99,38 +124,54 @@ def save(path: pathlib.Path, params, target_config: ModelConfig, vocab: ReducedV
                num_kv_heads=target_config.num_kv_heads, head_dim=target_config.head_dim,
                intermediate_size=target_config.intermediate_size,
                target_vocab_size=target_config.vocab_size, vocab_size=vocab.size if vocab else None)
-  (path / META).write_text(json.dumps({"kind": "eagle", **shape, **meta}, indent=1))
+  if kind == "medusa":
+    shape["medusa_heads"] = int(params["blocks"].shape[0])
+  (path / META).write_text(json.dumps({"kind": kind, **shape, **meta}, indent=1))
 
 
-def read_meta(path) -> dict:
-  """eagle.json of a saved draft (no weights read), or FileNotFoundError naming the path."""
+def read_meta(path, kind: str | None = None) -> dict:
+  """heads.json of a saved draft (no weights read): FileNotFoundError naming the path, or
+  ValueError when it is not of `kind`."""
   meta = pathlib.Path(path) / META
   if not meta.is_file():
-    raise FileNotFoundError(f"EAGLE draft {str(path)!r} not found: expected a folder with {META} "
-                            "(written by `python -m launch.distill --kind=eagle`)")
-  return json.loads(meta.read_text())
+    raise FileNotFoundError(f"{kind or 'feature'} draft {str(path)!r} not found: expected a folder "
+                            f"with {META} (written by `python -m launch.distill --kind={kind or 'eagle'}`)")
+  meta = json.loads(meta.read_text())
+  if kind is not None and meta["kind"] != kind:
+    raise ValueError(f"{str(path)!r} holds {meta['kind']} heads, not {kind}: use {meta['kind']}:{path}")
+  return meta
+
+
+def drafter(meta: dict, target_config: ModelConfig, mode: str = "deterministic"):
+  """The EagleDrafter or MedusaDrafter a saved draft (its heads.json) describes."""
+  from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter
+  size = meta.get("vocab_size")
+  reduced = target_config.vocab_size if size else None
+  size = size or target_config.vocab_size
+  if meta["kind"] == "medusa":
+    return MedusaDrafter(meta["medusa_heads"], size, mode, reduced)
+  return EagleDrafter(eagle.layer_config(target_config, size), mode, reduced)
 
 
 def check_target(meta: dict, target_config: ModelConfig, path) -> None:
-  """Refuses a draft trained for a target of another shape (from eagle.json alone)."""
+  """Refuses a draft trained for a target of another shape (from heads.json alone)."""
   want = dict(hidden_size=target_config.hidden_size, num_heads=target_config.num_heads,
               num_kv_heads=target_config.num_kv_heads, target_vocab_size=target_config.vocab_size)
   wrong = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
   if wrong:
-    raise ValueError(f"EAGLE draft {str(path)!r} was trained for another target: " + ", ".join(
+    raise ValueError(f"{meta['kind']} draft {str(path)!r} was trained for another target: " + ", ".join(
         f"{k} {got} (this target: {need})" for k, (got, need) in wrong.items()))
 
 
-def load(path, target_params, target_config: ModelConfig):
-  """(EagleDrafter config, its params with the target's head on its ids, ReducedVocab or None)."""
-  meta = read_meta(path)
+def load(path, target_params, target_config: ModelConfig, kind: str | None = None):
+  """(heads.json, its params with the target's head on its ids, ReducedVocab or None)."""
+  meta = read_meta(path, kind)
   check_target(meta, target_config, path)
   path = pathlib.Path(path).absolute()
   with ocp.StandardCheckpointer() as checkpointer:
     tree = checkpointer.restore(path / "checkpoint")
   ids = np.asarray(tree["target_ids"])
   vocab = ReducedVocab(ids, target_config.vocab_size) if ids.size > 1 else None
-  config = eagle.layer_config(target_config, vocab.size if vocab else target_config.vocab_size)
   params = jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(target_config.dtype)), tree["params"])
   params["head"] = frozen_arrays(target_params, vocab)["head"]
-  return config, params, vocab
+  return meta, params, vocab

@@ -1,0 +1,108 @@
+"""Training drafts on a tiny teacher's features: the loss falls, resume is exact, a saved draft
+loads back into a stack that decodes like `ar`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hitree_jax.decode import engine
+from hitree_jax.decode.drafters import DraftWeights
+from hitree_jax.decode.stack import Stack
+from hitree_jax.heads import eagle, medusa
+from hitree_jax.model.llama import with_decode_head
+from hitree_jax.train import distill, heads
+from hitree_jax.tree import shapes as tree_lib
+from tests.test_distill import TEACHER, data, teacher_params  # noqa: F401 (fixtures)
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory, teacher_params, data):  # noqa: F811
+  """Windows labelled with the teacher's top-8 and its features, in the launcher's way."""
+  windows, _, _, vocab = data
+  path = tmp_path_factory.mktemp("labels") / "labels.npz"
+  labels = distill.label_windows(path, windows, teacher_params, TEACHER, k=8, chunk=16, features=True)
+  assert labels["features"].shape == (*windows.shape, TEACHER.hidden_size)
+  return (labels["tokens"], labels["features"], *distill.sparse_targets(labels["ids"], labels["log_probs"],
+                                                                        vocab)), vocab
+
+
+def setup(kind, vocab):
+  """(config, initial params, objective) of a draft of this kind on the tiny teacher."""
+  config = eagle.layer_config(TEACHER, vocab.size)
+  if kind == "eagle":
+    return config, eagle.init_params(config, jax.random.key(0)), heads.eagle_objective(config, True)
+  return config, medusa.init_params(2, TEACHER.hidden_size), heads.medusa_objective(2, True)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_training_lowers_the_loss(tmp_path, teacher_params, labelled, kind):  # noqa: F811
+  train, vocab = labelled
+  config, params, objective = setup(kind, vocab)
+  frozen = heads.frozen_arrays(with_decode_head(teacher_params, TEACHER), vocab)
+  before, agree_before = distill.evaluate_loss(params, objective, train, 8, frozen)
+  params, history = distill.train(tmp_path, config, params, train, None, steps=80, batch=8, lr=1e-2,
+                                  warmup=3, seed=0, log_every=20, objective=objective, frozen=frozen)
+  after, agree_after = distill.evaluate_loss(params, objective, train, 8, frozen)
+  assert [h["step"] for h in history] == [20, 40, 60, 80]
+  # Above the floor of the cross-entropy terms (the teacher's entropy: EAGLE has two passes,
+  # Medusa's two heads weigh 1 and 0.8), the loss fell: by a fifth for EAGLE; less for heads
+  # that must guess the teacher's next tokens without seeing the ones in between.
+  probs = train[3]
+  entropy = float(np.mean(-np.sum(np.where(probs > 0, probs * np.log(np.maximum(probs, 1e-30)), 0), -1)))
+  floor, fall, gain = (2.0 * entropy, 0.8, 0.1) if kind == "eagle" else (1.8 * entropy, 0.95, 0.05)
+  assert after - floor < fall * (before - floor) and agree_after > agree_before + gain, (
+      before, after, floor, agree_before, agree_after)
+
+
+def test_interrupted_training_resumes_to_the_same_weights(tmp_path, teacher_params, labelled):  # noqa: F811
+  train, vocab = labelled
+  config, params, objective = setup("eagle", vocab)
+  frozen = heads.frozen_arrays(with_decode_head(teacher_params, TEACHER), vocab)
+  kwargs = dict(batch=8, lr=1e-2, warmup=2, seed=3, save_every=2, log_every=1, objective=objective,
+                frozen=frozen)
+  straight, _ = distill.train(tmp_path / "a", config, params, train, None, steps=6, **kwargs)
+  distill.train(tmp_path / "b", config, params, train, None, steps=6, until=3, **kwargs)
+  resumed, history = distill.train(tmp_path / "b", config, params, train, None, steps=6, **kwargs)
+  assert [h["step"] for h in history] == [4, 5, 6]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), straight, resumed)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_a_saved_draft_loads_into_a_stack_that_decodes_like_ar(tmp_path, teacher_params, labelled, kind):  # noqa: F811
+  _, vocab = labelled
+  _, params, _ = setup(kind, vocab)
+  params = jax.tree.map(lambda x: x + 0.01, params)  # not the initial values
+  heads.save(tmp_path / kind, kind, params, TEACHER, vocab, {"command": "test"})
+  target = with_decode_head(teacher_params, TEACHER)
+  meta, loaded, loaded_vocab = heads.load(tmp_path / kind, target, TEACHER, kind)
+  assert meta["kind"] == kind and np.array_equal(loaded_vocab.target_ids, vocab.target_ids)
+  for name, value in params.items():
+    jax.tree.map(np.testing.assert_array_equal, value, loaded[name])
+  stack = Stack(heads.drafter(meta, TEACHER), tree_lib.chain(2))
+  prompts = [[5, 9, 3, 17, 1, 30], [7, 7, 8]]
+  ar = engine.generate(target, TEACHER, prompts, max_new_tokens=12, stop_at_eos=False)
+  sd = engine.generate(target, TEACHER, prompts, max_new_tokens=12, stop_at_eos=False, stack=stack,
+                       draft=DraftWeights.create(loaded, loaded_vocab))
+  assert sd.tokens == ar.tokens
+  other = "medusa" if kind == "eagle" else "eagle"
+  with pytest.raises(ValueError, match=f"holds {kind} heads, not {other}"):
+    heads.read_meta(tmp_path / kind, other)
+  with pytest.raises(ValueError, match="trained for another target: hidden_size 32"):
+    heads.check_target(meta, TEACHER.replace(hidden_size=48, head_dim=12), tmp_path / kind)
+  with pytest.raises(FileNotFoundError, match="expected a folder with heads.json"):
+    heads.read_meta(tmp_path / "missing", kind)
+  assert jnp.all(jnp.isfinite(loaded["head"]))
+
+
+def test_own_text_is_the_teachers_continuation_of_book_windows(teacher_params, data):  # noqa: F811
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.train import teacher
+  windows = data[0][:5]
+  greedy = SamplingParams.create(0.0)
+  own = teacher.own_continuations(teacher_params, TEACHER, windows, 16, greedy, batch=4)
+  assert own.shape == windows.shape and np.array_equal(own[:, :16], windows[:, :16])
+  expected = engine.generate(teacher_params, TEACHER, windows[:, :16], max_new_tokens=windows.shape[1] - 16,
+                             sampling=greedy, stop_at_eos=False).tokens
+  assert own[:, 16:].tolist() == expected
+  assert not np.array_equal(own[:, 16:], windows[:, 16:])  # not the book's text
