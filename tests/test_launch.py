@@ -231,7 +231,7 @@ def test_distill_trains_exports_and_evaluates_a_draft(tmp_path):
     assert line in proc.stderr, line
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle"])  # medusa: the same launcher path (test_heads_training)
 def test_distill_trains_heads_that_generate_like_ar(tmp_path, kind):
   """launch.distill --kind=eagle|medusa writes a folder that --draft=KIND:PATH decodes with."""
   out = tmp_path / kind
