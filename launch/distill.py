@@ -207,7 +207,6 @@ def jax_to_numpy(tree):
 
 def evaluate(teacher, tokenizer, draft, name: str) -> dict:
   """Held-out agreement / acceptance / acceptance profile, and the measured per-token cost ratio."""
-  from hitree_jax.decode import engine
   from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.train import corpus, metrics
 
@@ -216,18 +215,32 @@ def evaluate(teacher, tokenizer, draft, name: str) -> dict:
   record = metrics.evaluate_draft(teacher, draft, draft.vocab, windows, sampling)
 
   # Cost: seconds per decoded token of `ar` on the same held-out prompt, draft vs target.
-  prompt = corpus.token_windows(tokenizer, "eval", FLAGS.cost_context, 1)[0]
-  per_token = {}
-  for role, model in (("target", teacher), ("draft", draft)):
-    ids = prompt if model.vocab is None else model.vocab.to_draft(prompt)
-    runs = [engine.generate(model.params, model.config, [ids.tolist()], max_new_tokens=65,
-                            stop_at_eos=False) for _ in range(3)]
-    per_token[role] = float(np.median([r.decode_s / 64 for r in runs]))
-  record.update(target_ms_per_token=1e3 * per_token["target"],
-                draft_ms_per_token=1e3 * per_token["draft"],
-                cost_ratio=per_token["draft"] / per_token["target"], cost_context=FLAGS.cost_context,
-                draft=name, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
-                eval_windows=FLAGS.eval_windows, window=FLAGS.window)
+  prompt = cost_prompt(tokenizer)
+  draft_prompt = prompt if draft.vocab is None else draft.vocab.to_draft(prompt)
+  return finish_record(record, name, ar_ms_per_token(teacher, prompt),
+                       ar_ms_per_token(draft, draft_prompt))
+
+
+def cost_prompt(tokenizer) -> np.ndarray:
+  """The held-out prompt of --cost_context tokens that a draft's cost is timed after."""
+  from hitree_jax.train import corpus
+  return corpus.token_windows(tokenizer, "eval", FLAGS.cost_context, 1)[0]
+
+
+def ar_ms_per_token(model, prompt: np.ndarray) -> float:
+  """Milliseconds per decoded token of `ar` after the prompt: the median of 3 runs of 64 tokens."""
+  from hitree_jax.decode import engine
+  runs = [engine.generate(model.params, model.config, [prompt.tolist()], max_new_tokens=65,
+                          stop_at_eos=False) for _ in range(3)]
+  return 1e3 * float(np.median([r.decode_s / 64 for r in runs]))
+
+
+def finish_record(record: dict, name: str, target_ms: float, draft_ms: float) -> dict:
+  """An evaluation's record with its cost and settings, printed a line per field."""
+  record.update(target_ms_per_token=target_ms, draft_ms_per_token=draft_ms,
+                cost_ratio=draft_ms / target_ms, cost_context=FLAGS.cost_context, draft=name,
+                temperature=FLAGS.temperature, top_p=FLAGS.top_p, eval_windows=FLAGS.eval_windows,
+                window=FLAGS.window)
   for key, value in record.items():
     print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
   return record
@@ -241,33 +254,23 @@ def evaluate_heads(teacher, tokenizer, spec: str) -> dict:
   from hitree_jax.decode.drafters import DraftWeights
   from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.decode.stack import Stack
-  from hitree_jax.heads import eagle
   from hitree_jax.train import corpus, heads, metrics
   from hitree_jax.tree import shapes as tree_lib
 
   kind, _, path = spec.partition(":")
   meta, params, vocab = heads.load(path, teacher.params, teacher.config, kind)
+  drafter = heads.drafter(meta, teacher.config)
   sampling = SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
   windows = corpus.token_windows(tokenizer, "eval", FLAGS.window, FLAGS.eval_windows)
   if kind == "eagle":
-    config = eagle.layer_config(teacher.config, vocab.size if vocab else teacher.config.vocab_size)
-    record = metrics.evaluate_eagle(teacher, params, config, vocab, windows, sampling)
+    record = metrics.evaluate_eagle(teacher, params, drafter.config, vocab, windows, sampling)
   else:
     record = metrics.evaluate_medusa(teacher, params, vocab, windows, sampling)
-  prompt = corpus.token_windows(tokenizer, "eval", FLAGS.cost_context, 1)[0].tolist()
-  ar = [engine.generate(teacher.params, teacher.config, [prompt], max_new_tokens=65, stop_at_eos=False)
-        for _ in range(3)]
-  sd = engine.generate(teacher.params, teacher.config, [prompt], max_new_tokens=65, stop_at_eos=False,
-                       stack=Stack(heads.drafter(meta, teacher.config), tree_lib.chain(1)),
+  prompt = cost_prompt(tokenizer)
+  sd = engine.generate(teacher.params, teacher.config, [prompt.tolist()], max_new_tokens=65,
+                       stop_at_eos=False, stack=Stack(drafter, tree_lib.chain(1)),
                        draft=DraftWeights.create(params, vocab), time_levels=True)
-  target_ms = 1e3 * float(np.median([r.decode_s / 64 for r in ar]))
-  draft_ms = sd.levels[0]["proposer_round_ms"]
-  record.update(target_ms_per_token=target_ms, draft_ms_per_token=draft_ms, cost_ratio=draft_ms / target_ms,
-                cost_context=FLAGS.cost_context, draft=spec, temperature=FLAGS.temperature,
-                top_p=FLAGS.top_p, eval_windows=FLAGS.eval_windows, window=FLAGS.window)
-  for key, value in record.items():
-    print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
-  return record
+  return finish_record(record, spec, ar_ms_per_token(teacher, prompt), sd.levels[0]["proposer_round_ms"])
 
 
 def eval_main():

@@ -143,12 +143,18 @@ def test_refused_over_a_draft_model_level_or_another_width(params):
     (tree_lib.DynamicTree(5, 2, width=3), "deterministic", 0.8, 0.9),
 ], ids=["chain-iid", "binary-wor-topp", "dynamic-topp"])
 def test_sampling_is_exact(tree, mode, temperature, top_p):
+  assert_sampling_is_exact(lambda params, config: eagle_draft(params, config, 1.0, mode=mode), tree,
+                           SamplingParams.create(temperature, top_p))
+
+
+def assert_sampling_is_exact(make_draft, tree, sampling):
+  """The first 3 tokens of many rows of a 1-layer 6-token target, drafted by make_draft(params,
+  config) -> (drafter, weights), follow the exactly enumerated law (chi-square)."""
   config = SMALL.replace(num_layers=1)
   params = with_decode_head(jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x,
                                          init_params(config, jax.random.key(2))), config)
-  drafter, weights = eagle_draft(params, config, 1.0, mode=mode)
+  drafter, weights = make_draft(params, config)
   prompt = [1, 4, 2, 5, 1, 4]
-  sampling = SamplingParams.create(temperature, top_p)
   result = engine.generate(params, config, [prompt] * N_SAMPLES, tree=tree, drafter=drafter,
                            draft=weights, max_new_tokens=3, sampling=sampling, seed=11,
                            stop_at_eos=False)
@@ -212,15 +218,5 @@ def test_medusa_needs_a_head_per_depth(params):
 @pytest.mark.parametrize("tree,mode", [(tree_lib.chain(2), "iid"), (tree_lib.kary(2, 2), "deterministic")],
                          ids=["chain-iid", "binary-det"])
 def test_medusa_sampling_is_exact(tree, mode):
-  config = SMALL.replace(num_layers=1)
-  params = with_decode_head(jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x,
-                                         init_params(config, jax.random.key(2))), config)
-  drafter, weights = medusa_draft(params, config, 2, 1.0, mode)
-  prompt = [1, 4, 2, 5, 1, 4]
-  sampling = SamplingParams.create(0.9, 0.95)
-  result = engine.generate(params, config, [prompt] * N_SAMPLES, tree=tree, drafter=drafter,
-                           draft=weights, max_new_tokens=3, sampling=sampling, seed=11,
-                           stop_at_eos=False)
-  assert result.accepted_per_depth[0] > 0
-  samples = np.array([t[:3] for t in result.tokens])
-  assert chi_square_pvalue(samples, exact_three_token_law(params, prompt, sampling, config)) > 1e-4
+  assert_sampling_is_exact(lambda params, config: medusa_draft(params, config, 2, 1.0, mode), tree,
+                           SamplingParams.create(0.9, 0.95))

@@ -37,7 +37,7 @@ from hitree_jax.decode.sampling import SamplingParams, draw, probabilities
 from hitree_jax.decode.stack import CacheKind, Full, Retrieval
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import forward, hidden_states
-from hitree_jax.model.vocab import OTHER, spread_probs
+from hitree_jax.model.vocab import mask_other, spread_probs
 from hitree_jax.tree import dynamic as dynamic_tree
 from hitree_jax.tree.shapes import DynamicTree, TokenTree
 
@@ -247,7 +247,7 @@ class DraftWeights:
     """A reduced vocabulary's OTHER id stands for every token outside it: never proposed."""
     if self.target_ids is None:
       return logits
-    return jnp.where(jnp.arange(logits.shape[-1]) == OTHER, -jnp.inf, logits)
+    return mask_other(logits)
 
   def target_probs(self, probs, target_vocab_size: int):
     """probs [..., V'] over the draft's ids -> [..., V] over the target's."""

@@ -32,7 +32,7 @@ import numpy as np
 from hitree_jax.cache.full import KVCache, causal_attend
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
-from hitree_jax.model.vocab import OTHER
+from hitree_jax.model.vocab import mask_other
 
 OWN = ("fc", "layer", "norm")  # the draft's trained parameters; "head" is the target's
 
@@ -93,9 +93,7 @@ def features(params, config: ModelConfig, embedding, tokens, prev_features, posi
 def logits(params, predicted, reduced: bool):
   """[..., E] predicted features -> float32 logits [..., V'] (a reduced vocabulary's OTHER masked)."""
   out = jnp.dot(predicted, params["head"]).astype(jnp.float32)
-  if reduced:
-    out = jnp.where(jnp.arange(out.shape[-1]) == OTHER, -jnp.inf, out)
-  return out
+  return mask_other(out) if reduced else out
 
 
 def shifted(hidden):

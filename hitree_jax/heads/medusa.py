@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hitree_jax.model.vocab import OTHER
+from hitree_jax.model.vocab import mask_other
 
 OWN = ("blocks",)
 
@@ -35,6 +35,4 @@ def head_features(params, feature):
 def logits(params, feature, reduced: bool):
   """feature [..., E] -> float32 logits [..., K, V'] (a reduced vocabulary's OTHER masked)."""
   out = jnp.dot(head_features(params, feature), params["head"]).astype(jnp.float32)
-  if reduced:
-    out = jnp.where(jnp.arange(out.shape[-1]) == OTHER, -jnp.inf, out)
-  return out
+  return mask_other(out) if reduced else out

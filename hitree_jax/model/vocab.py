@@ -66,6 +66,12 @@ class ReducedVocab:
     return float(np.mean(self.to_draft(target_tokens) != OTHER))
 
 
+def mask_other(logits):
+  """logits [..., V'] over draft ids with OTHER at -inf: it stands for every token outside the
+  subset and is never proposed."""
+  return jnp.where(jnp.arange(logits.shape[-1]) == OTHER, -jnp.inf, logits)
+
+
 def spread_probs(q, target_ids, target_vocab_size: int):
   """q [..., V'] over draft ids -> [..., target_vocab_size] (zero outside the subset; OTHER dropped).
 

@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.vocab import OTHER, ReducedVocab
+from hitree_jax.model.vocab import OTHER, ReducedVocab, mask_other
 from hitree_jax.train import corpus, teacher
 
 # progress(done, total, detail): called with done=0 as a loop starts, then after each unit of it.
@@ -144,7 +144,7 @@ def sparse_targets(ids: np.ndarray, log_probs: np.ndarray, vocab: ReducedVocab):
 def draft_logits(params, config: ModelConfig, tokens):
   """[B, T, V'] logits of a reduced-vocabulary draft with OTHER masked (never proposed)."""
   logits = teacher.full_sequence_logits(params, config, tokens)
-  return jnp.where(jnp.arange(config.vocab_size) == OTHER, -jnp.inf, logits)
+  return mask_other(logits)
 
 
 def loss_fn(params, config: ModelConfig, tokens, target_ids, target_probs):
