@@ -25,6 +25,7 @@ tokens equal our `ar`'s):
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import pathlib
@@ -40,6 +41,7 @@ from launch.progress import Progress
 common.define_config_flag()
 common.define_model_flags()
 common.define_sampling_flags()
+common.define_mesh_flags()
 common.define_speculation_flags()
 flags.DEFINE_list("methods", ["ar"], "Configurations to compare: ar, sd[/DRAFT[/GAMMA]], "
                   "tree[/DRAFT[/TREE]], retrieval[/GAMMA], triforce[/DRAFT], hitree[/DRAFT[/TREE]], "
@@ -59,10 +61,10 @@ flags.DEFINE_string("out", "results.json", "Where to write the JSON results (the
 FLAGS = flags.FLAGS
 
 
-def run_one(model, method, ids, sampling, programs):
+def run_one(model, method, ids, sampling, programs, mesh=None):
   return method.generate(model.params, model.config, [ids], max_new_tokens=FLAGS.max_new_tokens,
                          sampling=sampling, seed=FLAGS.seed, stop_at_eos=False, programs=programs,
-                         time_levels=FLAGS.time_levels)
+                         time_levels=FLAGS.time_levels, mesh=mesh)
 
 
 def stack_shape(stack) -> dict:
@@ -158,18 +160,22 @@ def write_outputs(record: dict) -> None:
 
 def main(argv):
   del argv
+  mesh = common.mesh_from_flags(FLAGS)  # first: a multi-host run joins before jax starts
   lengths = check_flags()
   greedy = FLAGS.temperature == 0
   methods = [common.parse_method(m, common.Knobs.from_flags(FLAGS), greedy)
              for m in common.join_method_specs(FLAGS.methods)]
   sampling = common.sampling_from_flags(FLAGS)
   import jax
+  from hitree_jax import sharding
   from hitree_jax.data import book_prompts
   from hitree_jax.decode.programs import Programs
   from hitree_jax.loading import load_model
   from hitree_jax.tokenizer import load_tokenizer
 
   model = load_model(FLAGS.model, FLAGS.dtype)
+  sharding.check(model.config, mesh, 1, 256)
+  model = dataclasses.replace(model, params=sharding.place_params(model.params, mesh))
   tokenizer = load_tokenizer(model.path)
   methods = [method.load_draft(model.config, model.params) for method in methods]
   peer_engines = make_peers(model.path, max(lengths))
@@ -184,11 +190,11 @@ def main(argv):
       programs = Programs()
       jax.clear_caches()
       gc.collect()
-      warm = run_one(model, method, prompts[0], sampling, programs)  # compiles; not timed
+      warm = run_one(model, method, prompts[0], sampling, programs, mesh)  # compiles; not timed
       progress.step(detail=f"{method.label} P={n_tokens} warm-up ({warm.compile_s:.1f} s compiling)")
       runs = []
       for i, ids in enumerate(prompts):
-        r = run_one(model, method, ids, sampling, programs)
+        r = run_one(model, method, ids, sampling, programs, mesh)
         runs.append({"prompt": i, "prefill_s": r.prefill_s, "decode_s": r.decode_s,
                      "new_tokens": len(r.tokens[0]), "decode_tokens_per_s": r.decode_tokens_per_s,
                      "compiles": r.compiles, "cache_loads": r.cache_loads, "target_forwards": r.target_forwards,
@@ -256,7 +262,7 @@ def record(rows) -> dict:
       "model": FLAGS.model, "dtype": FLAGS.dtype, "max_new_tokens": FLAGS.max_new_tokens,
       "book": FLAGS.book, "temperature": FLAGS.temperature, "top_p": FLAGS.top_p,
       "top_k": FLAGS.top_k, "seed": FLAGS.seed, "backend": jax.default_backend(),
-      "devices": [str(d) for d in jax.devices()], "machine": platform.processor() or platform.machine(),
+      "devices": [str(d) for d in jax.devices()], "mesh": FLAGS.mesh or None, "machine": platform.processor() or platform.machine(),
       "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": rows}
 
 

@@ -105,15 +105,17 @@ def _quiet_orbax(record) -> bool:
   return record.levelno >= std_logging.WARNING or "orbax" not in record.pathname
 
 
-def run(main) -> None:
-  """app.run(main) with --config applied, the compilation cache on, and one-line usage errors."""
+def run(main, config_sets_flags: bool = True) -> None:
+  """app.run(main) with --config applied (unless the launcher reads its config itself), the
+  compilation cache on, and one-line usage errors."""
 
   def checked(argv):
     logging.get_absl_handler().addFilter(_quiet_orbax)  # it logs every save and load at INFO
     if len(argv) > 1:
       _fail(app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}"))
     try:
-      apply_config()
+      if config_sets_flags:
+        apply_config()
     except OSError as e:  # a --config file that does not exist or does not load
       _fail(e)
     try:
@@ -129,6 +131,37 @@ def run(main) -> None:
 def define_model_flags():
   flags.DEFINE_string("model", "smollm2", "smollm2, a .gguf file, an HF folder or a launch.convert checkpoint.")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter/activation dtype (float32 on CPU).")
+
+
+def define_mesh_flags():
+  flags.DEFINE_string("mesh", "", "Devices to shard over, AXIS:N[,AXIS:N...]: data (prompts), "
+                      "sequence (the full caches' slots), model (the target's heads, MLP and "
+                      "vocabulary), e.g. model:8 or data:2,model:4; empty: one device. On CPU, "
+                      "XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices.")
+  flags.DEFINE_string("coordinator_address", None, "Multi-host: HOST:PORT of process 0. Every "
+                      "process runs the same command with its own --process_id; --mesh spans the "
+                      "devices of all of them.")
+  flags.DEFINE_integer("num_processes", None, "Multi-host: how many processes.")
+  flags.DEFINE_integer("process_id", None, "Multi-host: this process's index, 0 .. num_processes-1.")
+
+
+def mesh_from_flags(FLAGS):
+  """Joins the other processes (multi-host: jax.distributed.initialize) and builds --mesh over the
+  devices of all of them (None: one device). Call before anything else uses jax."""
+  from hitree_jax import sharding
+  axes = sharding.parse_mesh(FLAGS.mesh)
+  multi = (FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  if any(x is not None for x in multi):
+    if any(x is None for x in multi):
+      raise ValueError("multi-host needs all of --coordinator_address, --num_processes and --process_id")
+    if not 0 <= FLAGS.process_id < FLAGS.num_processes:
+      raise ValueError(f"--process_id={FLAGS.process_id} must be in [0, --num_processes="
+                       f"{FLAGS.num_processes})")
+    if not axes:
+      raise ValueError("multi-host needs a --mesh over the processes' devices (e.g. --mesh=model:2)")
+    import jax
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  return sharding.make_mesh(axes)
 
 
 def define_sampling_flags():

@@ -21,6 +21,7 @@ from launch import common
 common.define_config_flag()
 common.define_model_flags()
 common.define_sampling_flags()
+common.define_mesh_flags()
 common.define_speculation_flags()
 flags.DEFINE_string("prompt", None, "Prompt text.")
 flags.DEFINE_string("prompt_file", None, "File holding the prompt text.")
@@ -84,12 +85,14 @@ def check_prompt(ids: list[int], config, draft_config, is_draft_alone: bool) -> 
 
 def main(argv):
   del argv
+  mesh = common.mesh_from_flags(FLAGS)  # first: a multi-host run joins before jax starts
   common.check_method_flags(FLAGS.method.partition("/")[0], common.given_flags())
   method = common.parse_method(FLAGS.method, common.Knobs.from_flags(FLAGS), FLAGS.temperature == 0)
   check_prompt_flags()
   sampling = common.sampling_from_flags(FLAGS)
   if FLAGS.max_new_tokens < 1:
     raise ValueError(f"--max_new_tokens={FLAGS.max_new_tokens} must be >= 1")
+  from hitree_jax import sharding
   from hitree_jax.loading import load_config, load_model, load_vocab, resolve
   from hitree_jax.tokenizer import load_tokenizer
 
@@ -105,11 +108,12 @@ def main(argv):
   check_prompt(ids, config, draft_config, is_draft_alone)
 
   model = load_model(FLAGS.model, FLAGS.dtype)
+  sharding.check(model.config, mesh, 1, 256)  # before the draft loads; generate checks the cache's slots
   method = method.load_draft(model.config, model.params)
   model_ids = ids if model.vocab is None else model.vocab.to_draft(ids).tolist()  # a draft alone
-  result = method.generate(model.params, model.config, [model_ids],
+  result = method.generate(sharding.place_params(model.params, mesh), model.config, [model_ids],
                            max_new_tokens=FLAGS.max_new_tokens, sampling=sampling, seed=FLAGS.seed,
-                           stop_at_eos=not FLAGS.ignore_eos)
+                           stop_at_eos=not FLAGS.ignore_eos, mesh=mesh)
   tokens = result.tokens[0] if model.vocab is None else model.vocab.to_target(result.tokens[0]).tolist()
   text = tokenizer.decode(tokens, skip_special_tokens=True)
   print(text)
@@ -132,7 +136,7 @@ def main(argv):
         "temperature": FLAGS.temperature, "top_p": FLAGS.top_p, "top_k": FLAGS.top_k,
         "seed": FLAGS.seed, "target_forwards": result.target_forwards,
         "mean_accepted": result.mean_accepted, "accepted_per_depth": result.accepted_per_depth,
-        "levels": result.levels,
+        "levels": result.levels, "mesh": sharding.describe(mesh),
         "settings": common.launcher_settings()}))
 
 

@@ -1,9 +1,13 @@
-"""Suite-wide hygiene: one pytest process compiles hundreds of programs."""
+"""Suite-wide hygiene: one pytest process compiles hundreds of programs; and 8 simulated CPU
+devices, so that sharded decoding is tested on a mesh (tests/test_sharding.py). Programs not
+given a mesh run on the first device, as on a machine with one."""
 
 import gc
 
 import jax
 import pytest
+
+jax.config.update("jax_num_cpu_devices", 8)  # before anything starts the CPU backend
 
 from hitree_jax.decode import programs
 

@@ -82,11 +82,34 @@ def chunk_scores(query: jax.Array, keys: jax.Array, lengths: jax.Array, chunk: i
   return per_slot.reshape(batch, kvh, slots // chunk, chunk).sum(axis=-1) / jnp.maximum(counts, 1)
 
 
-def choose_chunks(scores: jax.Array, lengths: jax.Array, chunk: int, budget: int) -> jax.Array:
+def top_k_indices(x: jax.Array, k: int, shards: int = 1) -> jax.Array:
+  """jax.lax.top_k's indices [..., k] of x [..., C], found as a top-k within each of `shards`
+  equal slices of C, then a top-k of the winners.
+
+  The same indices as one top-k: an element of the top k has fewer than k
+  elements before it in its own slice, and equal values go to the lower index
+  at both steps. On a cache split by slots over `shards` devices, each device
+  ranks its own chunks and only its k winners cross devices (a 128K cache's
+  chunk scores are never gathered).
+  """
+  c = x.shape[-1]
+  if shards == 1 or c % shards:
+    return jax.lax.top_k(x, k)[1]
+  width = c // shards
+  local_values, local_index = jax.lax.top_k(x.reshape(*x.shape[:-1], shards, width), min(k, width))
+  local_index = local_index + (jnp.arange(shards) * width)[:, None]
+  flat = lambda a: a.reshape(*x.shape[:-1], -1)
+  _, best = jax.lax.top_k(flat(local_values), k)
+  return jnp.take_along_axis(flat(local_index), best, axis=-1)
+
+
+def choose_chunks(scores: jax.Array, lengths: jax.Array, chunk: int, budget: int,
+                  shards: int = 1) -> jax.Array:
   """Kept chunk indices [B, KVH, budget // chunk] int32, ascending: sink, top-k middle, last.
 
   A row with lengths <= budget keeps chunks 0 .. budget//chunk - 1 (all of it;
   indices past the row's end are harmless, `lengths` hides their slots).
+  shards: the slices the top-k ranks apart first (top_k_indices), the cache's slot shards.
   """
   batch, kvh, n_chunks = scores.shape
   n_keep = budget // chunk
@@ -97,7 +120,7 @@ def choose_chunks(scores: jax.Array, lengths: jax.Array, chunk: int, budget: int
   index = jnp.arange(n_chunks)
   middle = (index[None, :] >= 1) & (index[None, :] < last[:, None])               # [B, C]
   candidates = jnp.where(middle[:, None, :], scores, -jnp.inf)
-  _, top = jax.lax.top_k(candidates, n_keep - 2)                                  # [B, KVH, k]
+  top = top_k_indices(candidates, n_keep - 2, shards)                               # [B, KVH, k]
   sink = jnp.zeros((batch, kvh, 1), jnp.int32)
   recent = jnp.broadcast_to(last[:, None, None], (batch, kvh, 1)).astype(jnp.int32)
   chosen = jnp.concatenate([sink, jnp.sort(top, axis=-1).astype(jnp.int32), recent], axis=-1)
@@ -124,10 +147,10 @@ def _gather_chunks(buf: jax.Array, chunks: jax.Array, chunk: int, tail: int, axi
 
 
 def select(full: KVCache, queries: jax.Array, budget: int, chunk: int = 8,
-           tail: int = 0) -> RetrievalCache:
+           tail: int = 0, shards: int = 1) -> RetrievalCache:
   """Builds the retrieval cache from a full cache and per-layer queries [L, B, H, D] (post-RoPE).
 
-  budget, chunk, tail are static. full.max_len must be a multiple of chunk.
+  budget, chunk, tail, shards (choose_chunks) are static. full.max_len must be a multiple of chunk.
   """
   if chunk < 1 or budget % chunk or budget < 2 * chunk:
     raise ValueError(f"budget={budget} must be a multiple of chunk={chunk} and hold >= 2 chunks "
@@ -138,7 +161,8 @@ def select(full: KVCache, queries: jax.Array, budget: int, chunk: int = 8,
     raise ValueError(f"tail={tail} must be >= 0")
   chunks, keys, values = [], [], []
   for query, k_buf, v_buf in zip(queries, full.keys, full.values):
-    chosen = choose_chunks(chunk_scores(query, k_buf, full.lengths, chunk), full.lengths, chunk, budget)
+    chosen = choose_chunks(chunk_scores(query, k_buf, full.lengths, chunk), full.lengths, chunk, budget,
+                           shards)
     chunks.append(chosen)
     keys.append(_gather_chunks(k_buf, chosen, chunk, tail, axis=3))
     values.append(_gather_chunks(v_buf, chosen, chunk, tail, axis=2))
@@ -189,16 +213,16 @@ def last_token_queries(params, config: ModelConfig, full: KVCache, last_tokens: 
 
 
 def from_full(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array, budget: int,
-              chunk: int = 8, tail: int = 0) -> RetrievalCache:
+              chunk: int = 8, tail: int = 0, shards: int = 1) -> RetrievalCache:
   """The retrieval cache of a prefilled full cache, chosen by its last tokens' queries.
 
   last_tokens [B]: the token at slot lengths-1 of each row (the last prompt token).
   """
-  return select(full, last_token_queries(params, config, full, last_tokens), budget, chunk, tail)
+  return select(full, last_token_queries(params, config, full, last_tokens), budget, chunk, tail, shards)
 
 
 def reselect(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array, budget: int,
-             chunk: int = 8, tail: int = 0) -> RetrievalCache:
+             chunk: int = 8, tail: int = 0, shards: int = 1) -> RetrievalCache:
   """Rebuilds the selection with a newer query (TriForce describes this, does not do it).
 
   `full` must hold every committed token (append the decoder's recent cache
@@ -206,4 +230,4 @@ def reselect(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array,
   retrieval cache, tail included, is superseded: its tokens are in `full`.
   Costs one single-token forward over `full` plus the gathers.
   """
-  return from_full(params, config, full, last_tokens, budget, chunk, tail)
+  return from_full(params, config, full, last_tokens, budget, chunk, tail, shards)

@@ -33,7 +33,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from hitree_jax import sharding
 from hitree_jax.cache import retrieval
 from hitree_jax.cache.full import KVCache
 from hitree_jax.cache.streaming import StreamingCache
@@ -58,10 +60,12 @@ MIN_RECENT_SLOTS = 32  # a block's recent cache: tokens a level writes before th
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """Static sizes of a stack's levels (index 0 = the drafter ... K = the target)."""
+  """Static sizes of a stack's levels (index 0 = the drafter ... K = the target), and the mesh
+  the program is partitioned over (None: one device)."""
   stack: Stack
   target: ModelConfig
   draft: ModelConfig | None
+  mesh: Mesh | None = None
 
   @property
   def top(self) -> int:
@@ -102,6 +106,15 @@ class Layout:
     if j == 0 and isinstance(self.stack.tree, DynamicTree):
       return self.top  # it runs its whole tree: an accepted leaf is in its cache
     return self.top - j + 1
+
+  def splits_heads(self, j: int) -> bool:
+    """Whether level j's caches are split by KV head: those of the target's weights, which are."""
+    return self.weights(j) == "target"
+
+  def place_long(self, j: int, cache):
+    """Level j's long cache on the mesh: split by KV head (splits_heads), and by slot if full."""
+    return sharding.place_cache(cache, self.mesh, heads=self.splits_heads(j),
+                                slots=isinstance(self.cache_kind(j), Full))
 
   def gamma(self, j: int) -> int:
     return self.stack.verifiers[j - 1].gamma
@@ -381,7 +394,8 @@ class _Decoder:
       kind, old = layout.cache_kind(j), caches[j].long
       due = jnp.any(~st.done & (full.lengths - old.selected >= kind.reselect))
       new = jax.lax.cond(due, lambda: retrieval.from_full(self.weights.target, layout.target, full, last,
-                                                          kind.budget, kind.chunk, old.tail),
+                                                          kind.budget, kind.chunk, old.tail,
+                                                          sharding.sequence_shards(layout.mesh)),
                          lambda: old)
       caches[j] = caches[j].replace(long=new)
       reselected = reselected.at[j].add(due.astype(jnp.int32))
@@ -413,8 +427,10 @@ def _initial_state(layout: Layout, long_caches, prefilled, max_new_tokens: int,
   rows = jnp.arange(batch)
   seq = seq.at[rows, end].set(first)
   width = layout.recent_slots
-  caches = tuple(None if long is None else
-                 LevelCache(long, KVCache.init(layout.config(j), batch, width, long.keys[0].dtype))
+  recent = lambda j, long: sharding.constrain_cache(
+      KVCache.init(layout.config(j), batch, width, long.keys[0].dtype), layout.mesh,
+      heads=layout.splits_heads(j), slots=False)
+  caches = tuple(None if long is None else LevelCache(long, recent(j, long))
                  for j, long in enumerate(long_caches))
   top = layout.top
   depth = 1 if top == 0 else layout.proposal_depth(top - 1)
@@ -499,38 +515,47 @@ def _long_caches(layout: Layout, weights: Weights, config: ModelConfig, batch: p
                  slots: int, tail: int, programs: programs_lib.Programs):
   """Prefills what each level keeps: -> ((first logits [B, V], the last prompt tokens' hidden
   states [B, E] for a feature drafter, else None), long caches per level)."""
-  params = weights.target
-  full = KVCache.init(config, batch.batch, slots)
+  params, mesh = weights.target, layout.mesh
+  full = layout.place_long(layout.top, KVCache.init(config, batch.batch, slots))
   first_logits, full, *hidden = prefill_lib.prefill(params, config, full, batch, programs,
                                                     all_hidden=layout.reads_features)
   draft_full = None
   if layout.stack.draft_config is not None:
     draft = weights.draft
     draft_batch = dataclasses.replace(batch, tokens=np.asarray(draft.to_draft(batch.tokens)))
-    _, draft_full = prefill_lib.prefill(draft.params, layout.draft,
-                                        KVCache.init(layout.draft, batch.batch, slots), draft_batch,
-                                        programs)
+    draft_empty = sharding.place_cache(KVCache.init(layout.draft, batch.batch, slots), mesh, heads=False)
+    _, draft_full = prefill_lib.prefill(draft.params, layout.draft, draft_empty, draft_batch, programs)
   last_tokens = jnp.asarray(batch.tokens[np.arange(batch.batch), batch.lengths - 1])
   longs = []
   for j in range(layout.top + 1):
-    kind = layout.cache_kind(j)
-    source = draft_full if layout.weights(j) == "draft" else full
-    if kind is None:
-      longs.append(None)
-    elif j == 0 and isinstance(layout.stack.drafter, EagleDrafter):  # its own cache, from the prompt's features
+    if j == 0 and isinstance(layout.stack.drafter, EagleDrafter):  # its own cache, from the prompt's features
       tokens, chunk = prefill_lib.chunked_tokens(batch)
+      empty = layout.place_long(0, KVCache.init(layout.config(0), batch.batch, slots))
       longs.append(eagle.prefill(weights.draft.params, layout.config(0), params["embed_tokens"]["embedding"],
-                                 KVCache.init(layout.config(0), batch.batch, slots), tokens, hidden[0],
-                                 batch.lengths, chunk, programs))
-    elif isinstance(kind, Full):  # each level's cache is its own buffer (the decode loop donates them)
-      longs.append(jax.tree.map(jnp.copy, source) if any(source is c for c in longs) else source)
-    elif isinstance(kind, Streaming):
-      shift_freq = jnp.asarray(rope_inv_freq(layout.config(j))) if kind.reindex else None
-      longs.append(_streaming(source, kind.sinks, kind.window, shift_freq))
-    else:
-      longs.append(_retrieval(params, config, full, last_tokens, kind.budget, kind.chunk, tail))
+                                 empty, tokens, hidden[0], batch.lengths, chunk, programs))
+      continue
+    long = derived_long_cache(layout, j, full, draft_full, params, last_tokens, tail)
+    # Each level's cache is its own buffer (the decode loop donates them).
+    longs.append(jax.tree.map(jnp.copy, long) if any(long is c for c in longs) else long)
   last_hidden = hidden[0][np.arange(batch.batch), batch.lengths - 1] if hidden else None
-  return (first_logits, last_hidden), tuple(longs)
+  return (first_logits, last_hidden), tuple(layout.place_long(j, c) for j, c in enumerate(longs))
+
+
+def derived_long_cache(layout: Layout, j: int, full: KVCache, draft_full: KVCache | None, params,
+                       last_tokens, tail: int):
+  """Level j's long cache, made from the prefilled full caches of the target and of the draft
+  model (None for a level without one). Traceable: memory_plan takes its shapes with eval_shape."""
+  kind = layout.cache_kind(j)
+  source = draft_full if layout.weights(j) == "draft" else full
+  if kind is None:
+    return None
+  if isinstance(kind, Full):
+    return source
+  if isinstance(kind, Streaming):
+    shift_freq = jnp.asarray(rope_inv_freq(layout.config(j))) if kind.reindex else None
+    return _streaming(source, kind.sinks, kind.window, shift_freq)
+  return _retrieval(params, layout.target, full, last_tokens, kind.budget, kind.chunk, tail,
+                    sharding.sequence_shards(layout.mesh))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -538,9 +563,9 @@ def _streaming(full: KVCache, sinks: int, window: int, shift_freq) -> StreamingC
   return StreamingCache.from_prefill(full, sinks, window, shift_freq)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 4, 5, 6))
-def _retrieval(params, config, full, last_tokens, budget: int, chunk: int, tail: int):
-  return retrieval.from_full(params, config, full, last_tokens, budget, chunk, tail)
+@functools.partial(jax.jit, static_argnums=(1, 4, 5, 6, 7))
+def _retrieval(params, config, full, last_tokens, budget: int, chunk: int, tail: int, shards: int):
+  return retrieval.from_full(params, config, full, last_tokens, budget, chunk, tail, shards)
 
 
 def check_stack(stack: Stack, config: ModelConfig) -> None:
@@ -560,12 +585,14 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
              stack: Stack | None = None, tree: TokenTree | DynamicTree | None = None, drafter=None,
              sampling: SamplingParams | None = None, seed: int = 0, stop_at_eos: bool = True,
              draft: DraftWeights | None = None, programs: programs_lib.Programs | None = None,
-             time_levels: bool = False) -> GenerationResult:
+             time_levels: bool = False, mesh: Mesh | None = None) -> GenerationResult:
   """Generation with any stack (stack.py): by default `ar`; `tree` + `drafter` is shorthand for
   the two-level Stack(drafter, tree). draft: a draft model's weights, for a stack that has one.
   programs: the memo of compiled programs to use and fill (default: programs.shared()).
   time_levels: also time one round of each level alone, after prefill and before decoding (it
-  compiles a program per level), and report each level's estimated share of the decode time."""
+  compiles a program per level), and report each level's estimated share of the decode time.
+  mesh: the devices to run on (sharding.make_mesh): the target tensor-parallel over `model`, rows
+  over `data`, the full caches' slots over `sequence`; the tokens are the same as on one device."""
   if stack is None:
     stack = Stack(drafter, tree)
   sampling = sampling or SamplingParams.create()
@@ -580,12 +607,13 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
                      f"{stack.draft_config.vocab_size} tokens, the target's {config.vocab_size}")
   if not stack.uses_draft_weights:
     draft = None
-  layout = Layout(stack, config, stack.draft_config)
+  layout = Layout(stack, config, stack.draft_config, mesh)
   batch = prefill_lib.make_batch(prompts, config, max_new_tokens)
   counts_before = programs.counts()
   width = layout.recent_slots
   slots = prefill_lib.cache_slots(batch.tokens.shape[1], max_new_tokens, extra=width)
-  weights = Weights(params, draft)
+  sharding.check(config, mesh, batch.batch, slots)
+  weights = Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
 
   start = time.perf_counter()
   prefilled, longs = _long_caches(layout, weights, config, batch, slots,
@@ -604,9 +632,9 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
                       _decode, *args)
   start = time.perf_counter()
   out, n_tokens, stats, _ = loop(*[a for i, a in enumerate(args) if i not in (0, 4)])
-  out, n_tokens = np.asarray(out), np.asarray(n_tokens)
+  out, n_tokens = sharding.fetch(out), sharding.fetch(n_tokens)
   decode_s = time.perf_counter() - start
-  stats = jax.tree.map(np.asarray, stats)
+  stats = jax.tree.map(sharding.fetch, stats)
   speculative = layout.top > 0
   return GenerationResult(
       tokens=[out[b, :n_tokens[b]].tolist() for b in range(batch.batch)],

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hitree_jax.cache.full import KVCache, causal_attend
-from hitree_jax.decode.programs import Programs, shape_key
+from hitree_jax.decode.programs import CPU_COPY_FREE, Programs, shape_key
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import hidden_states, logits_from_hidden
 
@@ -130,7 +130,7 @@ def prefill(params, config: ModelConfig, cache: KVCache, batch: PromptBatch, pro
   lengths = jnp.asarray(batch.lengths)
   last_hidden = jnp.zeros((batch.batch, config.hidden_size), jnp.dtype(config.dtype))
   args = (params, config, cache, tokens[:, :chunk], jnp.int32(0), lengths, last_hidden)
-  step = programs.get(("prefill", config, shape_key(args)), _prefill_chunk, *args)
+  step = programs.get(("prefill", config, shape_key(args)), _prefill_chunk, *args, cpu_options=CPU_COPY_FREE)
   hidden = []
   for start in range(0, padded, chunk):
     cache, last_hidden, chunk_hidden = step(params, cache, tokens[:, start:start + chunk],

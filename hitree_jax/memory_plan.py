@@ -1,0 +1,181 @@
+"""Will it fit? Per-device memory of a sharded generation, from compiled programs, without the hardware.
+
+The programs a generation runs are lowered and compiled for a mesh of devices
+with abstract arrays (shapes, dtypes and shardings; no weights): one prefill
+chunk, the retrieval level's selection, and the whole decode loop (whose
+state is what one hierarchy round touches). On CPU the mesh is simulated
+(XLA_FLAGS=--xla_force_host_platform_device_count=N); XLA's SPMD partitioner
+splits each program exactly as it would for the real devices, and the
+compiled program's memory analysis says, per device, what its arguments,
+outputs and temporaries take. The arrays' own per-device bytes are summed from
+their shardings: parameters, the target's full cache, the retrieval cache and
+the draft's caches.
+
+A device holds, while a program runs: its arguments, its outputs that are not
+donated arguments updated in place, and its temporaries. The plan's peak is the
+largest of those over the programs, and `fits` compares it with the device's
+memory. XLA:CPU's temporaries are an estimate of an accelerator's: its kernels
+and fusions differ (e.g. bfloat16 arithmetic widened to float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hitree_jax import sharding
+from hitree_jax.cache.full import KVCache
+from hitree_jax.cache.retrieval import RetrievalCache
+from hitree_jax.decode import engine
+from hitree_jax.decode import prefill as prefill_lib
+from hitree_jax.decode.programs import CPU_COPY_FREE
+from hitree_jax.decode.drafters import DraftWeights
+from hitree_jax.decode.sampling import SamplingParams
+from hitree_jax.decode.stack import Stack
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import init_params
+
+GIB = 2**30
+
+
+def _abstract(tree, shardings):
+  """ShapeDtypeStructs of tree's arrays (abstract or not), each with its sharding."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def abstract_params(config: ModelConfig, mesh, split: bool = True):
+  """A model's params as shapes only, tensor-parallel (split) or replicated."""
+  shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  axes = sharding.param_axes(shapes) if split else jax.tree.map(lambda x: (None,) * x.ndim, shapes)
+  return _abstract(shapes, jax.tree.map(lambda a: sharding.named(mesh, a), axes, is_leaf=sharding._is_axes))
+
+
+def per_device_bytes(tree) -> int:
+  """Bytes of one device's shards of tree's (abstract or real) arrays: the largest device's."""
+  totals = {}
+  for x in jax.tree.leaves(tree):
+    shard = x.sharding.shard_shape(x.shape)
+    for device in x.sharding.device_set:
+      totals[device] = totals.get(device, 0) + math.prod(shard) * np.dtype(x.dtype).itemsize
+  return max(totals.values(), default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  name: str
+  arguments: int     # per device, bytes
+  outputs: int
+  aliased: int       # outputs that reuse a donated argument's memory
+  temporaries: int
+  temporaries_cpu: int | None = None  # a bfloat16 program's own, on XLA:CPU (see plan)
+
+  @property
+  def peak(self) -> int:
+    return self.arguments + self.outputs - self.aliased + self.temporaries
+
+  @classmethod
+  def of(cls, name: str, compiled) -> "Program":
+    m = compiled.memory_analysis()
+    return cls(name, m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
+               m.temp_size_in_bytes)
+
+
+def plan(config: ModelConfig, draft: ModelConfig | None, stack_of, mesh, prompt_tokens: int,
+         max_new_tokens: int, batch: int = 1) -> dict:
+  """Compiles a generation's programs for `mesh` with abstract weights; -> per-device bytes of
+  the weights, the caches and each program's arguments, outputs and temporaries, and the peak.
+
+  stack_of(draft) -> the Stack (it is built again for float32). A bfloat16 program is compiled a
+  second time in float32: XLA:CPU widens a bfloat16 product's operands (a whole cache) to float32
+  where an accelerator multiplies them as they are, and no buffer of the float32 program is
+  narrower than its bfloat16 twin's, so each program's temporaries are taken as the smaller of
+  the two (`temporaries_cpu` keeps the bfloat16 program's own figure)."""
+  programs, arrays = _compile(config, draft, stack_of(draft), mesh, prompt_tokens, max_new_tokens, batch)
+  if config.dtype != "float32":
+    f32 = lambda c: None if c is None else c.replace(dtype="float32")
+    bound, _ = _compile(f32(config), f32(draft), stack_of(f32(draft)), mesh, prompt_tokens, max_new_tokens,
+                        batch)
+    programs = [dataclasses.replace(p, temporaries=min(p.temporaries, b.temporaries),
+                                    temporaries_cpu=p.temporaries) for p, b in zip(programs, bound)]
+  return dict(devices=mesh.devices.size, mesh=sharding.describe(mesh), **arrays,
+              programs=[dataclasses.asdict(p) | dict(peak=p.peak) for p in programs],
+              peak=max(p.peak for p in programs))
+
+
+def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_tokens: int,
+             max_new_tokens: int, batch: int):
+  """-> ([Program] of the prefill chunk, each retrieval selection and the decode loop, the
+  arrays' per-device bytes)."""
+  layout = engine.Layout(stack, config, draft_config, mesh)
+  width = layout.recent_slots
+  slots = prefill_lib.cache_slots(prompt_tokens, max_new_tokens, extra=width)
+  tail = prefill_lib.round_up(max_new_tokens + width, 8)
+  sharding.check(config, mesh, batch, slots)
+  params = abstract_params(config, mesh)
+  draft = None
+  if stack.uses_draft_weights:
+    draft = DraftWeights(abstract_params(draft_config, mesh, split=False))
+  weights = engine.Weights(params, draft)
+
+  def placed(j, shape, heads, slots):
+    axes = sharding.cache_axes(shape, heads=heads, slots=slots)
+    return _abstract(shape, jax.tree.map(lambda a: sharding.named(mesh, a), axes, is_leaf=sharding._is_axes))
+
+  full = placed(layout.top, jax.eval_shape(lambda: KVCache.init(config, batch, slots)), True, True)
+  draft_full = None
+  if draft_config is not None:
+    draft_full = placed(0, jax.eval_shape(lambda: KVCache.init(draft_config, batch, slots)), False, True)
+  last_tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  longs = []
+  for j in range(layout.top + 1):
+    shape = jax.eval_shape(lambda: engine.derived_long_cache(layout, j, full, draft_full, params,
+                                                             last_tokens, tail))
+    longs.append(None if shape is None else placed(j, shape, layout.splits_heads(j),
+                                                   isinstance(layout.cache_kind(j), engine.Full)))
+  longs = tuple(longs)
+
+  programs = []
+  # One prefill chunk: the target's weights, its whole full cache, the chunk's activations.
+  chunk = prefill_lib.prefill_chunk_size(prompt_tokens)
+  hidden = jax.ShapeDtypeStruct((batch, config.hidden_size), jnp.dtype(config.dtype))
+  tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  compiled = prefill_lib._prefill_chunk.lower(params, config, full, tokens, jnp.int32(0), lengths,
+                                              hidden).compile(CPU_COPY_FREE)
+  programs.append(Program.of("prefill chunk", compiled))
+  for j, long in enumerate(longs):  # the retrieval level's selection, from the full cache
+    if isinstance(long, RetrievalCache):
+      kind = layout.cache_kind(j)
+      compiled = engine._retrieval.lower(params, config, full, last_tokens, kind.budget, kind.chunk, tail,
+                                         sharding.sequence_shards(mesh)).compile()
+      programs.append(Program.of(f"retrieval selection (level {j})", compiled))
+  first = (jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32), None)
+  history = prefill_lib.round_up(prompt_tokens + max_new_tokens + width, 128)
+  compiled = engine._decode.lower(layout, weights, longs, first, max_new_tokens, SamplingParams.create(),
+                                  jnp.int32(-1), jax.random.key(0),
+                                  jax.ShapeDtypeStruct((batch, history), jnp.int32), lengths).compile()
+  programs.append(Program.of("decode loop", compiled))
+
+  caches = {}
+  for j, long in enumerate(longs):
+    if long is None:
+      continue
+    kind = ("retrieval" if isinstance(long, RetrievalCache) else
+            "full" if isinstance(long, KVCache) else "streaming")
+    who = "target" if j == layout.top else ("draft" if layout.weights(j) == "draft" else f"level {j}")
+    caches[f"{who} {kind} cache"] = per_device_bytes(long)
+  if draft_full is not None and not any(layout.weights(j) == "draft" and
+                                        isinstance(layout.cache_kind(j), engine.Full)
+                                        for j in range(layout.top)):
+    caches["draft full cache (prefill only)"] = per_device_bytes(draft_full)
+  arrays = dict(slots=slots, params=per_device_bytes(params),
+                draft_params=per_device_bytes(draft.params) if draft is not None else 0, caches=caches)
+  return programs, arrays
+
+
+# Each kind of accelerator's memory per device, in GiB (HBM as the vendors state it).
+DEVICE_MEMORY_GIB = {"v5e": 16, "v5p": 95, "v6e": 32, "h100": 80, "h200": 141, "a100": 80}

@@ -1,0 +1,292 @@
+"""Sharded decoding on 8 simulated CPU devices (conftest): the same greedy tokens as one device for
+every kind of stack, each array where it was declared, the retrieval selection of a cache split by
+slots equal to one device's, no recompiles, and clear refusals of meshes that do not fit."""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hitree_jax import memory_plan, sharding
+from hitree_jax.cache import retrieval
+from hitree_jax.cache.full import KVCache
+from hitree_jax.decode import engine
+from hitree_jax.decode import prefill as prefill_lib
+from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter
+from hitree_jax.decode.programs import Programs
+from hitree_jax.decode.sampling import SamplingParams
+from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import init_params
+from hitree_jax.tree import shapes as tree_lib
+
+# 8 query heads over 4 KV heads: model:4 puts one KV head on each device.
+CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=8,
+                     num_kv_heads=4, head_dim=8, max_position_embeddings=512, eos_token_id=None)
+DRAFT = CONFIG.replace(num_layers=1, num_heads=2, num_kv_heads=1)  # replicated: its heads do not split
+PROMPTS = [[3, 5, 7, 11, 13, 17, 19, 3, 5, 7, 2, 9, 4, 6, 1, 8, 3, 5, 7, 11] * 3, [2, 4]]  # ragged
+STACKS = {
+    "ar": None,
+    "tree": Stack(ModelDrafter(DRAFT), tree_lib.kary(2, 2)),
+    "triforce": Stack(ModelDrafter(DRAFT, cache=Streaming(4, 8)), tree_lib.chain(1),
+                      (Verifier("target", Retrieval(16, 4), 6),)),
+    "4-level": Stack(NGramDrafter(2), tree_lib.chain(2),
+                     (Verifier("draft", Full(), 3), Verifier("target", Retrieval(16, 4, reselect=8), 5)),
+                     draft=DRAFT),
+}
+MESHES = ("data:2,model:4", "sequence:2,model:4")
+REPO = pathlib.Path(__file__).resolve().parent.parent
+DRAFT_FILE = "drafts/smollm2-draft.gguf"
+
+
+def peaked(config, seed):
+  params = init_params(config, jax.random.key(seed))
+  return jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, params)  # no greedy near-ties
+
+
+@pytest.fixture(scope="module")
+def params():
+  return peaked(CONFIG, 0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+  return DraftWeights.create(peaked(DRAFT, 1))
+
+
+@pytest.fixture(scope="module")
+def one_device(params, draft):
+  return {name: engine.generate(params, CONFIG, PROMPTS, stack=stack, draft=draft, max_new_tokens=30).tokens
+          for name, stack in STACKS.items()}
+
+
+@pytest.mark.parametrize("mesh_spec", MESHES)
+@pytest.mark.parametrize("name", list(STACKS))
+def test_sharded_greedy_equals_one_device(params, draft, one_device, name, mesh_spec):
+  mesh = sharding.make_mesh(mesh_spec)
+  result = engine.generate(params, CONFIG, PROMPTS, stack=STACKS[name], draft=draft, max_new_tokens=30,
+                           mesh=mesh)
+  assert result.tokens == one_device[name]
+
+
+def test_a_second_sharded_generation_compiles_nothing(params, draft):
+  mesh, programs = sharding.make_mesh("data:2,model:4"), Programs()
+  run = lambda: engine.generate(params, CONFIG, PROMPTS, stack=STACKS["triforce"], draft=draft,
+                                max_new_tokens=12, mesh=mesh, programs=programs)
+  first = run()
+  assert first.compiles > 0
+  assert run().compiles == 0
+  # The same shapes on one device are other programs, not a stale sharded one.
+  assert engine.generate(params, CONFIG, PROMPTS, stack=STACKS["triforce"], draft=draft,
+                         max_new_tokens=12, programs=programs).compiles > 0
+
+
+def expect(array, mesh, mesh_axes):
+  want = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*mesh_axes))
+  assert array.sharding.is_equivalent_to(want, array.ndim), (array.sharding, want)
+
+
+def test_every_array_is_where_it_was_declared(params, draft):
+  """Params split by role; after prefill and after the whole decode loop (which donates them),
+  each level's long cache keeps its declared sharding: the target's full cache by row, KV head
+  and slot, its retrieval cache by row and KV head, the draft's full cache by row and slot."""
+  mesh = sharding.make_mesh("data:2,sequence:2,model:2")
+  layout = engine.Layout(STACKS["4-level"], CONFIG, DRAFT, mesh)
+  batch = prefill_lib.make_batch(PROMPTS, CONFIG, 30)
+  weights = engine.Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
+  expect(weights.target["layers_0"]["self_attn"]["q_proj"]["kernel"], mesh, (None, "model"))
+  expect(weights.target["layers_0"]["self_attn"]["o_proj"]["kernel"], mesh, ("model", None))
+  expect(weights.target["layers_1"]["mlp"]["down_proj"]["kernel"], mesh, ("model", None))
+  expect(weights.target["embed_tokens"]["embedding"], mesh, ("model", None))
+  expect(weights.draft.params["layers_0"]["mlp"]["up_proj"]["kernel"], mesh, (None, None))
+
+  programs = Programs()
+  full = layout.place_long(layout.top, KVCache.init(CONFIG, batch.batch, 512))
+  _, prefilled = prefill_lib.prefill(weights.target, CONFIG, full, batch, programs)
+  expect(prefilled.keys[0], mesh, ("data", "model", None, "sequence"))  # the prefill program kept it
+
+  first, longs = engine._long_caches(layout, weights, CONFIG, batch, 512, 64, programs)
+  seq = np.zeros((batch.batch, 640), np.int32)
+  seq[:, :batch.tokens.shape[1]] = batch.tokens
+  args = (layout, weights, longs, first, 30, SamplingParams.create(), jnp.int32(-1), jax.random.key(0),
+          jnp.asarray(seq), jnp.asarray(batch.lengths))
+  loop = programs.get("decode", engine._decode, *args)
+  out, _, _, after = loop(*[a for i, a in enumerate(args) if i not in (0, 4)])
+  declared = {1: ("data", None, "sequence", None), 2: ("data", "model", None, None),
+              3: ("data", "model", "sequence", None)}               # values [B, KVH, S, D]
+  for caches in (longs, after):
+    assert caches[0] is None                                        # the n-gram drafter keeps none
+    for j, axes in declared.items():
+      expect(caches[j].values[0], mesh, axes)
+      expect(caches[j].keys[-1], mesh, (axes[0], axes[1], axes[3], axes[2]))
+      expect(caches[j].lengths, mesh, ("data",))
+  expect(out, mesh, ("data", None))
+
+
+def test_top_k_by_shards_equals_one_top_k():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.integers(0, 6, size=(3, 2, 64)).astype(np.float32))   # many ties
+  x = x.at[0, 0, 10:40].set(-jnp.inf)
+  for shards in (2, 4, 8):
+    for k in (1, 5, 8, 13):
+      np.testing.assert_array_equal(retrieval.top_k_indices(x, k, shards), jax.lax.top_k(x, k)[1])
+
+
+def test_retrieval_selection_of_a_cache_split_by_slots(params):
+  """Chunks chosen from a full cache split over 4 slot shards (a top-k per shard, then of their
+  winners) are one device's choice; so are the kept keys."""
+  batch = prefill_lib.make_batch([list(np.arange(200) % 61), list(np.arange(90) % 7)], CONFIG, 8)
+  last = jnp.asarray(batch.tokens[np.arange(2), batch.lengths - 1])
+
+  def select(mesh):
+    full = sharding.place_cache(KVCache.init(CONFIG, 2, 256), mesh)
+    _, full = prefill_lib.prefill(sharding.place_params(params, mesh), CONFIG, full, batch, Programs())
+    shards = sharding.sequence_shards(mesh)
+    return jax.jit(retrieval.from_full, static_argnums=(1, 4, 5, 6, 7))(
+        sharding.place_params(params, mesh), CONFIG, full, last, 64, 4, 0, shards)
+
+  one, split = select(None), select(sharding.make_mesh("sequence:4,model:2"))
+  np.testing.assert_array_equal(split.chunks, one.chunks)
+  assert not np.array_equal(one.chunks[:, 0], np.broadcast_to(np.arange(16), one.chunks[:, 0].shape))
+  np.testing.assert_allclose(split.keys[1], one.keys[1], atol=1e-4)  # model:2 sums in another order
+  np.testing.assert_array_equal(split.lengths, one.lengths)
+
+
+def bytes_per_device(tree) -> int:
+  """What the most loaded device really holds of tree's arrays."""
+  held = {}
+  for x in jax.tree.leaves(tree):
+    for shard in x.addressable_shards:
+      held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+  return max(held.values())
+
+
+def test_memory_plan_counts_what_the_arrays_hold(params, draft):
+  """The plan's per-device bytes, computed from abstract arrays, are what the placed weights and
+  the prefilled caches of a real generation hold; its decode program's arguments are those."""
+  mesh, stack = sharding.make_mesh("data:2,model:4"), STACKS["triforce"]
+  plan = memory_plan.plan(CONFIG, DRAFT, lambda _: stack, mesh, prompt_tokens=60, max_new_tokens=8, batch=2)
+  layout = engine.Layout(stack, CONFIG, DRAFT, mesh)
+  batch = prefill_lib.make_batch(PROMPTS, CONFIG, 8)
+  weights = engine.Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
+  slots = prefill_lib.cache_slots(60, 8, extra=layout.recent_slots)
+  first, longs = engine._long_caches(layout, weights, CONFIG, batch, slots,
+                                     prefill_lib.round_up(8 + layout.recent_slots, 8), Programs())
+  assert plan["slots"] == slots
+  assert plan["params"] == bytes_per_device(weights.target) > 0
+  assert plan["draft_params"] == bytes_per_device(weights.draft.params)
+  assert plan["caches"] == {"draft streaming cache": bytes_per_device(longs[0]),
+                            "level 1 retrieval cache": bytes_per_device(longs[1]),
+                            "target full cache": bytes_per_device(longs[2]),
+                            "draft full cache (prefill only)": bytes_per_device(sharding.place_cache(
+                                KVCache.init(DRAFT, 2, slots), mesh, heads=False))}
+  decode = plan["programs"][-1]
+  assert decode["name"] == "decode loop"
+  held = bytes_per_device((weights, longs, first[0]))
+  assert held <= decode["arguments"] <= held + 64 * 1024   # + the token buffer, the key, the settings
+  assert decode["aliased"] >= bytes_per_device(longs)        # the caches are updated in place
+  assert plan["peak"] == max(p["peak"] for p in plan["programs"])
+
+
+def test_plan_memory_launcher_says_whether_it_fits(tmp_path):
+  config = tmp_path / "tiny.py"
+  config.write_text(TINY_SHAPES)
+  for device, fits in (("h100", True), ("0.001", False)):
+    proc = subprocess.run([sys.executable, "-m", "launch.plan_memory", f"--config={config}", "--mesh=model:4",
+                           f"--device={device}", "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert record["fits"] is fits and record["devices"] == 4 and record["mesh"] == "model:4"
+    assert ("does NOT fit" in proc.stdout) is not fits
+    # bfloat16: the temporaries counted are at most XLA:CPU's own (which widens to float32)
+    assert all(p["temporaries"] <= p["temporaries_cpu"] for p in record["programs"])
+
+
+TINY_SHAPES = """
+from ml_collections import config_dict
+def get_config():
+  shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=4,
+               head_dim=8, max_position_embeddings=4096, dtype="bfloat16")
+  return config_dict.ConfigDict(dict(
+      target=dict(shape, num_layers=2), draft=dict(shape, num_layers=1), prompt_tokens=1500,
+      max_new_tokens=32, batch=1, budget=256, sinks=4, window=60, gamma1=1, gamma2=4))
+"""
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("model:3", "model:3 does not divide the target's 8 query heads"),
+    ("data:4", "data:4 does not divide the batch of 2 prompts"),
+    ("model:16", "needs 16 devices; this machine has 8"),
+])
+def test_meshes_that_do_not_fit_are_refused(params, spec, message):
+  with pytest.raises(ValueError, match=message):
+    engine.generate(params, CONFIG, PROMPTS, max_new_tokens=4, mesh=sharding.make_mesh(spec))
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("model=4", "expected AXIS:N"), ("tensor:2", "not one of"), ("model:2,model:2", "twice"),
+    ("model:0", ">= 1")])
+def test_bad_mesh_specs_are_named(spec, message):
+  with pytest.raises(ValueError, match=message):
+    sharding.parse_mesh(spec)
+
+
+# SmolLM2 (9 query heads, 3 KV heads) through the launcher, as a user runs it: split 3 ways by
+# head, and 2 ways by cache slot; and over two processes (multi-host, CPU collectives), each
+# holding 3 of the 6 devices. Its greedy tokens are the single-device ones.
+SMOLLM2 = ["--model=smollm2", "--book=austen", "--prompt_tokens=300", "--max_new_tokens=16",
+           "--ignore_eos", "--json"]
+
+
+def launch_generate(*args, devices: int = 1, wait: bool = True):
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  proc = subprocess.Popen([sys.executable, "-m", "launch.generate", *SMOLLM2, *args], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  return finish(proc) if wait else proc
+
+
+def finish(proc) -> dict:
+  out, err = proc.communicate(timeout=600)
+  assert proc.returncode == 0, err[-3000:]
+  return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def smollm2_one_device():
+  return launch_generate()["tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [("--mesh=model:3",),
+                                  ("--mesh=sequence:2,model:3", "--method=hitree", f"--draft={DRAFT_FILE}",
+                                   "--budget=128")])
+def test_smollm2_sharded_equals_one_device(smollm2_one_device, args):
+  record = launch_generate(*args, devices=8)
+  assert record["tokens"] == smollm2_one_device
+  assert record["mesh"] == args[0].partition("=")[2]
+
+
+@pytest.mark.slow
+def test_smollm2_over_two_processes_equals_one_device(smollm2_one_device):
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  procs = [launch_generate("--mesh=sequence:2,model:3", f"--coordinator_address=localhost:{port}",
+                           "--num_processes=2", f"--process_id={i}", devices=3, wait=False) for i in range(2)]
+  for proc in procs:
+    assert finish(proc)["tokens"] == smollm2_one_device
+
+
+def test_smollm2_mesh_that_does_not_divide_its_heads_is_refused():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  proc = subprocess.run([sys.executable, "-m", "launch.generate", "--model=smollm2", "--prompt=Hi",
+                         "--mesh=model:2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2
+  assert "error: --mesh model:2 does not divide the target's 9 query heads" in proc.stderr
