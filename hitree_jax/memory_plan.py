@@ -94,13 +94,14 @@ def plan(config: ModelConfig, draft: ModelConfig | None, stack_of, mesh, prompt_
   where an accelerator multiplies them as they are, and no buffer of the float32 program is
   narrower than its bfloat16 twin's, so each program's temporaries are taken as the smaller of
   the two (`temporaries_cpu` keeps the bfloat16 program's own figure)."""
-  programs, arrays = _compile(config, draft, stack_of(draft), mesh, prompt_tokens, max_new_tokens, batch)
-  if config.dtype != "float32":
-    f32 = lambda c: None if c is None else c.replace(dtype="float32")
-    bound, _ = _compile(f32(config), f32(draft), stack_of(f32(draft)), mesh, prompt_tokens, max_new_tokens,
-                        batch)
-    programs = [dataclasses.replace(p, temporaries=min(p.temporaries, b.temporaries),
-                                    temporaries_cpu=p.temporaries) for p, b in zip(programs, bound)]
+  with sharding.use(mesh):
+    programs, arrays = _compile(config, draft, stack_of(draft), mesh, prompt_tokens, max_new_tokens, batch)
+    if config.dtype != "float32":
+      f32 = lambda c: None if c is None else c.replace(dtype="float32")
+      bound, _ = _compile(f32(config), f32(draft), stack_of(f32(draft)), mesh, prompt_tokens, max_new_tokens,
+                          batch)
+      programs = [dataclasses.replace(p, temporaries=min(p.temporaries, b.temporaries),
+                                      temporaries_cpu=p.temporaries) for p, b in zip(programs, bound)]
   return dict(devices=mesh.devices.size, mesh=sharding.describe(mesh), **arrays,
               programs=[dataclasses.asdict(p) | dict(peak=p.peak) for p in programs],
               peak=max(p.peak for p in programs))

@@ -20,6 +20,7 @@ mesh every function here is the identity.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
@@ -49,6 +50,13 @@ _PARAM_AXES = {
 
 KEYS = ("batch", "kv_heads", "head_dim", "sequence")    # [B, KVH, D, S]
 VALUES = ("batch", "kv_heads", "sequence", "head_dim")  # [B, KVH, S, D]
+
+
+def use(mesh: Mesh | None):
+  """The context to trace and compile a generation's programs in: jax.set_mesh(mesh), through
+  which the model sees how a cache's slots are split (model.llama._slot_shards); nothing
+  without a mesh."""
+  return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def parse_mesh(spec: str) -> dict[str, int]:

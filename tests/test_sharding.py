@@ -24,8 +24,8 @@ from hitree_jax.decode.programs import Programs
 from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import init_params
 from hitree_jax.tree import shapes as tree_lib
+from tests.test_hierarchy import peaked  # random weights without greedy near-ties
 
 # 8 query heads over 4 KV heads: model:4 puts one KV head on each device.
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=8,
@@ -44,11 +44,6 @@ STACKS = {
 MESHES = ("data:2,model:4", "sequence:2,model:4")
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DRAFT_FILE = "drafts/smollm2-draft.gguf"
-
-
-def peaked(config, seed):
-  params = init_params(config, jax.random.key(seed))
-  return jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, params)  # no greedy near-ties
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +69,28 @@ def test_sharded_greedy_equals_one_device(params, draft, one_device, name, mesh_
   result = engine.generate(params, CONFIG, PROMPTS, stack=STACKS[name], draft=draft, max_new_tokens=30,
                            mesh=mesh)
   assert result.tokens == one_device[name]
+
+
+def test_prefill_over_a_cache_split_by_slot_is_exact_and_gathers_nothing(params, draft):
+  """A 1,100-token prompt prefills in 3 chunks; under sequence:2 each device reads only its own
+  slots of the cache (a per-shard loop, softmax states merged across devices): the tokens are one
+  device's, and the prefill's temporaries are far below the cache that gathering would copy."""
+  config = CONFIG.replace(max_position_embeddings=2048)
+  prompt = [list(np.random.default_rng(1).integers(0, 64, 1100)), PROMPTS[1]]
+  stack = STACKS["triforce"]
+  one = engine.generate(params, config, prompt, stack=stack, draft=draft, max_new_tokens=16)
+  split = engine.generate(params, config, prompt, stack=stack, draft=draft, max_new_tokens=16,
+                          mesh=sharding.make_mesh("sequence:2,model:4"))
+  assert split.tokens == one.tokens
+  # At 30K tokens, the prefill's temporaries with the slots split are those without (model:4):
+  # gathering the cache would add at least the whole cache's share of every device.
+  config = CONFIG.replace(max_position_embeddings=32768)
+  plans = [memory_plan.plan(config, DRAFT, lambda _: stack, sharding.make_mesh(mesh), prompt_tokens=30000,
+                            max_new_tokens=16, batch=1) for mesh in ("sequence:2,model:4", "model:4")]
+  split_plan, heads_plan = ({p["name"]: p for p in plan["programs"]} for plan in plans)
+  cache = plans[1]["caches"]["target full cache"]                  # per device, slots not split
+  assert plans[0]["caches"]["target full cache"] == cache // 2 + 2  # + the lengths, per row
+  assert split_plan["prefill chunk"]["temporaries"] < heads_plan["prefill chunk"]["temporaries"] + cache // 4
 
 
 def test_a_second_sharded_generation_compiles_nothing(params, draft):

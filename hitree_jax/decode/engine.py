@@ -615,26 +615,27 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
   sharding.check(config, mesh, batch.batch, slots)
   weights = Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
 
-  start = time.perf_counter()
-  prefilled, longs = _long_caches(layout, weights, config, batch, slots,
-                                  prefill_lib.round_up(max_new_tokens + width, 8), programs)
-  jax.block_until_ready(prefilled)
-  prefill_s = time.perf_counter() - start - (programs.compile_s - counts_before[0])
+  with sharding.use(mesh):  # traced under the mesh: attention over a cache split by slot reads it per shard
+    start = time.perf_counter()
+    prefilled, longs = _long_caches(layout, weights, config, batch, slots,
+                                    prefill_lib.round_up(max_new_tokens + width, 8), programs)
+    jax.block_until_ready(prefilled)
+    prefill_s = time.perf_counter() - start - (programs.compile_s - counts_before[0])
 
-  history_width = prefill_lib.round_up(batch.tokens.shape[1] + max_new_tokens + width, 128)
-  seq = np.zeros((batch.batch, history_width), np.int32)
-  seq[:, :batch.tokens.shape[1]] = batch.tokens
-  eos = jnp.int32(config.eos_token_id if stop_at_eos and config.eos_token_id is not None else -1)
-  args = (layout, weights, longs, prefilled, max_new_tokens, sampling, eos, jax.random.key(seed),
-          jnp.asarray(seq), jnp.asarray(batch.lengths))
-  round_s = _time_levels(programs, args) if time_levels and layout.top > 0 else None
-  loop = programs.get(("engine", layout, max_new_tokens, programs_lib.shape_key(args[1:])),
-                      _decode, *args)
-  start = time.perf_counter()
-  out, n_tokens, stats, _ = loop(*[a for i, a in enumerate(args) if i not in (0, 4)])
-  out, n_tokens = sharding.fetch(out), sharding.fetch(n_tokens)
-  decode_s = time.perf_counter() - start
-  stats = jax.tree.map(sharding.fetch, stats)
+    history_width = prefill_lib.round_up(batch.tokens.shape[1] + max_new_tokens + width, 128)
+    seq = np.zeros((batch.batch, history_width), np.int32)
+    seq[:, :batch.tokens.shape[1]] = batch.tokens
+    eos = jnp.int32(config.eos_token_id if stop_at_eos and config.eos_token_id is not None else -1)
+    args = (layout, weights, longs, prefilled, max_new_tokens, sampling, eos, jax.random.key(seed),
+            jnp.asarray(seq), jnp.asarray(batch.lengths))
+    round_s = _time_levels(programs, args) if time_levels and layout.top > 0 else None
+    loop = programs.get(("engine", layout, max_new_tokens, programs_lib.shape_key(args[1:])),
+                        _decode, *args)
+    start = time.perf_counter()
+    out, n_tokens, stats, _ = loop(*[a for i, a in enumerate(args) if i not in (0, 4)])
+    out, n_tokens = sharding.fetch(out), sharding.fetch(n_tokens)
+    decode_s = time.perf_counter() - start
+    stats = jax.tree.map(sharding.fetch, stats)
   speculative = layout.top > 0
   return GenerationResult(
       tokens=[out[b, :n_tokens[b]].tolist() for b in range(batch.batch)],

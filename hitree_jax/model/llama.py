@@ -66,6 +66,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # the whole buffer in one product, which measured faster than a block loop.
 CONTEXT_BLOCK = 256
 BLOCKWISE_MIN_ROWS = 64
+SLOT_AXIS = "sequence"  # the mesh axis a cache's slots are split over (sharding.RULES)
 
 
 def _merge(stats, scores, v):
@@ -79,18 +80,73 @@ def _merge(stats, scores, v):
   return m_new, l * decay + jnp.sum(p, axis=-1), acc
 
 
+def merge_stats(a, b):
+  """Two online-softmax states (max [B,KVH,R], sum [B,KVH,R], accumulator [B,KVH,R,D]) of
+  disjoint slots -> the state of their union: exact, whatever split made them."""
+  (m_a, l_a, acc_a), (m_b, l_b, acc_b) = a, b
+  m = jnp.maximum(m_a, m_b)
+  w_a, w_b = jnp.exp(m_a - m), jnp.exp(m_b - m)
+  return m, l_a * w_a + l_b * w_b, acc_a * w_a[..., None] + acc_b * w_b[..., None]
+
+
+def _empty_stats(rows):
+  return (jnp.full(rows.shape[:3], _MASKED, jnp.float32), jnp.zeros(rows.shape[:3], jnp.float32),
+          jnp.zeros(rows.shape, jnp.float32))
+
+
+def _slot_shards() -> int:
+  """How many devices a cache's slots are split over: the `sequence` axis of the mesh that
+  programs are being traced under (jax.set_mesh; sharding.use), 1 without one."""
+  return dict(jax.sharding.get_abstract_mesh().shape).get(SLOT_AXIS, 1)
+
+
 def _context_blocks(rows, k_buf, v_buf, lengths, stats, scale):
   """Attends rows [B,KVH,R,D] to the committed slots [0, lengths[b]) of a read-only cache.
 
   Only the blocks holding committed slots are read (a dynamic trip count), so a
-  prefill chunk early in a long prompt does not pay for the whole buffer.
+  prefill chunk early in a long prompt does not pay for the whole buffer. A
+  cache split by slot over devices is read shard by shard, each device its own
+  slots, and the shards' softmax states merged (a block at a dynamic offset of
+  a split axis would make XLA gather the whole cache on every device).
   """
   size = k_buf.shape[3]
   if rows.shape[2] < BLOCKWISE_MIN_ROWS or size % CONTEXT_BLOCK:
     scores = jnp.einsum("bkrd,bkds->bkrs", rows, k_buf, preferred_element_type=jnp.float32) * scale
     visible = jnp.arange(size)[None, :] < lengths[:, None]
     return _merge(stats, jnp.where(visible[:, None, None, :], scores, _MASKED), v_buf)
-  block = CONTEXT_BLOCK
+  shards = _slot_shards()
+  if shards > 1 and size % shards == 0:
+    return merge_stats(stats, _per_slot_shard(rows, k_buf, v_buf, lengths, scale))
+  return _block_loop(rows, k_buf, v_buf, lengths, stats, scale, CONTEXT_BLOCK)
+
+
+def _per_slot_shard(rows, k_buf, v_buf, lengths, scale):
+  """_block_loop on each `sequence` shard's slots (shard_map, the other mesh axes left to the
+  partitioner), then the shards' states merged by their maximum: one max and two sums across
+  devices per call, and no device reads another's slots."""
+  spec = jax.sharding.PartitionSpec
+
+  def per_shard(rows, k_buf, v_buf, lengths, first_slot):
+    local = k_buf.shape[3]
+    mine = jnp.clip(lengths - first_slot[0], 0, local)
+    block = math.gcd(local, CONTEXT_BLOCK)  # blocks must tile the shard: none may overlap
+    m, l, acc = _block_loop(rows, k_buf, v_buf, mine, _empty_stats(rows), scale, block)
+    top = jax.lax.pmax(m, SLOT_AXIS)
+    w = jnp.exp(m - top)
+    return top, jax.lax.psum(l * w, SLOT_AXIS), jax.lax.psum(acc * w[..., None], SLOT_AXIS)
+
+  shards = _slot_shards()
+  first_slots = jnp.arange(shards) * (k_buf.shape[3] // shards)  # [shards]: each shard's first slot
+  return jax.shard_map(per_shard, mesh=jax.sharding.get_abstract_mesh(),
+                       in_specs=(spec(), spec(None, None, None, SLOT_AXIS), spec(None, None, SLOT_AXIS, None),
+                                 spec(), spec(SLOT_AXIS)),
+                       out_specs=spec(), axis_names={SLOT_AXIS}, check_vma=False)(
+                           rows, k_buf, v_buf, lengths, first_slots)
+
+
+def _block_loop(rows, k_buf, v_buf, lengths, stats, scale, block: int):
+  """The blocks of `block` slots (a divisor of the buffer's) up to the longest row's committed
+  length, one at a time."""
   n_blocks = (jnp.max(lengths) + block - 1) // block
 
   def body(i, stats):
@@ -122,9 +178,7 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, attend: jax.Arra
   scores = jnp.einsum("bkrd,bkds->bkrs", rows, k_buf, preferred_element_type=jnp.float32) * scale
   mask = jnp.broadcast_to(attend[:, None, None], (b, 1, g, t, attend.shape[-1]))
   scores = jnp.where(mask.reshape(b, 1, g * t, -1), scores, _MASKED)
-  stats = (jnp.full(scores.shape[:-1], _MASKED, jnp.float32), jnp.zeros(scores.shape[:-1], jnp.float32),
-           jnp.zeros((b, kvh, g * t, d), jnp.float32))
-  stats = _merge(stats, scores, v_buf)
+  stats = _merge(_empty_stats(rows), scores, v_buf)
   for ctx_k, ctx_v, ctx_lengths in context:
     stats = _context_blocks(rows, ctx_k, ctx_v, ctx_lengths, stats, scale)
   _, l, acc = stats
