@@ -1,0 +1,188 @@
+"""The expected time per emitted token of a speculation stack, from its levels' costs and acceptance.
+
+A stack is, bottom-up: a drafter proposing a token tree (a chain is a tree),
+intermediate levels j = 1 .. K-1 each filling a buffer of at least gamma_j
+tokens, and the target K (decode/engine.py). The inputs:
+
+  * cost_j(w): seconds of one forward of level j over w tokens, at the
+    context length of interest (planner/profile.py measures it);
+  * the drafter's cost of proposing its tree: one forward per depth, over
+    that depth's nodes, sum_d cost_0(width_d) (0 for n-gram lookup);
+  * acceptance of level j of the level below: a per-rank profile p[r], the
+    probability that a node's rank-r child is accepted given its
+    earlier-ranked siblings were rejected (Sequoia's model; a chain uses p[0]).
+
+Assumptions (HSD's): acceptance events are independent across positions,
+rounds and levels, and each level's buffer is drawn afresh after the level
+above rejects (the engine rolls every level below back).
+
+Derivation.
+
+1. One verification of a proposal of L tokens on a path, per-token
+   acceptance a: the level accepts k = 0..L tokens with P(k) = a^k (1 - a) for
+   k < L and a^L for k = L, then emits one more (the correction or the bonus
+   token): the round *yields* k + 1 tokens. For a tree, at most one node per
+   depth is accepted, so P(accepted >= d) = sum over the depth-d nodes of the
+   product of p[rank] along the node's path (`accepted_law`).
+
+2. A level j >= 1 fills its buffer by rounds until it holds >= gamma_j tokens.
+   Each round verifies one fresh proposal of the level below (of random
+   length B_{j-1}, see 3), so round yields are i.i.d. with the law
+   P(Y = y) = sum_b P(B_{j-1} = b) P(k = y - 1 | L = b). A forward DP over the
+   count held, c = 0 .. gamma_j - 1, gives the probability q(c) that the fill
+   ever holds exactly c tokens; the expected number of rounds is
+   E[N_j] = sum_{c < gamma_j} q(c) (one round leaves each visited state), and
+   the final length B_j = c + y for c < gamma_j <= c + y has law
+   sum_c q(c) P(Y = B_j - c) (`fill`).
+
+3. A round of level j costs cost_j(B_{j-1} + 1) (the proposal and its root;
+   the pending tokens in front of it are a few slots, left out) plus the time
+   level j-1 took to fill that proposal, T_{j-1}. N_j is a stopping time
+   whose event {N_j >= i} depends only on rounds before i, so by Wald's
+   identity E[T_j] = E[N_j] (E[cost_j(B_{j-1} + 1)] + E[T_{j-1}]), with
+   T_0 the drafter's cost of its tree and B_0 its tree (a fixed proposal).
+
+4. A top round costs cost_K(B_{K-1} + 1) + T_{K-1} and emits Y_K tokens.
+   Top rounds are i.i.d. cycles, so by the renewal-reward theorem the
+   long-run seconds per token are E[top round time] / E[Y_K]
+   (`seconds_per_token`).
+
+Two things the engine does that the model leaves out: a row that finishes
+stops early (a bounded end effect), and each level's forward also carries its
+pending tokens (the root, and after a full acceptance a few more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from hitree_jax.tree.shapes import TokenTree, chain
+
+Cost = Callable[[int], float]
+
+
+def accepted_law(tree: TokenTree, profile: Sequence[float]) -> np.ndarray:
+  """P(the verifier accepts k nodes of `tree`), k = 0 .. depth, under the per-rank profile."""
+  p = np.asarray(profile, np.float64)
+  rank, depth = tree.child_rank, tree.depth
+  reach = np.zeros(tree.size)
+  for i, parent in enumerate(tree.parents):
+    p_rank = p[rank[i]] if rank[i] < p.size else 0.0
+    reach[i] = p_rank * (reach[parent] if parent >= 0 else 1.0)
+  at_least = np.ones(tree.max_depth + 1)                      # P(accepted >= d), d = 0 .. depth
+  for d in range(1, tree.max_depth + 1):
+    at_least[d] = reach[depth == d].sum()
+  return at_least - np.append(at_least[1:], 0.0)
+
+
+def chain_law(length: int, a: float) -> np.ndarray:
+  """P(k of a chain of `length` accepted), k = 0 .. length, per-token acceptance a."""
+  return accepted_law(chain(length), [a]) if length > 0 else np.ones(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fill:
+  """A level's buffer fill: the expected rounds and the law of the final length B (index b)."""
+  rounds: float
+  length: np.ndarray
+
+
+def fill(gamma: int, yield_law: np.ndarray) -> Fill:
+  """Rounds of i.i.d. yields (yield_law[y] = P(Y = y), y >= 1) until >= gamma tokens are held."""
+  if gamma < 1:
+    raise ValueError(f"gamma={gamma} must be >= 1")
+  visit = np.zeros(gamma)                                     # q(c), c = 0 .. gamma - 1
+  visit[0] = 1.0
+  final = np.zeros(gamma + yield_law.size)
+  for c in range(gamma):
+    for y in np.nonzero(yield_law)[0]:
+      (visit if c + y < gamma else final)[c + y] += visit[c] * yield_law[y]
+  return Fill(rounds=float(visit.sum()), length=final)
+
+
+def round_yield(proposal: np.ndarray, acceptance: float) -> np.ndarray:
+  """The law of a verifying round's yield (accepted + 1), its proposal's length drawn from
+  `proposal` (P(B = b)), chain acceptance a."""
+  out = np.zeros(proposal.size + 1)
+  for b, pb in enumerate(proposal):
+    if pb:
+      out[1:b + 2] += pb * chain_law(b, acceptance)
+  return out
+
+
+def expected(law: np.ndarray, f: Callable[[int], float]) -> float:
+  return float(sum(p * f(i) for i, p in enumerate(law) if p))
+
+
+@dataclasses.dataclass(frozen=True)
+class StackModel:
+  """A stack for the model, bottom-up: the drafter's tree, its proposal cost, and per verifying
+  level j = 1 .. K its cost curve and acceptance of the level below (level 1: the drafter's
+  per-rank profile; above: a chain's per-token acceptance), and gamma_j for j < K."""
+  tree: TokenTree
+  draft_seconds: float
+  costs: tuple[Cost, ...]                 # levels 1 .. K
+  acceptance: tuple                       # level 1: per-rank profile; levels 2 .. K: a float
+  gammas: tuple[int, ...] = ()            # levels 1 .. K-1
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  seconds_per_token: float
+  tokens_per_target_forward: float
+  round_seconds: float                    # a top round: the target's forward and the fill below it
+  rounds_per_level: tuple[float, ...]     # expected rounds of each level per top round, 1 .. K
+
+
+def predict(stack: StackModel, fixed_buffers: bool = False) -> Prediction:
+  """The model of the module docstring: seconds per emitted token of `stack`. fixed_buffers:
+  every buffer holds exactly gamma tokens (HSD's buffer targets; planner/optimize.py's search
+  objective) instead of its law of overshoot."""
+  if len(stack.costs) != len(stack.gammas) + 1 or len(stack.acceptance) != len(stack.costs):
+    raise ValueError("a stack of K verifying levels needs K costs, K acceptances and K - 1 gammas")
+  tree = stack.tree
+  # Level 1 verifies the drafter's tree: a fixed proposal.
+  yield_law = np.concatenate([[0.0], accepted_law(tree, stack.acceptance[0])])
+  proposal_cost = stack.costs[0](tree.size + 1)
+  below_seconds = stack.draft_seconds
+  rounds = [1.0]
+  for j in range(1, len(stack.costs)):                       # level j fills, level j + 1 verifies
+    buffer = fill(stack.gammas[j - 1], yield_law)
+    if fixed_buffers:
+      buffer = Fill(buffer.rounds, np.eye(stack.gammas[j - 1] + 1)[-1])
+    level_seconds = buffer.rounds * (proposal_cost + below_seconds)
+    rounds = [r * buffer.rounds for r in rounds] + [1.0]
+    yield_law = round_yield(buffer.length, stack.acceptance[j])
+    proposal_cost = expected(buffer.length, lambda b, c=stack.costs[j]: c(b + 1))
+    below_seconds = level_seconds
+  round_seconds = proposal_cost + below_seconds
+  tokens = expected(yield_law, float)
+  return Prediction(round_seconds / tokens, tokens, round_seconds, tuple(rounds))
+
+
+def tree_draft_seconds(tree: TokenTree, cost: Cost | None) -> float:
+  """A model drafter's proposal: one forward per depth over that depth's nodes (the first over
+  the root); None: a drafter that costs nothing (n-gram lookup)."""
+  if cost is None:
+    return 0.0
+  widths = [1] + [int((tree.depth == d).sum()) for d in range(1, tree.max_depth)]
+  return float(sum(cost(w) for w in widths))
+
+
+def interpolated(points: Mapping[int, float]) -> Cost:
+  """A cost curve from measured (width: seconds) points, linear between them and beyond."""
+  w = np.array(sorted(points), np.float64)
+  s = np.array([points[k] for k in sorted(points)], np.float64)
+  if w.size == 1:
+    return lambda width: float(s[0])
+
+  def cost(width: int) -> float:
+    if width <= w[-1]:
+      return float(np.interp(width, w, s))
+    slope = (s[-1] - s[-2]) / (w[-1] - w[-2])
+    return float(s[-1] + slope * (width - w[-1]))
+
+  return cost

@@ -1,0 +1,150 @@
+"""The fastest stack among candidates: HSD's reduction to a shortest path, in polynomial time.
+
+Candidates (`Candidates`): drafters, each with the trees it may propose (a
+chain is a tree; Sequoia's tree for a verifier's profile is one more); middle
+levels, cheapest first (e.g. the distilled draft, the target over retrieval
+caches of several budgets, the draft over StreamingLLM windows); the target;
+the gammas a middle level may buffer; and the acceptance of every
+(verifier, proposer) pair as a per-rank profile.
+
+Search objective: latency.predict with fixed buffers (HSD's buffer targets):
+a middle level's proposal to the level above is exactly its gamma tokens.
+Then the time level m takes to fill gamma tokens depends only on what is
+directly below it -- (m', gamma') or a drafter's tree -- and on that lower
+state's own best fill time:
+
+  F(m, gamma) = min over lower states s of
+                rounds(gamma; yields of m verifying s) * (cost_m(L_s + 1) + F(s)),
+
+with L_s = gamma' (or the tree's size) and F(drafter, tree) its proposal's
+cost. Every term but F(s) is fixed by (m, gamma, s), so the best F(m, gamma)
+uses the best F(s): optimal substructure. States are visited cheapest level
+first (a level verifies only cheaper ones), a shortest path over a DAG of
+O(levels x gammas + trees) states with O(that^2) edges; the target closes the
+path at seconds per token = (cost_K(L_s + 1) + F(s)) / E[yield].
+`brute_force` enumerates every stack and agrees (tests/test_planner.py).
+The winner is then scored with the exact model (buffer overshoot included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from hitree_jax.planner import latency
+from hitree_jax.tree.shapes import TokenTree
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+  name: str
+  trees: tuple[tuple[str, TokenTree], ...]   # (label, tree) it may propose
+  cost: latency.Cost | None = None          # its forward's cost curve; None: free (n-gram)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidates:
+  drafters: tuple[Drafter, ...]
+  middles: tuple[tuple[str, latency.Cost], ...]   # cheapest first
+  target: latency.Cost
+  gammas: tuple[int, ...]
+  acceptance: Mapping[tuple[str, str], Sequence[float]]  # (verifier, proposer) -> per-rank profile
+
+  def profile(self, verifier: str, proposer: str):
+    return self.acceptance.get((verifier, proposer))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A stack, bottom-up: the drafter and its tree, then (middle level, gamma) pairs."""
+  drafter: str
+  tree: str
+  middles: tuple[tuple[str, int], ...]
+  seconds_per_token: float            # the search objective (fixed buffers)
+  exact: latency.Prediction | None = None
+
+  def describe(self) -> str:
+    return "/".join([f"{self.drafter}:{self.tree}", *(f"{m}:{g}" for m, g in self.middles), "target"])
+
+
+def stack_model(c: Candidates, drafter: Drafter, tree: TokenTree,
+                middles: Sequence[tuple[str, int]]) -> latency.StackModel | None:
+  """latency.StackModel of a stack, or None when a pair on it has no acceptance profile."""
+  names = [drafter.name, *(m for m, _ in middles), "target"]
+  cost_of = dict(c.middles) | {"target": c.target}
+  profiles = [c.profile(v, p) for p, v in zip(names, names[1:])]
+  if any(pr is None for pr in profiles):
+    return None
+  return latency.StackModel(tree=tree, draft_seconds=latency.tree_draft_seconds(tree, drafter.cost),
+                            costs=tuple(cost_of[n] for n in names[1:]),
+                            acceptance=(tuple(profiles[0]), *(float(pr[0]) for pr in profiles[1:])),
+                            gammas=tuple(g for _, g in middles))
+
+
+def brute_force(c: Candidates, max_middles: int | None = None, fixed_buffers: bool = True) -> Plan:
+  """Every stack: each drafter and tree, each ordered subset of middle levels, each gamma."""
+  best = None
+  limit = len(c.middles) if max_middles is None else max_middles
+  for drafter in c.drafters:
+    for label, tree in drafter.trees:
+      for n in range(limit + 1):
+        for chosen in itertools.combinations([m for m, _ in c.middles], n):
+          for gammas in itertools.product(c.gammas, repeat=n):
+            middles = tuple(zip(chosen, gammas))
+            model = stack_model(c, drafter, tree, middles)
+            if model is None:
+              continue
+            seconds = latency.predict(model, fixed_buffers).seconds_per_token
+            if best is None or seconds < best.seconds_per_token:
+              best = Plan(drafter.name, label, middles, seconds)
+  return best
+
+
+def optimize(c: Candidates) -> Plan:
+  """The shortest path of the module docstring; the winner scored with the exact model too."""
+  # States a level may verify: (proposer name, its tree (a drafter) or None (a buffer), the
+  # proposal's length, the seconds to make it, the path: (drafter, tree label, middles)).
+  lower = []
+  for d in c.drafters:
+    for label, tree in d.trees:
+      lower.append((d.name, tree, tree.size, latency.tree_draft_seconds(tree, d.cost), (d.name, label, ())))
+
+  def yields(verifier, state):
+    name, tree, length, _, _ = state
+    profile = c.profile(verifier, name)
+    if profile is None:
+      return None
+    if tree is not None:
+      return np.concatenate([[0.0], latency.accepted_law(tree, profile)])
+    return latency.round_yield(np.eye(length + 1)[-1], float(profile[0]))  # exactly `length` tokens
+
+  for name, cost in c.middles:
+    found = []
+    for gamma in c.gammas:
+      options = []
+      for state in lower:
+        law = yields(name, state)
+        if law is None:
+          continue
+        rounds = latency.fill(gamma, law).rounds
+        options.append((rounds * (cost(state[2] + 1) + state[3]), state[4]))
+      if options:
+        seconds, (dname, label, middles) = min(options, key=lambda o: o[0])
+        found.append((name, None, gamma, seconds, (dname, label, middles + ((name, gamma),))))
+    lower.extend(found)  # levels above may verify this one; it verifies only those before it
+
+  options = []
+  for state in lower:
+    law = yields("target", state)
+    if law is None:
+      continue
+    tokens = latency.expected(law, float)
+    options.append(((c.target(state[2] + 1) + state[3]) / tokens, state[4]))
+  seconds, (dname, label, middles) = min(options, key=lambda o: o[0])
+  drafter = next(d for d in c.drafters if d.name == dname)
+  tree = dict(drafter.trees)[label]
+  exact = latency.predict(stack_model(c, drafter, tree, middles))
+  return Plan(dname, label, middles, seconds, exact)
