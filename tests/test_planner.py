@@ -1,10 +1,15 @@
 """The planner's latency model against closed forms and a simulation of the engine's rounds, and
 its shortest-path search against brute force."""
 
+import types
+
+import jax
 import numpy as np
 import pytest
 
-from hitree_jax.planner import latency, optimize
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import init_params
+from hitree_jax.planner import latency, optimize, profile
 from hitree_jax.tree import shapes
 
 
@@ -124,3 +129,26 @@ def test_the_shortest_path_is_the_brute_force_optimum(seed):
   drafter = next(d for d in candidates.drafters if d.name == found.drafter)
   model = optimize.stack_model(candidates, drafter, dict(drafter.trees)[found.tree], found.middles)
   assert found.exact == latency.predict(model)
+
+
+def test_profile_times_every_kind_of_level_and_is_reused(tmp_path):
+  config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                       num_kv_heads=2, head_dim=8, max_position_embeddings=1024, eos_token_id=None)
+  model = lambda c, seed: types.SimpleNamespace(config=c, params=init_params(c, jax.random.key(seed)), vocab=None)
+  target, draft = model(config, 0), model(config.replace(num_layers=1), 1)
+  names = ["target", "retrieval:64", "self:1", "draft", "draft@streaming:4x28"]
+  prompt = list(np.arange(300) % 64)
+  key = profile.profile_key("tiny", "tiny-draft")
+  measure = lambda: {"300": profile.level_costs(target, draft, names, prompt, widths=[1, 4], repeats=2)}
+  got = profile.cached(tmp_path / "p.json", key, measure)
+  assert sorted(got["300"]) == sorted(names)
+  assert all(set(curve) == {"1", "4"} and all(s > 0 for s in curve.values()) for curve in got["300"].values())
+
+  def must_not_measure():
+    raise AssertionError("a stored profile for the same key was measured again")
+
+  assert profile.cached(tmp_path / "p.json", key, must_not_measure) == got
+  other = dict(key, jax="0.0")
+  assert profile.cached(tmp_path / "p.json", other, lambda: {"x": 1}) == {"x": 1}  # another key: measured
+  with pytest.raises(ValueError, match="unknown level 'tree'"):
+    profile.level_costs(target, draft, ["tree"], prompt, widths=[1])
