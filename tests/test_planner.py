@@ -131,11 +131,17 @@ def test_the_shortest_path_is_the_brute_force_optimum(seed):
   assert found.exact == latency.predict(model)
 
 
-def test_profile_times_every_kind_of_level_and_is_reused(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_pair():
+  """A tiny random target and a 1-layer draft of its vocabulary, as loading.LoadedModel-alikes."""
   config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                        num_kv_heads=2, head_dim=8, max_position_embeddings=1024, eos_token_id=None)
   model = lambda c, seed: types.SimpleNamespace(config=c, params=init_params(c, jax.random.key(seed)), vocab=None)
-  target, draft = model(config, 0), model(config.replace(num_layers=1), 1)
+  return model(config, 0), model(config.replace(num_layers=1), 1)
+
+
+def test_profile_times_every_kind_of_level_and_is_reused(tmp_path, tiny_pair):
+  target, draft = tiny_pair
   names = ["target", "retrieval:64", "self:1", "draft", "draft@streaming:4x28"]
   prompt = list(np.arange(300) % 64)
   key = profile.profile_key("tiny", "tiny-draft")
@@ -152,3 +158,18 @@ def test_profile_times_every_kind_of_level_and_is_reused(tmp_path):
   assert profile.cached(tmp_path / "p.json", other, lambda: {"x": 1}) == {"x": 1}  # another key: measured
   with pytest.raises(ValueError, match="unknown level 'tree'"):
     profile.level_costs(target, draft, ["tree"], prompt, widths=[1])
+
+
+def test_pair_acceptance_is_one_for_a_level_and_itself_and_less_for_a_draft(tiny_pair):
+  from hitree_jax.decode.sampling import SamplingParams
+  target, draft = tiny_pair
+  prompt, continuation = list(np.arange(200) % 64), list(np.arange(24) * 7 % 64)
+  pairs = [("target", "target"), ("target", "retrieval:256"), ("target", "draft"),
+           ("retrieval:64", "draft@streaming:4x28")]
+  got = profile.pair_acceptance(target, draft, pairs, prompt, continuation, SamplingParams.create(0.8))
+  for same in ("target<-target", "target<-retrieval:256"):   # 256 slots keep the whole context
+    assert got[same]["alpha"] == pytest.approx(1.0, abs=1e-5) and got[same]["greedy"] == 1.0
+  for pair in ("target<-draft", "retrieval:64<-draft@streaming:4x28"):
+    assert 0.0 < got[pair]["alpha"] < 0.99
+    assert len(got[pair]["profile"]) == 8 and sum(got[pair]["greedy_profile"]) <= 1.0
+    assert got[pair]["greedy_profile"][0] == got[pair]["greedy"]
