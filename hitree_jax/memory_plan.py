@@ -42,16 +42,18 @@ from hitree_jax.model.llama import init_params
 GIB = 2**30
 
 
-def _abstract(tree, shardings):
-  """ShapeDtypeStructs of tree's arrays (abstract or not), each with its sharding."""
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+def _abstract(tree, axes, mesh):
+  """ShapeDtypeStructs of tree's arrays (abstract or not), each with the sharding of its logical
+  axes (axes: tree's structure, tuples of names as leaves)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      sharding.shardings(axes, mesh))
 
 
 def abstract_params(config: ModelConfig, mesh, split: bool = True):
   """A model's params as shapes only, tensor-parallel (split) or replicated."""
   shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
   axes = sharding.param_axes(shapes) if split else jax.tree.map(lambda x: (None,) * x.ndim, shapes)
-  return _abstract(shapes, jax.tree.map(lambda a: sharding.named(mesh, a), axes, is_leaf=sharding._is_axes))
+  return _abstract(shapes, axes, mesh)
 
 
 def per_device_bytes(tree) -> int:
@@ -122,21 +124,18 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
     draft = DraftWeights(abstract_params(draft_config, mesh, split=False))
   weights = engine.Weights(params, draft)
 
-  def placed(j, shape, heads, slots):
-    axes = sharding.cache_axes(shape, heads=heads, slots=slots)
-    return _abstract(shape, jax.tree.map(lambda a: sharding.named(mesh, a), axes, is_leaf=sharding._is_axes))
-
-  full = placed(layout.top, jax.eval_shape(lambda: KVCache.init(config, batch, slots)), True, True)
+  placed = lambda j, shape: _abstract(shape, layout.long_axes(j, shape), mesh)
+  full = placed(layout.top, jax.eval_shape(lambda: KVCache.init(config, batch, slots)))
   draft_full = None
   if draft_config is not None:
-    draft_full = placed(0, jax.eval_shape(lambda: KVCache.init(draft_config, batch, slots)), False, True)
+    shape = jax.eval_shape(lambda: KVCache.init(draft_config, batch, slots))
+    draft_full = _abstract(shape, sharding.cache_axes(shape, heads=False), mesh)
   last_tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
   longs = []
   for j in range(layout.top + 1):
     shape = jax.eval_shape(lambda: engine.derived_long_cache(layout, j, full, draft_full, params,
                                                              last_tokens, tail))
-    longs.append(None if shape is None else placed(j, shape, layout.splits_heads(j),
-                                                   isinstance(layout.cache_kind(j), engine.Full)))
+    longs.append(None if shape is None else placed(j, shape))
   longs = tuple(longs)
 
   programs = []

@@ -140,13 +140,17 @@ def _is_axes(x) -> bool:
   return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
+def shardings(axes_tree, mesh: Mesh):
+  """The NamedSharding of each leaf of axes_tree (tuples of logical names as leaves)."""
+  return jax.tree.map(lambda axes: named(mesh, axes), axes_tree, is_leaf=_is_axes)
+
+
 def place(tree, axes_tree, mesh: Mesh | None):
   """device_put of each array of tree to the sharding of its logical axes (axes_tree: same
   structure, tuples of names as leaves); the identity without a mesh."""
   if mesh is None:
     return tree
-  shardings = jax.tree.map(lambda axes: named(mesh, axes), axes_tree, is_leaf=_is_axes)
-  return jax.device_put(tree, shardings)
+  return jax.device_put(tree, shardings(axes_tree, mesh))
 
 
 def place_params(params, mesh: Mesh | None):
@@ -186,8 +190,7 @@ def constrain(tree, axes_tree, mesh: Mesh | None):
   """with_sharding_constraint of each array to its logical axes, inside a traced program."""
   if mesh is None:
     return tree
-  shardings = jax.tree.map(lambda axes: named(mesh, axes), axes_tree, is_leaf=_is_axes)
-  return jax.lax.with_sharding_constraint(tree, shardings)
+  return jax.lax.with_sharding_constraint(tree, shardings(axes_tree, mesh))
 
 
 def constrain_cache(cache, mesh: Mesh | None, heads: bool = True, slots: bool = True):

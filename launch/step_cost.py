@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import statistics
 import time
 
 from absl import flags
@@ -50,14 +49,8 @@ RECENT_SLOTS = 32  # an `ar` block's recent cache (engine.MIN_RECENT_SLOTS)
 
 
 def median_ms(fn, *args, repeats: int) -> float:
-  import jax
-  jax.block_until_ready(fn(*args))  # compiles and warms up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
+  from hitree_jax.planner.profile import median_seconds
+  return 1e3 * median_seconds(fn, *args, repeats=repeats)
 
 
 def part_programs(config, sampling):

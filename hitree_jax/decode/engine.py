@@ -111,10 +111,16 @@ class Layout:
     """Whether level j's caches are split by KV head: those of the target's weights, which are."""
     return self.weights(j) == "target"
 
+  def long_axes(self, j: int, cache):
+    """The logical axes of level j's long cache: split by KV head (splits_heads), and by slot
+    if it is a full cache."""
+    return sharding.cache_axes(cache, heads=self.splits_heads(j), slots=isinstance(self.cache_kind(j), Full))
+
   def place_long(self, j: int, cache):
-    """Level j's long cache on the mesh: split by KV head (splits_heads), and by slot if full."""
-    return sharding.place_cache(cache, self.mesh, heads=self.splits_heads(j),
-                                slots=isinstance(self.cache_kind(j), Full))
+    """Level j's long cache on the mesh (long_axes)."""
+    if self.mesh is None or cache is None:
+      return cache
+    return sharding.place(cache, self.long_axes(j, cache), self.mesh)
 
   def gamma(self, j: int) -> int:
     return self.stack.verifiers[j - 1].gamma

@@ -59,23 +59,23 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from hitree_jax.tree.shapes import TokenTree, chain
+from hitree_jax.tree.shapes import TokenTree, chain, node_reach
 
 Cost = Callable[[int], float]
 
 
 def accepted_law(tree: TokenTree, profile: Sequence[float]) -> np.ndarray:
   """P(the verifier accepts k nodes of `tree`), k = 0 .. depth, under the per-rank profile."""
-  p = np.asarray(profile, np.float64)
-  rank, depth = tree.child_rank, tree.depth
-  reach = np.zeros(tree.size)
-  for i, parent in enumerate(tree.parents):
-    p_rank = p[rank[i]] if rank[i] < p.size else 0.0
-    reach[i] = p_rank * (reach[parent] if parent >= 0 else 1.0)
+  reach, depth = node_reach(tree, profile), tree.depth
   at_least = np.ones(tree.max_depth + 1)                      # P(accepted >= d), d = 0 .. depth
   for d in range(1, tree.max_depth + 1):
     at_least[d] = reach[depth == d].sum()
   return at_least - np.append(at_least[1:], 0.0)
+
+
+def tree_yield(tree: TokenTree, profile: Sequence[float]) -> np.ndarray:
+  """The law of the yield (accepted + 1) of verifying `tree`: index y = P(Y = y)."""
+  return np.concatenate([[0.0], accepted_law(tree, profile)])
 
 
 def chain_law(length: int, a: float) -> np.ndarray:
@@ -145,7 +145,7 @@ def predict(stack: StackModel, fixed_buffers: bool = False) -> Prediction:
     raise ValueError("a stack of K verifying levels needs K costs, K acceptances and K - 1 gammas")
   tree = stack.tree
   # Level 1 verifies the drafter's tree: a fixed proposal.
-  yield_law = np.concatenate([[0.0], accepted_law(tree, stack.acceptance[0])])
+  yield_law = tree_yield(tree, stack.acceptance[0])
   proposal_cost = stack.costs[0](tree.size + 1)
   below_seconds = stack.draft_seconds
   rounds = [1.0]

@@ -118,7 +118,7 @@ def optimize(c: Candidates) -> Plan:
     if profile is None:
       return None
     if tree is not None:
-      return np.concatenate([[0.0], latency.accepted_law(tree, profile)])
+      return latency.tree_yield(tree, profile)
     return latency.round_yield(np.eye(length + 1)[-1], float(profile[0]))  # exactly `length` tokens
 
   for name, cost in c.middles:

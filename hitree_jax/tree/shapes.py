@@ -206,20 +206,23 @@ def _check_acceptance(acceptance: Sequence[float]) -> np.ndarray:
   return p
 
 
-def expected_accepted(tree: TokenTree, acceptance: Sequence[float]) -> float:
-  """Expected number of accepted nodes under Sequoia's positional-acceptance model.
-
-  A node of rank r is reached and accepted with probability acceptance[r]
-  times its parent's (the root's is 1); the expectation is the sum of these
-  over the nodes. Ranks past the end of `acceptance` are never accepted.
-  """
+def node_reach(tree: TokenTree, acceptance: Sequence[float]) -> np.ndarray:
+  """[N] the probability that each node is reached and accepted, under Sequoia's positional model:
+  a node of rank r, acceptance[r] times its parent's (the root's is 1). Ranks past the end of
+  `acceptance` are never accepted."""
   p = _check_acceptance(acceptance)
   rank = tree.child_rank
   reach = np.zeros(tree.size)
   for i, parent in enumerate(tree.parents):
     p_rank = p[rank[i]] if rank[i] < p.size else 0.0
     reach[i] = p_rank * (reach[parent] if parent >= 0 else 1.0)
-  return float(reach.sum())
+  return reach
+
+
+def expected_accepted(tree: TokenTree, acceptance: Sequence[float]) -> float:
+  """Expected number of accepted nodes under Sequoia's positional-acceptance model: the sum of
+  node_reach over the nodes."""
+  return float(node_reach(tree, acceptance).sum())
 
 
 def from_acceptance(acceptance: Sequence[float], budget: int, max_depth: int) -> TokenTree:
