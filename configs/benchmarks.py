@@ -7,7 +7,9 @@ long-context prompts the hierarchy is for (SmolLM2 has 8192 positions: 4K and
 6K tokens, then 7.5K with every method and a sweep of (gamma1, gamma2), then
 7.5K greedy); `heads` / `heads_greedy` EAGLE and Medusa against the distilled
 draft; `peers` our `ar` beside HF transformers and llama.cpp (after
-`python -m launch.convert --out=smollm2_f32.gguf`); `quick` a smoke test.
+`python -m launch.convert --out=smollm2_f32.gguf`); `planner` / `planner_sampled`
+the planner's predictions against measurement (docs/planner.md); `quick` a
+smoke test.
 """
 
 from ml_collections import config_dict
@@ -20,6 +22,15 @@ SAMPLED = dict(temperature=0.6, top_p=0.9)  # TriForce's and HiTree's setting
 
 STREAMING = f"{DRAFT}@streaming:16x234"  # TriForce's draft cache: 16 sinks + 234 recent tokens
 FOUR_LEVEL = f"hsd/ngram:3/chain:2+{DRAFT}/3+retrieval:1024/6"  # n-gram -> draft -> retrieval -> target
+
+
+# The planner's validation (launch.benchmark --predict): stacks of 2, 3 and 4 levels, chains and
+# trees, full and StreamingLLM draft caches, retrieval budgets of 256, 512 and 1024, and `auto`.
+PLANNER = ",".join([
+    "ar", "auto", f"sd/{DRAFT}/2", f"tree/{DRAFT}/kary:2x2", f"hsd/{STREAMING}/chain:3",
+    f"hsd/{STREAMING}/chain:1+retrieval:512/6", f"hsd/{STREAMING}/chain:2+retrieval:1024/8",
+    f"hsd/{STREAMING}/kary:2x2+retrieval:512/6", f"hsd/{DRAFT}/chain:2+retrieval:256/4",
+    f"hsd/ngram:3/chain:2+{DRAFT}/3+retrieval:1024/6", f"hsd/{STREAMING}/chain:1+{DRAFT}/3+retrieval:512/6"])
 
 
 def three_level(tree: str, gamma2: int) -> str:
@@ -54,6 +65,11 @@ SUITES = {
     "peers": dict(methods="ar", peers="hf,llamacpp", llamacpp_gguf="smollm2_f32.gguf",
                   prompt_tokens="512,2048,7680", max_new_tokens=128, n_prompts=2, time_levels=False,
                   temperature=0.0),
+    # The planner's predictions against measurement (profiles measured on first use).
+    "planner": dict(methods=PLANNER, draft=DRAFT, predict=True, prompt_tokens="2048,4096",
+                    max_new_tokens=128, n_prompts=2, time_levels=False, temperature=0.0),
+    "planner_sampled": dict(methods=PLANNER, draft=DRAFT, predict=True, prompt_tokens="2048",
+                            max_new_tokens=128, n_prompts=2, time_levels=False, **SAMPLED),
     "quick": dict(methods="ar,sd/ngram/4", prompt_tokens="128", max_new_tokens=16, n_prompts=1),
 }
 

@@ -45,7 +45,8 @@ common.define_mesh_flags()
 common.define_speculation_flags()
 flags.DEFINE_list("methods", ["ar"], "Configurations to compare: ar, sd[/DRAFT[/GAMMA]], "
                   "tree[/DRAFT[/TREE]], retrieval[/GAMMA], triforce[/DRAFT], hitree[/DRAFT[/TREE]], "
-                  "hsd/LEVELS (missing parts from --draft, --gamma, --tree, --budget, ...).")
+                  "hsd/LEVELS (missing parts from --draft, --gamma, --tree, --budget, ...), auto "
+                  "(the planner's stack around --draft=PATH, per prompt length).")
 flags.DEFINE_list("prompt_tokens", ["512", "2048"], "Prompt lengths in tokens.")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt (EOS is ignored).")
 flags.DEFINE_integer("n_prompts", 3, "Prompts per length.")
@@ -56,6 +57,9 @@ flags.DEFINE_list("peers", [], "Other engines to time on the same prompt ids, wh
                   "(transformers on PyTorch), llamacpp (llama-cpp-python). See launch/peers.py.")
 flags.DEFINE_list("llamacpp_gguf", [], "GGUF files llama.cpp runs, a row each (default: the model's "
                   "own file; `python -m launch.convert --out=X.gguf` writes our weights at F32).")
+flags.DEFINE_bool("predict", False, "Also record the planner's prediction for each stack (from the "
+                  "profile of --draft at each prompt length, measured on first use; launch/plan.py) "
+                  "and plot predicted against measured (OUT_predicted.png).")
 flags.DEFINE_string("out", "results.json", "Where to write the JSON results (the table and plots "
                     "go beside it: OUT.md, OUT_speed.png, OUT_acceptance.png).")
 FLAGS = flags.FLAGS
@@ -117,6 +121,36 @@ def level_markdown(rows) -> str:
   return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def prediction_markdown(rows) -> str:
+  """--predict: the planner's prediction against measurement per stack, and the summary the
+  planner is judged by (share within 15%, Spearman's rank correlation)."""
+  from launch.plots import prediction_errors
+  errors = prediction_errors(rows)
+  if not errors:
+    return ""
+  lines = ["| method | prompt tokens | measured tok/s | predicted tok/s | error | measured / predicted "
+           "tokens per target forward |", "|---|---|---|---|---|---|"]
+  for r, e in errors:
+    lines.append(f"| {r['method']} | {r['prompt_tokens']} | {r['median_decode_tokens_per_s']:.1f} | "
+                 f"{r['predicted_tokens_per_s']:.1f} | {e:+.0%} | {r['median_mean_accepted'] or 1:.2f} / "
+                 f"{r['predicted_tokens_per_target_forward']:.2f} |")
+  within = sum(abs(e) <= 0.15 for _, e in errors)
+  lines.append(f"\n{within} of {len(errors)} within 15%; Spearman's rank correlation "
+               f"{rank_correlation(errors):.2f}.")
+  return "\n".join(lines)
+
+
+def rank_correlation(errors) -> float:
+  """Spearman's rho of predicted against measured tok/s (ties broken by order)."""
+  import numpy as np
+  if len(errors) < 2:
+    return float("nan")
+  measured = np.array([r["median_decode_tokens_per_s"] for r, _ in errors])
+  predicted = np.array([r["predicted_tokens_per_s"] for r, _ in errors])
+  ranks = lambda x: np.argsort(np.argsort(x))
+  return float(np.corrcoef(ranks(measured), ranks(predicted))[0, 1])
+
+
 def check_flags() -> list[int]:
   """Fails fast, before the slow model load, on a bad count; returns --prompt_tokens as numbers."""
   if not FLAGS.methods:
@@ -145,16 +179,18 @@ def write_outputs(record: dict) -> None:
   out.write_text(json.dumps(record, indent=2))
   table = markdown(record["results"])
   per_level = level_markdown(record["results"])
-  beside(".md").write_text(table + "\n" + (f"\n{per_level}\n" if per_level else ""))
+  predicted = prediction_markdown(record["results"])
+  beside(".md").write_text(table + "\n" + "".join(f"\n{part}\n" for part in (per_level, predicted) if part))
   plots.speed_figure(record, beside("_speed.png"))
   written = [out, beside(".md"), beside("_speed.png")]
   for tail, figure in [("_acceptance.png", plots.acceptance_figure), ("_levels.png", plots.levels_figure),
-                       ("_gammas.png", plots.gamma_figure)]:
+                       ("_gammas.png", plots.gamma_figure), ("_predicted.png", plots.predicted_figure)]:
     if figure(record, beside(tail)):
       written.append(beside(tail))
   print(table)
-  if per_level:
-    print(per_level)
+  for part in (per_level, predicted):
+    if part:
+      print(part)
   logging.info("wrote %s", ", ".join(map(str, written)))
 
 
@@ -163,8 +199,11 @@ def main(argv):
   mesh = common.mesh_from_flags(FLAGS)  # first: a multi-host run joins before jax starts
   lengths = check_flags()
   greedy = FLAGS.temperature == 0
-  methods = [common.parse_method(m, common.Knobs.from_flags(FLAGS), greedy)
-             for m in common.join_method_specs(FLAGS.methods)]
+  specs = common.join_method_specs(FLAGS.methods)
+  if "auto" in specs or FLAGS.predict:
+    common.check_auto_draft(FLAGS.draft)
+  methods = [spec if spec == "auto" else common.parse_method(spec, common.Knobs.from_flags(FLAGS), greedy)
+             for spec in specs]
   sampling = common.sampling_from_flags(FLAGS)
   import jax
   from hitree_jax import sharding
@@ -177,14 +216,16 @@ def main(argv):
   sharding.check(model.config, mesh, 1, 256)
   model = dataclasses.replace(model, params=sharding.place_params(model.params, mesh))
   tokenizer = load_tokenizer(model.path)
-  methods = [method.load_draft(model.config, model.params) for method in methods]
+  methods = [m if m == "auto" else m.load_draft(model.config, model.params) for m in methods]
   peer_engines = make_peers(model.path, max(lengths))
   rows = []
   ar_tokens = {}  # (prompt length, prompt index) -> ar's tokens: what greedy peers are compared with
   progress = Progress("benchmark", len(lengths) * (len(methods) + len(peer_engines)) * (FLAGS.n_prompts + 1))
   for n_tokens in lengths:
     prompts = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts, corpus=FLAGS.book)
-    for method in methods:
+    planned = [common.auto_method(FLAGS.model, FLAGS.draft, n_tokens, sampling, loaded=(model, None))
+               .load_draft(model.config, model.params) if m == "auto" else m for m in methods]
+    for method in planned:
       # Each method's programs live only while it runs: a process holding every method's
       # (a dozen hierarchies, a program per level each) ran XLA:CPU out of code memory.
       programs = Programs()
@@ -207,7 +248,7 @@ def main(argv):
       accepted = [x["mean_accepted"] for x in runs if x["mean_accepted"] is not None]
       rows.append({
           "method": method.label, "prompt_tokens": n_tokens, "runs": runs, "compile_s": warm.compile_s,
-          **stack_shape(method.stack),
+          **stack_shape(method.stack), **(prediction(model, method, n_tokens, sampling) if FLAGS.predict else {}),
           "median_decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in runs),
           "median_mean_accepted": statistics.median(accepted) if accepted else None,
           "median_prefill_s": statistics.median(x["prefill_s"] for x in runs)})
@@ -216,6 +257,24 @@ def main(argv):
       rows.append(peer_row(peer, n_tokens, prompts, ar_tokens, progress))
       pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))
   write_outputs(record(rows))
+
+
+def prediction(model, method, n_tokens: int, sampling) -> dict:
+  """The planner's prediction for this method's stack at this length ({} for ar, or a stack
+  outside the profile's levels: say why in the log)."""
+  if method.levels is None:
+    return {}
+  from hitree_jax.planner import auto
+  profile, _ = auto.profiled(FLAGS.model, FLAGS.draft, auto.nearest_context(n_tokens), sampling,
+                             book=FLAGS.book, loaded=(model, None), log=logging.info)
+  try:
+    got = auto.predict(profile, FLAGS.temperature == 0, auto.in_profile_names(method.levels, FLAGS.draft),
+                       method.tree)
+  except ValueError as e:
+    logging.info("no prediction for %s: %s", method.label, e)
+    return {}
+  return {"predicted_tokens_per_s": 1 / got.seconds_per_token,
+          "predicted_tokens_per_target_forward": got.tokens_per_target_forward}
 
 
 def make_peers(model_path, longest_prompt: int) -> list:

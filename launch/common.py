@@ -84,6 +84,7 @@ METHOD_FLAGS = {
     "triforce": ("draft", "budget", "reselect", "sinks", "window", "gamma1", "gamma2"),
     "hitree": ("draft", "tree", "acceptance", "budget", "reselect", "sinks", "window", "gamma2"),
     "hsd": ("draft", "levels", "acceptance"),
+    "auto": ("draft",),
 }
 SPECULATION_FLAGS = ("draft", "gamma", "tree", "acceptance", "budget", "reselect", "sinks", "window",
                      "gamma1", "gamma2", "levels")
@@ -433,7 +434,7 @@ def join_method_specs(items: list[str]) -> list[str]:
   so a piece that does not (the 4 of sequoia:8,4, the iid of self:4,iid) belongs to the one before."""
   specs = []
   for item in items:
-    if specs and item.partition("/")[0] not in METHODS:
+    if specs and item.partition("/")[0] not in METHODS + ("auto",):
       specs[-1] += "," + item
     else:
       specs.append(item)
@@ -532,6 +533,30 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
     token_tree = tree_lib.from_acceptance(profile, *token_tree[1:])
   return Method(name, _label(name, rest, knobs, shape, levels), levels, token_tree, draft_path, mode,
                 heads=heads)
+
+
+def check_auto_draft(draft: str) -> None:
+  if _split_level(draft)[0].startswith(("ngram", "self:") + HEADS):
+    raise ValueError(f"--method=auto plans stacks around a draft model: give --draft=PATH (e.g. "
+                     f"drafts/smollm2-draft.gguf), not {draft}")
+
+
+def auto_method(model: str, draft: str, prompt_length: int, sampling, loaded: tuple = (None, None)) -> Method:
+  """--method=auto: the stack the planner chooses (hitree_jax/planner/auto.py) around the draft
+  model `draft`, for this prompt length and sampling, from the profile measured on first use."""
+  from hitree_jax.planner import auto
+  check_auto_draft(draft)
+  choice, _, path = auto.plan_for(model, draft, prompt_length, sampling, loaded=loaded,
+                                  log=lambda message: logging.info("%s", message))
+  logging.info("--method=auto: %s, %.1f tok/s predicted (ar %.1f; profile %s)",
+               f"hsd/{choice.levels}" if choice.levels else "ar", choice.predicted_tokens_per_s,
+               choice.ar_tokens_per_s, path)
+  if choice.levels is None:
+    return Method("ar", label="auto=ar")
+  flags = choice.flags(draft)
+  method = parse_method("hsd", Knobs(draft=draft, levels=flags["levels"], acceptance=flags.get("acceptance")),
+                        float(sampling.temperature) == 0)
+  return dataclasses.replace(method, label=f"auto={method.label}")
 
 
 def _label(name: str, rest: str, knobs: Knobs, shape: str, levels: str) -> str:

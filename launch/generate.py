@@ -29,11 +29,12 @@ flags.DEFINE_enum("book", None, ["austen", "shakespeare", "milton"],
                   "Use a passage of this book corpus as the prompt (see --prompt_tokens).")
 flags.DEFINE_integer("prompt_tokens", 512, "Length of the --book passage, in tokens.")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate at most.")
-flags.DEFINE_string("method", "ar", f"Decoding method; one of {common.METHODS}. sd: a chain of "
+flags.DEFINE_string("method", "ar", f"Decoding method; one of {common.METHODS + ('auto',)}. sd: a chain of "
                     "--gamma draft tokens; tree: --tree; both use --draft. retrieval: the target "
                     "over a --budget retrieval cache drafts for itself. triforce / hitree: --draft "
                     "(StreamingLLM cache) -> the target's retrieval level -> the target. hsd: any "
-                    "stack, --levels (docs/methods.md).")
+                    "stack, --levels (docs/methods.md). auto: the stack launch.plan chooses around "
+                    "--draft=PATH for this prompt's length and sampling (profiled on first use).")
 flags.DEFINE_bool("chat", False, "Wrap the prompt in the model's chat template.")
 flags.DEFINE_bool("ignore_eos", False, "Keep generating after the end-of-sequence token.")
 flags.DEFINE_bool("json", False, "Print one JSON record as the last line.")
@@ -87,7 +88,11 @@ def main(argv):
   del argv
   mesh = common.mesh_from_flags(FLAGS)  # first: a multi-host run joins before jax starts
   common.check_method_flags(FLAGS.method.partition("/")[0], common.given_flags())
-  method = common.parse_method(FLAGS.method, common.Knobs.from_flags(FLAGS), FLAGS.temperature == 0)
+  planned = FLAGS.method == "auto"  # the stack is chosen once the prompt's length is known
+  if planned:
+    common.check_auto_draft(FLAGS.draft)
+  else:
+    method = common.parse_method(FLAGS.method, common.Knobs.from_flags(FLAGS), FLAGS.temperature == 0)
   check_prompt_flags()
   sampling = common.sampling_from_flags(FLAGS)
   if FLAGS.max_new_tokens < 1:
@@ -99,16 +104,20 @@ def main(argv):
   # Everything a user can get wrong is checked from metadata, before the slow weight load.
   config = load_config(FLAGS.model, FLAGS.dtype)
   tokenizer = load_tokenizer(resolve(FLAGS.model))
+  ids = prompt_ids(tokenizer)
+  if planned:  # any stack with the draft: its checks (tokenizer, vocabulary) before the slow loads
+    method = common.parse_method("hsd/draft/chain:1", common.Knobs(draft=FLAGS.draft), True)
   draft_config = method.check_draft(config, tokenizer)
   is_draft_alone = load_vocab(FLAGS.model) is not None
   if is_draft_alone and method.name != "ar":
     raise ValueError(f"--model={FLAGS.model} has a reduced vocabulary (a draft): "
                      "it can run --method=ar, or serve as --draft of its target")
-  ids = prompt_ids(tokenizer)
   check_prompt(ids, config, draft_config, is_draft_alone)
 
   model = load_model(FLAGS.model, FLAGS.dtype)
   sharding.check(model.config, mesh, 1, 256)  # before the draft loads; generate checks the cache's slots
+  if planned:
+    method = common.auto_method(FLAGS.model, FLAGS.draft, len(ids), sampling, loaded=(model, None))
   method = method.load_draft(model.config, model.params)
   model_ids = ids if model.vocab is None else model.vocab.to_draft(ids).tolist()  # a draft alone
   result = method.generate(sharding.place_params(model.params, mesh), model.config, [model_ids],

@@ -4,6 +4,7 @@
   acceptance_figure(record, "results_acceptance.png")  accepted draft tokens per round, by depth
   levels_figure(record, "results_levels.png")          acceptance and share of time per level
   gamma_figure(record, "results_gammas.png")           hierarchies: speedup by (gamma1, gamma2)
+  predicted_figure(record, "results_predicted.png")    the planner's predictions against measurement
 
 They take the record rather than the runs so that a saved results.json can be
 plotted again, and later records (per-level acceptance) can add figures here.
@@ -216,6 +217,43 @@ def gamma_figure(record: dict, path: str | pathlib.Path) -> bool:
   ax.set_ylim(bottom=0)
   ax.grid(True, alpha=0.3)
   ax.set_title(f"hierarchies by (gamma1, gamma2), {longest}-token prompts")
+  _legend_below(fig, ax)
+  _save(fig, record, path)
+  return True
+
+
+def prediction_errors(rows: list[dict]) -> list[tuple[dict, float]]:
+  """(row, relative error of the planner's prediction: predicted / measured - 1) for each row
+  that carries one (launch.benchmark --predict)."""
+  return [(r, r["predicted_tokens_per_s"] / r["median_decode_tokens_per_s"] - 1) for r in rows
+          if r.get("predicted_tokens_per_s")]
+
+
+def predicted_figure(record: dict, path: str | pathlib.Path) -> bool:
+  """The planner's predicted tok/s against the measured, a point per (stack, prompt length),
+  with the +-15% band; False (no file) when no row has a prediction."""
+  errors = prediction_errors(record["results"])
+  if not errors:
+    return False
+  groups = by_method([r for r, _ in errors])
+  color = colors(groups)
+  marker = {n: m for n, m in zip(sorted({r["prompt_tokens"] for r, _ in errors}), "os^Dv")}
+  fig, ax = plt.subplots(figsize=(7, 6))
+  top = 1.1 * max(max(r["predicted_tokens_per_s"], r["median_decode_tokens_per_s"]) for r, _ in errors)
+  ax.plot([0, top], [0, top], color="grey", linewidth=0.8)
+  ax.fill_between([0, top], [0, 0.85 * top], [0, 1.15 * top], color="grey", alpha=0.12, label="within 15%")
+  for method, rows in groups.items():
+    for r in rows:
+      ax.scatter(r["median_decode_tokens_per_s"], r["predicted_tokens_per_s"], color=color[method],
+                 marker=marker.get(r["prompt_tokens"], "o"),
+                 label=f"{method} ({r['prompt_tokens']})")
+  within = sum(abs(e) <= 0.15 for _, e in errors)
+  ax.set_xlim(0, top)
+  ax.set_ylim(0, top)
+  ax.set_xlabel("measured decode tok/s (median)")
+  ax.set_ylabel("predicted tok/s (planner/latency.py)")
+  ax.set_title(f"planner: {within} of {len(errors)} stacks predicted within 15%")
+  ax.grid(True, alpha=0.3)
   _legend_below(fig, ax)
   _save(fig, record, path)
   return True

@@ -144,6 +144,10 @@ def test_progress_reports_elapsed_and_eta():
     (["--model=/no/such/model.gguf", "--prompt=hi"], "/no/such/model.gguf"),
     (["--prompt_file=/no/such/prompt.txt"], "--prompt_file=/no/such/prompt.txt"),
     (["--prompt=a", "--book=austen"], "exactly one of --prompt, --prompt_file, --book"),
+    (["--method=auto", "--prompt=hi"], "--method=auto plans stacks around a draft model: give --draft=PATH"),
+    (["--method=auto", "--draft=ngram:3", "--prompt=hi"], "not ngram:3"),
+    (["--method=auto", "--draft=drafts/smollm2-draft.gguf", "--gamma=3", "--prompt=hi"],
+     "--gamma does not apply to --method=auto"),
 ])
 def test_generate_rejects_bad_input_by_name(args, message):
   proc = launch("generate", *args, timeout=120)

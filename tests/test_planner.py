@@ -1,6 +1,8 @@
 """The planner's latency model against closed forms and a simulation of the engine's rounds, and
 its shortest-path search against brute force."""
 
+import dataclasses
+import json
 import types
 
 import jax
@@ -25,6 +27,11 @@ def test_a_chain_is_the_textbook_formula():
   got = latency.predict(model)
   assert got.tokens_per_target_forward == pytest.approx(expected_tokens)
   assert got.seconds_per_token == pytest.approx((draft + target(gamma + 1)) / expected_tokens)
+  # A round's overheads beside the forwards: the drafter's per forward, the verifier's per token.
+  over = latency.Overheads(draft_forward=0.0005, verify=0.002, tree=0.007)
+  with_overheads = latency.predict(dataclasses.replace(model, overheads=over))
+  round_seconds = draft + 0.0005 * gamma + target(gamma + 1) + 0.002
+  assert with_overheads.seconds_per_token == pytest.approx(round_seconds / expected_tokens)
 
 
 def test_a_trees_accepted_law_has_sequoias_mean():
@@ -113,8 +120,10 @@ def random_candidates(rng, n_middles):
   for i, proposer in enumerate(everyone):
     for verifier in [*everyone[max(i + 1, 2):], "target"]:
       if rng.random() < 0.9:
-        acceptance[verifier, proposer] = sorted(rng.uniform(0.05, 0.95, 3), reverse=True)
-  return optimize.Candidates(drafters, middles, affine(0.03, 0.002), (2, 4, 7), acceptance)
+        ranks = np.sort(rng.uniform(0.05, 0.95, 3))[::-1]
+        acceptance[verifier, proposer] = list(ranks * min(1.0, rng.uniform(0.3, 1.0) / ranks.sum()))
+  overheads = latency.Overheads(*rng.uniform(0.0, 0.003, 3))
+  return optimize.Candidates(drafters, middles, affine(0.03, 0.002), (2, 4, 7), acceptance, overheads)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -173,3 +182,186 @@ def test_pair_acceptance_is_one_for_a_level_and_itself_and_less_for_a_draft(tiny
     assert 0.0 < got[pair]["alpha"] < 0.99
     assert len(got[pair]["profile"]) == 8 and sum(got[pair]["greedy_profile"]) <= 1.0
     assert got[pair]["greedy_profile"][0] == got[pair]["greedy"]
+
+
+def test_ngram_proposals_are_the_engines():
+  from hitree_jax.decode.drafters import NGramDrafter
+  rng = np.random.default_rng(0)
+  history = rng.integers(0, 5, 60)                     # a small vocabulary: many repeats
+  got = profile.ngram_proposals(history, 1, 3)
+  width = 64
+  seq = np.zeros((len(history) - 1, width), np.int32)
+  for row, end in enumerate(range(1, len(history))):
+    seq[row, :end] = history[:end]
+  inputs = types.SimpleNamespace(seq=jax.numpy.asarray(seq), end=jax.numpy.arange(1, len(history)))
+  engine = NGramDrafter(3).propose(None, shapes.chain(1), inputs).tokens[:, 0]
+  np.testing.assert_array_equal(got, np.asarray(engine))
+
+
+def synthetic_profile(context=512, space=None):
+  """A profile as auto.measure stores it (JSON: string widths), with made-up but plausible
+  numbers: costs grow with width, acceptance falls with the gap between two levels."""
+  from hitree_jax.planner import auto
+  space = (space or auto.Space()).for_context(context)
+  base = {"target": 0.020, "retrieval:256": 0.013, "retrieval:512": 0.015, "retrieval:1024": 0.017,
+          "self:8": 0.007, "draft": 0.0024, "draft@streaming:16x234": 0.0018}
+  quality = {"target": 1.0, "retrieval:256": 0.9, "retrieval:512": 0.93, "retrieval:1024": 0.95,
+             "self:8": 0.1, "draft": 0.45, "draft@streaming:16x234": 0.4, "ngram:3": 0.3}
+  costs = {name: {str(w): base[name] * (1 + 0.08 * (w - 1)) for w in space.widths}
+           for name in space.levels() if name in base}
+  acceptance = {}
+  for verifier, proposer in space.pairs():
+    a = quality[proposer] / quality[verifier] if quality[proposer] < quality[verifier] else 0.95
+    ranks = [a] + [(1 - a) * 0.5 ** r for r in range(1, 8)]   # p(x_r) of distinct tokens: sum <= 1
+    acceptance[f"{verifier}<-{proposer}"] = {"alpha": a, "greedy": a, "profile": ranks, "greedy_profile": ranks}
+  return {"context": context, "costs": costs, "acceptance": acceptance,
+          "overheads": {"draft_forward": 0.0005, "verify": 0.002, "tree": 0.006}, "ar_seconds": 0.05}
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_plan_is_the_fastest_stack_of_its_space_and_runs_as_flags(greedy):
+  from hitree_jax.planner import auto
+  from launch.common import Knobs, parse_method
+  profile = synthetic_profile()
+  choice = auto.choose(profile, greedy)
+  # At 512 tokens no retrieval budget of 512 or more is a candidate (it would hold it all).
+  assert "retrieval:512" not in choice.levels and "retrieval:1024" not in choice.levels
+  best = optimize.brute_force(auto.candidates(profile, greedy), max_middles=2, fixed_buffers=True)
+  assert choice.best_stack.seconds_per_token <= best.seconds_per_token * (1 + 1e-9)
+  assert choice.predicted_tokens_per_s == pytest.approx(
+      1 / auto.predict(profile, greedy, choice.levels).seconds_per_token)
+  assert choice.predicted_tokens_per_s > choice.ar_tokens_per_s == 20.0
+  flags = choice.flags("drafts/smollm2-draft.gguf")
+  method = parse_method("hsd", Knobs(draft=flags["draft"], levels=flags["levels"],
+                                     acceptance=flags.get("acceptance")), greedy)
+  assert method.levels.split("+")[1:] == choice.levels.split("+")[1:]
+
+
+def test_plain_decoding_is_chosen_when_no_stack_beats_it():
+  from hitree_jax.planner import auto
+  profile = dict(synthetic_profile(), ar_seconds=0.005)
+  choice = auto.choose(profile, True)
+  assert choice.levels is None and choice.flags("d.gguf") == {"method": "ar"}
+  assert choice.predicted_tokens_per_s == 200.0 > 1 / choice.best_stack.exact.seconds_per_token
+  # A stack must be predicted min_gain faster than ar: within the model's error, ar stays.
+  close = dict(synthetic_profile(), ar_seconds=1.1 * auto.choose(synthetic_profile(), True).best_stack.exact.seconds_per_token)
+  assert auto.choose(close, True, min_gain=0.0).levels is not None
+  assert auto.choose(close, True, min_gain=0.2).levels is None
+
+
+def test_a_sequoia_plan_carries_the_profile_its_tree_came_from():
+  from hitree_jax.planner import auto
+  from launch.common import Knobs, parse_method
+  space = auto.Space(drafters=("draft",), middles=(), chains=(), trees=("sequoia:16,5",))
+  profile = synthetic_profile(space=space)
+  choice = auto.choose(profile, True, space)
+  assert choice.levels == "draft/sequoia:16,5" and choice.acceptance is not None
+  flags = choice.flags("drafts/smollm2-draft.gguf")
+  method = parse_method("hsd", Knobs(draft=flags["draft"], levels=flags["levels"], acceptance=flags["acceptance"]))
+  planned = auto.candidates(profile, True, space).drafters[0].trees[0][1]
+  assert method.tree.parents == planned.parents
+
+
+def test_predictions_name_what_the_profile_lacks():
+  from hitree_jax.planner import auto
+  profile = synthetic_profile()
+  assert auto.predict(profile, True, "draft/chain:2").tokens_per_target_forward > 1
+  assert auto.predict(profile, True, "draft/kary:3x3").tokens_per_target_forward > 1   # any tree
+  with pytest.raises(ValueError, match="no drafter 'eagle'"):
+    auto.predict(profile, True, "eagle/chain:2")
+  with pytest.raises(ValueError, match="no middle level"):
+    auto.predict(profile, True, "draft/chain:1+retrieval:4096/6")
+  assert (auto.in_profile_names("drafts/smollm2-draft.gguf@streaming:16x234/chain:1+retrieval:512/6",
+                                "drafts/smollm2-draft.gguf")
+          == "draft@streaming:16x234/chain:1+retrieval:512/6")
+
+
+def test_measure_and_choose_on_tiny_models_and_the_plan_is_exact(tiny_pair):
+  """The whole planner on tiny models: a profile measured (costs, acceptance with an n-gram,
+  overheads fitted to generations, ar), a plan chosen from it, and its greedy tokens = ar's."""
+  from hitree_jax.decode import engine
+  from hitree_jax.decode.drafters import DraftWeights
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.planner import auto
+  from launch.common import Knobs, parse_method
+  target, draft = tiny_pair
+  space = auto.Space(drafters=("ngram:3", "draft"), middles=("draft@streaming:16x234", "retrieval:256"),
+                     chains=(1, 3), trees=("kary:2x2",), gammas=(2, 4), widths=(1, 4))
+  prompt = list(np.arange(300) * 7 % 64)
+  continuation = engine.generate(target.params, target.config, [prompt], max_new_tokens=16,
+                                 stop_at_eos=False).tokens[0]
+  second = list(np.arange(300) * 5 % 64)
+  profile = auto.measure(target, draft, [prompt, second], [continuation, continuation[::-1]],
+                         SamplingParams.create(), space, repeats=2)
+  assert profile["passages"] == 2
+  assert set(profile["costs"]) == {"draft", "draft@streaming:16x234", "retrieval:256", "target"}
+  assert set(profile["overheads"]) == {"draft_forward", "verify", "tree"}
+  ngram = profile["acceptance"]["target<-ngram:3"]
+  assert ngram["profile"][1:] == [0.0] * 7 and 0.0 <= ngram["alpha"] <= 1.0
+  profile = json.loads(json.dumps(profile))     # as stored
+  assert profile["ar_seconds"] > 0
+  choice = auto.choose(profile, True, space)   # random tiny models: ar may well win; run the best stack
+  method = parse_method("hsd", Knobs(draft="drafts/smollm2-draft.gguf",
+                                     levels=auto.levels_spec(choice.best_stack)), True)
+  stack = method.build(target.config, draft.config, None)
+  got = engine.generate(target.params, target.config, [prompt], max_new_tokens=24, stack=stack,
+                        draft=DraftWeights.create(draft.params), stop_at_eos=False).tokens[0]
+  ar = engine.generate(target.params, target.config, [prompt], max_new_tokens=24, stop_at_eos=False).tokens[0]
+  assert got == ar
+
+
+def test_plan_writes_a_config_that_generate_runs_and_auto_plans_the_same(tmp_path):
+  """launch.plan and --method=auto from a stored profile (made up here: measuring SmolLM2's takes
+  minutes), on the real SmolLM2 and its draft: the config runs, auto picks the same stack, and
+  both generate ar's greedy tokens."""
+  import os
+  import subprocess
+  import sys
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.loading import resolve
+  from hitree_jax.planner import auto
+  from tests.test_launch import REPO
+  draft = "drafts/smollm2-draft.gguf"
+  model_path, draft_path = str(resolve("smollm2")), str(resolve(draft))
+  greedy = SamplingParams.create()
+  stored = auto.profile_path(tmp_path, model_path, draft_path, 512, greedy)
+  stored.parent.mkdir(parents=True)
+  stored.write_text(json.dumps({"key": auto.profile_key(model_path, draft_path, 512, greedy, "austen"),
+                                "profile": synthetic_profile(512)}))
+  expected = auto.choose(synthetic_profile(512), True)
+  env = dict(os.environ, HITREE_PROFILES=str(tmp_path))
+  run = lambda module, *args: subprocess.run([sys.executable, "-m", f"launch.{module}", *args], cwd=REPO,
+                                             capture_output=True, text=True, timeout=600, env=env)
+  plan = run("plan", f"--draft={draft}", "--prompt_tokens=500", f"--out={tmp_path / 'plan.py'}",
+             "--predict=draft/chain:2")
+  assert plan.returncode == 0, plan.stderr[-3000:]
+  assert f"chosen: hsd/{expected.levels}: {expected.predicted_tokens_per_s:.1f} tok/s" in plan.stdout
+  assert "hsd/draft/chain:2: " in plan.stdout
+  assert json.loads((tmp_path / "plan.json").read_text())["flags"]["levels"] == expected.levels
+  common = ["--book=austen", "--prompt_tokens=500", "--max_new_tokens=12", "--ignore_eos", "--json"]
+  records = {}
+  for name, args in [("config", [f"--config={tmp_path / 'plan.py'}"]),
+                     ("auto", ["--method=auto", f"--draft={draft}"]), ("ar", [])]:
+    proc = run("generate", *args, *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert records["auto"]["method"] == f"auto={records['config']['method']}"
+  assert records["config"]["method"].endswith(expected.levels.split("/", 1)[1])
+  assert records["config"]["tokens"] == records["auto"]["tokens"] == records["ar"]["tokens"]
+
+
+def test_break_even_is_where_a_middle_level_starts_to_pay():
+  from hitree_jax.planner import auto
+  profile = synthetic_profile(1024)
+  needed = auto.break_even(profile, True, "retrieval:256")
+  assert needed is not None and 0.0 < needed < 1.0
+
+  def tops_with(a):
+    changed = json.loads(json.dumps(profile))
+    changed["acceptance"]["target<-retrieval:256"].update(greedy=a, greedy_profile=[a] + [0.0] * 7)
+    plan = auto.choose(changed, True).best_stack
+    return bool(plan.middles) and plan.middles[-1][0] == "retrieval:256"
+
+  assert tops_with(min(1.0, needed + 0.02)) and not tops_with(needed - 0.02)
+  assert auto.break_even(dict(profile, costs={**profile["costs"], "retrieval:256": profile["costs"]["target"]}),
+                         True, "retrieval:256") is None   # as dear as the target: never pays

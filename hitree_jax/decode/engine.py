@@ -587,6 +587,42 @@ def check_stack(stack: Stack, config: ModelConfig) -> None:
                      "must have the target's weights (e.g. the retrieval level)")
 
 
+def _prefilled_args(params, config: ModelConfig, prompts, max_new_tokens: int, stack: Stack,
+                    sampling: SamplingParams | None, seed: int, stop_at_eos: bool,
+                    draft: DraftWeights | None, programs: programs_lib.Programs, mesh: Mesh | None):
+  """Checks the stack and prefills every level's long cache: (_decode's arguments, prefill
+  seconds, compilation included)."""
+  sampling = sampling or SamplingParams.create()
+  check_stack(stack, config)
+  if stack.uses_draft_weights and draft is None:
+    raise ValueError("a stack with a draft model needs its weights: pass "
+                     "draft=DraftWeights.create(params, vocab)")
+  if (stack.draft_config is not None and draft.target_ids is None
+      and stack.draft_config.vocab_size != config.vocab_size):
+    raise ValueError(f"draft and target vocabularies differ: the draft's has "
+                     f"{stack.draft_config.vocab_size} tokens, the target's {config.vocab_size}")
+  if not stack.uses_draft_weights:
+    draft = None
+  layout = Layout(stack, config, stack.draft_config, mesh)
+  batch = prefill_lib.make_batch(prompts, config, max_new_tokens)
+  width = layout.recent_slots
+  slots = prefill_lib.cache_slots(batch.tokens.shape[1], max_new_tokens, extra=width)
+  sharding.check(config, mesh, batch.batch, slots)
+  weights = Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
+  start = time.perf_counter()
+  prefilled, longs = _long_caches(layout, weights, config, batch, slots,
+                                  prefill_lib.round_up(max_new_tokens + width, 8), programs)
+  jax.block_until_ready(prefilled)
+  prefill_s = time.perf_counter() - start
+  history_width = prefill_lib.round_up(batch.tokens.shape[1] + max_new_tokens + width, 128)
+  seq = np.zeros((batch.batch, history_width), np.int32)
+  seq[:, :batch.tokens.shape[1]] = batch.tokens
+  eos = jnp.int32(config.eos_token_id if stop_at_eos and config.eos_token_id is not None else -1)
+  args = (layout, weights, longs, prefilled, max_new_tokens, sampling, eos, jax.random.key(seed),
+          jnp.asarray(seq), jnp.asarray(batch.lengths))
+  return args, prefill_s
+
+
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              stack: Stack | None = None, tree: TokenTree | DynamicTree | None = None, drafter=None,
              sampling: SamplingParams | None = None, seed: int = 0, stop_at_eos: bool = True,
@@ -601,39 +637,13 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
   over `data`, the full caches' slots over `sequence`; the tokens are the same as on one device."""
   if stack is None:
     stack = Stack(drafter, tree)
-  sampling = sampling or SamplingParams.create()
   programs = programs or programs_lib.shared()
-  check_stack(stack, config)
-  if stack.uses_draft_weights and draft is None:
-    raise ValueError("a stack with a draft model needs its weights: pass "
-                     "draft=DraftWeights.create(params, vocab)")
-  if (stack.draft_config is not None and draft.target_ids is None
-      and stack.draft_config.vocab_size != config.vocab_size):
-    raise ValueError(f"draft and target vocabularies differ: the draft's has "
-                     f"{stack.draft_config.vocab_size} tokens, the target's {config.vocab_size}")
-  if not stack.uses_draft_weights:
-    draft = None
-  layout = Layout(stack, config, stack.draft_config, mesh)
-  batch = prefill_lib.make_batch(prompts, config, max_new_tokens)
   counts_before = programs.counts()
-  width = layout.recent_slots
-  slots = prefill_lib.cache_slots(batch.tokens.shape[1], max_new_tokens, extra=width)
-  sharding.check(config, mesh, batch.batch, slots)
-  weights = Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
-
   with sharding.use(mesh):  # traced under the mesh: attention over a cache split by slot reads it per shard
-    start = time.perf_counter()
-    prefilled, longs = _long_caches(layout, weights, config, batch, slots,
-                                    prefill_lib.round_up(max_new_tokens + width, 8), programs)
-    jax.block_until_ready(prefilled)
-    prefill_s = time.perf_counter() - start - (programs.compile_s - counts_before[0])
-
-    history_width = prefill_lib.round_up(batch.tokens.shape[1] + max_new_tokens + width, 128)
-    seq = np.zeros((batch.batch, history_width), np.int32)
-    seq[:, :batch.tokens.shape[1]] = batch.tokens
-    eos = jnp.int32(config.eos_token_id if stop_at_eos and config.eos_token_id is not None else -1)
-    args = (layout, weights, longs, prefilled, max_new_tokens, sampling, eos, jax.random.key(seed),
-            jnp.asarray(seq), jnp.asarray(batch.lengths))
+    args, prefill_s = _prefilled_args(params, config, prompts, max_new_tokens, stack, sampling, seed,
+                                      stop_at_eos, draft, programs, mesh)
+    layout = args[0]
+    prefill_s -= programs.compile_s - counts_before[0]
     round_s = _time_levels(programs, args) if time_levels and layout.top > 0 else None
     loop = programs.get(("engine", layout, max_new_tokens, programs_lib.shape_key(args[1:])),
                         _decode, *args)
@@ -644,7 +654,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
     stats = jax.tree.map(sharding.fetch, stats)
   speculative = layout.top > 0
   return GenerationResult(
-      tokens=[out[b, :n_tokens[b]].tolist() for b in range(batch.batch)],
+      tokens=[out[b, :n_tokens[b]].tolist() for b in range(len(prompts))],
       prefill_s=prefill_s, decode_s=decode_s, **programs.since(counts_before),
       target_forwards=int(stats.rounds.max()) if speculative else None,
       rounds_per_row=stats.rounds.tolist() if speculative else None,

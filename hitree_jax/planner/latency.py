@@ -47,6 +47,14 @@ Derivation.
    long-run seconds per token are E[top round time] / E[Y_K]
    (`seconds_per_token`).
 
+5. A round is more than its model's forward: the drafter samples at each
+depth, a verifier computes its distributions, walks the tree and commits, a
+middle level appends to its buffer, and the loop carries its state. On this
+engine (SmolLM2, 2K, CPU) that is a few milliseconds a round, more when the
+proposal is a tree, so `Overheads` adds seconds per drafter forward, per
+verifying round, and per round verifying a tree (profile.round_overheads fits
+them to whole generations).
+
 Two things the engine does that the model leaves out: a row that finishes
 stops early (a bounded end effect), and each level's forward also carries its
 pending tokens (the root, and after a full acceptance a few more).
@@ -66,6 +74,9 @@ Cost = Callable[[int], float]
 
 def accepted_law(tree: TokenTree, profile: Sequence[float]) -> np.ndarray:
   """P(the verifier accepts k nodes of `tree`), k = 0 .. depth, under the per-rank profile."""
+  if sum(profile) > 1 + 1e-6:
+    raise ValueError(f"a per-rank profile holds the verifier's probabilities of distinct tokens "
+                     f"(summing to <= 1), not {list(profile)}")
   reach, depth = node_reach(tree, profile), tree.depth
   at_least = np.ones(tree.max_depth + 1)                      # P(accepted >= d), d = 0 .. depth
   for d in range(1, tree.max_depth + 1):
@@ -118,6 +129,21 @@ def expected(law: np.ndarray, f: Callable[[int], float]) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class Overheads:
+  """Seconds a round spends beside its model's forwards (docstring, 5.)."""
+  draft_forward: float = 0.0       # per forward of a model drafter (one per depth of its tree)
+  verify: float = 0.0              # per verifying round
+  tree: float = 0.0                # ... more when the proposal is a tree, not a chain
+
+  def propose(self, tree: TokenTree) -> float:
+    return self.draft_forward * tree.max_depth
+
+  def check(self, proposal: TokenTree | None) -> float:
+    """A verifying round's, its proposal a drafter's tree, or (None) a middle level's buffer."""
+    return self.verify + (self.tree if proposal is not None and proposal.size > proposal.max_depth else 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
 class StackModel:
   """A stack for the model, bottom-up: the drafter's tree, its proposal cost, and per verifying
   level j = 1 .. K its cost curve and acceptance of the level below (level 1: the drafter's
@@ -127,6 +153,8 @@ class StackModel:
   costs: tuple[Cost, ...]                 # levels 1 .. K
   acceptance: tuple                       # level 1: per-rank profile; levels 2 .. K: a float
   gammas: tuple[int, ...] = ()            # levels 1 .. K-1
+  overheads: Overheads = Overheads()
+  model_drafter: bool = True              # its proposal pays Overheads.propose (n-gram lookup: no)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,11 +171,11 @@ def predict(stack: StackModel, fixed_buffers: bool = False) -> Prediction:
   objective) instead of its law of overshoot."""
   if len(stack.costs) != len(stack.gammas) + 1 or len(stack.acceptance) != len(stack.costs):
     raise ValueError("a stack of K verifying levels needs K costs, K acceptances and K - 1 gammas")
-  tree = stack.tree
+  tree, over = stack.tree, stack.overheads
   # Level 1 verifies the drafter's tree: a fixed proposal.
   yield_law = tree_yield(tree, stack.acceptance[0])
-  proposal_cost = stack.costs[0](tree.size + 1)
-  below_seconds = stack.draft_seconds
+  proposal_cost = stack.costs[0](tree.size + 1) + over.check(tree)
+  below_seconds = stack.draft_seconds + (over.propose(tree) if stack.model_drafter else 0.0)
   rounds = [1.0]
   for j in range(1, len(stack.costs)):                       # level j fills, level j + 1 verifies
     buffer = fill(stack.gammas[j - 1], yield_law)
@@ -156,7 +184,7 @@ def predict(stack: StackModel, fixed_buffers: bool = False) -> Prediction:
     level_seconds = buffer.rounds * (proposal_cost + below_seconds)
     rounds = [r * buffer.rounds for r in rounds] + [1.0]
     yield_law = round_yield(buffer.length, stack.acceptance[j])
-    proposal_cost = expected(buffer.length, lambda b, c=stack.costs[j]: c(b + 1))
+    proposal_cost = expected(buffer.length, lambda b, c=stack.costs[j]: c(b + 1)) + over.check(None)
     below_seconds = level_seconds
   round_seconds = proposal_cost + below_seconds
   tokens = expected(yield_law, float)
@@ -170,6 +198,18 @@ def tree_draft_seconds(tree: TokenTree, cost: Cost | None) -> float:
     return 0.0
   widths = [1] + [int((tree.depth == d).sum()) for d in range(1, tree.max_depth)]
   return float(sum(cost(w) for w in widths))
+
+
+def affine(points: Mapping[int, float]) -> Cost:
+  """The least-squares line through measured (width: seconds) points. A forward's cost is close
+  to affine in its width over 1..16 tokens, and the fit is steadier than the points, each of
+  which carries a machine's timing noise (a few percent here)."""
+  w = np.array(sorted(points), np.float64)
+  s = np.array([points[k] for k in sorted(points)], np.float64)
+  if w.size == 1:
+    return lambda width: float(s[0])
+  slope, fixed = np.polyfit(w, s, 1)
+  return lambda width: float(fixed + slope * width)
 
 
 def interpolated(points: Mapping[int, float]) -> Cost:

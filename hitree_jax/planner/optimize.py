@@ -52,9 +52,19 @@ class Candidates:
   target: latency.Cost
   gammas: tuple[int, ...]
   acceptance: Mapping[tuple[str, str], Sequence[float]]  # (verifier, proposer) -> per-rank profile
+  overheads: latency.Overheads = latency.Overheads()
+  # (verifier, middle level) -> per-token acceptance of the middle level's buffer (default: the
+  # per-rank profile's rank 0); under sampling a buffer holds samples, accepted at rate alpha.
+  buffer_acceptance: Mapping[tuple[str, str], float] | None = None
 
   def profile(self, verifier: str, proposer: str):
     return self.acceptance.get((verifier, proposer))
+
+  def of_buffer(self, verifier: str, proposer: str) -> float | None:
+    if self.buffer_acceptance is not None:
+      return self.buffer_acceptance.get((verifier, proposer))
+    profile = self.profile(verifier, proposer)
+    return None if profile is None else float(profile[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +85,14 @@ def stack_model(c: Candidates, drafter: Drafter, tree: TokenTree,
   """latency.StackModel of a stack, or None when a pair on it has no acceptance profile."""
   names = [drafter.name, *(m for m, _ in middles), "target"]
   cost_of = dict(c.middles) | {"target": c.target}
-  profiles = [c.profile(v, p) for p, v in zip(names, names[1:])]
-  if any(pr is None for pr in profiles):
+  acceptance = [c.profile(names[1], names[0]), *(c.of_buffer(v, p) for p, v in zip(names[1:], names[2:]))]
+  if any(a is None for a in acceptance):
     return None
   return latency.StackModel(tree=tree, draft_seconds=latency.tree_draft_seconds(tree, drafter.cost),
                             costs=tuple(cost_of[n] for n in names[1:]),
-                            acceptance=(tuple(profiles[0]), *(float(pr[0]) for pr in profiles[1:])),
-                            gammas=tuple(g for _, g in middles))
+                            acceptance=(tuple(acceptance[0]), *acceptance[1:]),
+                            gammas=tuple(g for _, g in middles), overheads=c.overheads,
+                            model_drafter=drafter.cost is not None)
 
 
 def brute_force(c: Candidates, max_middles: int | None = None, fixed_buffers: bool = True) -> Plan:
@@ -107,19 +118,23 @@ def optimize(c: Candidates) -> Plan:
   """The shortest path of the module docstring; the winner scored with the exact model too."""
   # States a level may verify: (proposer name, its tree (a drafter) or None (a buffer), the
   # proposal's length, the seconds to make it, the path: (drafter, tree label, middles)).
+  over = c.overheads
   lower = []
   for d in c.drafters:
     for label, tree in d.trees:
-      lower.append((d.name, tree, tree.size, latency.tree_draft_seconds(tree, d.cost), (d.name, label, ())))
+      seconds = latency.tree_draft_seconds(tree, d.cost) + (over.propose(tree) if d.cost else 0.0)
+      lower.append((d.name, tree, tree.size, seconds, (d.name, label, ())))
+
+  def verify_seconds(cost, state) -> float:
+    return cost(state[2] + 1) + over.check(state[1])
 
   def yields(verifier, state):
     name, tree, length, _, _ = state
-    profile = c.profile(verifier, name)
-    if profile is None:
-      return None
     if tree is not None:
-      return latency.tree_yield(tree, profile)
-    return latency.round_yield(np.eye(length + 1)[-1], float(profile[0]))  # exactly `length` tokens
+      profile = c.profile(verifier, name)
+      return None if profile is None else latency.tree_yield(tree, profile)
+    a = c.of_buffer(verifier, name)
+    return None if a is None else latency.round_yield(np.eye(length + 1)[-1], a)  # exactly `length` tokens
 
   for name, cost in c.middles:
     found = []
@@ -130,7 +145,7 @@ def optimize(c: Candidates) -> Plan:
         if law is None:
           continue
         rounds = latency.fill(gamma, law).rounds
-        options.append((rounds * (cost(state[2] + 1) + state[3]), state[4]))
+        options.append((rounds * (verify_seconds(cost, state) + state[3]), state[4]))
       if options:
         seconds, (dname, label, middles) = min(options, key=lambda o: o[0])
         found.append((name, None, gamma, seconds, (dname, label, middles + ((name, gamma),))))
@@ -142,7 +157,7 @@ def optimize(c: Candidates) -> Plan:
     if law is None:
       continue
     tokens = latency.expected(law, float)
-    options.append(((c.target(state[2] + 1) + state[3]) / tokens, state[4]))
+    options.append(((verify_seconds(c.target, state) + state[3]) / tokens, state[4]))
   seconds, (dname, label, middles) = min(options, key=lambda o: o[0])
   drafter = next(d for d in c.drafters if d.name == dname)
   tree = dict(drafter.trees)[label]

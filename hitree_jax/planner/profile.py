@@ -13,8 +13,11 @@ the --levels grammar:
   draft@streaming:SxW       a draft model over a StreamingLLM cache of S sinks and W recent tokens
 
 Acceptance is measured between pairs of levels on a continuation of the
-prompt (`pair_acceptance`). Profiles are JSON, reused while the key (model, draft, machine, jax version)
-is the same (`cached`).
+prompt (`pair_acceptance`; `ngram[:N]` proposes too). What a round costs
+beside its forwards is fitted to whole generations (`round_overheads`), and
+`ar_seconds` is the baseline every stack must beat. Profiles are JSON, reused
+while the key (model, draft, machine, jax version) is the same (`cached`;
+planner/auto.py assembles and keeps them).
 """
 
 from __future__ import annotations
@@ -55,15 +58,27 @@ def median_seconds(fn: Callable, *args, repeats: int) -> float:
   return statistics.median(times)
 
 
+FORWARDS_PER_CALL = 8  # a timed call runs this many forwards in one program
+
+
 def _timed_forward(config):
+  """A program of FORWARDS_PER_CALL forwards, one after the other (each one's tokens depend on
+  the last one's logits, so none can be hoisted or merged): its time / FORWARDS_PER_CALL is a
+  forward's inside a decoding program, without the host's dispatch and wait, which are a
+  fifth of a 2 ms draft forward's time when it is called alone."""
   @jax.jit
   def run(params, tokens, long):
     w = tokens.shape[1]
     recent = KVCache.init(config, tokens.shape[0], RECENT_SLOTS, long.keys[0].dtype)
     positions = long.next_positions[:, None] + jnp.arange(w)[None, :]
     attend = round_attend(recent.lengths, RECENT_SLOTS, jnp.tril(jnp.ones((w, w), bool)))
-    logits, _, _ = forward(params, config, tokens, positions, recent, attend, context=(long,))
-    return logits
+
+    def one(_, carry):
+      fed = tokens + (carry > jnp.inf).astype(tokens.dtype)    # always tokens, but after `carry`
+      logits, _, _ = forward(params, config, fed, positions, recent, attend, context=(long,))
+      return logits[0, -1, 0]
+
+    return jax.lax.fori_loop(0, FORWARDS_PER_CALL, one, jnp.float32(0))
   return run
 
 
@@ -116,16 +131,101 @@ class _Levels:
 
 def level_costs(target, draft, names: Sequence[str], prompt: Sequence[int], widths: Sequence[int],
                 repeats: int = 10) -> dict:
-  """{level name: {width: seconds}} at the context of `prompt` (token ids of the target).
+  """{level name: {width: seconds}} at the context of `prompt` (token ids of the target), the
+  median of `repeats` timings, the widths of a level interleaved: a machine's drift (another
+  process, the clock) then spreads over them all instead of bending the curve.
   target, draft: loading.LoadedModel (draft may be None when no name needs one)."""
   levels = _Levels(target, draft, prompt, 0)
   out = {}
   for name in names:
     config, params, long, _ = levels[name]
     run = _timed_forward(config)
-    out[name] = {w: median_seconds(run, params, jnp.zeros((1, w), jnp.int32), long, repeats=repeats)
-                 for w in widths}
+    calls = {w: (params, jnp.zeros((1, w), jnp.int32), long) for w in widths}
+    for args in calls.values():
+      jax.block_until_ready(run(*args))                      # compiles and warms up
+    times = {w: [] for w in widths}
+    for _ in range(repeats):
+      for w, args in calls.items():
+        start = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        times[w].append(time.perf_counter() - start)
+    out[name] = {w: statistics.median(t) / FORWARDS_PER_CALL for w, t in times.items()}
   return out
+
+
+def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int = 512,
+                    max_new_tokens: int = 96) -> dict:
+  """latency.Overheads' fields, fitted to whole generations of four reference stacks:
+
+    draft/chain:1, draft/chain:4, draft/kary:2x2, draft@streaming:16x234/chain:1+retrieval:BUDGET/6
+
+  In each, the decode seconds less its forwards' (level_costs at each level's mean width) are
+  the drafter's forwards x draft_forward + verifying rounds x verify + rounds verifying a tree x
+  tree: four equations, three unknowns, least squares. Whole generations, not rounds timed
+  alone (engine.generate's time_levels), so the loop's own cost is in, and the noise of a few
+  milliseconds per timing averages out over ~100 tokens. (A per-token term came out negative
+  here: not resolved by these widths, and left out.)"""
+  from hitree_jax.decode.drafters import DraftWeights, ModelDrafter
+  from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
+  from hitree_jax.planner.latency import affine, tree_draft_seconds
+  from hitree_jax.tree import shapes
+
+  t, d = target, draft
+  vocab = None if d.vocab is None else d.vocab.target_vocab_size
+  weights = DraftWeights.create(d.params, d.vocab)
+  drafter = lambda cache: ModelDrafter(d.config, "deterministic", vocab, cache=cache)
+  retrieval, streaming = f"retrieval:{budget}", "draft@streaming:16x234"
+  stacks = [(["draft", "target"], Stack(drafter(Full()), shapes.chain(1))),
+            (["draft", "target"], Stack(drafter(Full()), shapes.chain(4))),
+            (["draft", "target"], Stack(drafter(Full()), shapes.kary(2, 2))),
+            ([streaming, retrieval, "target"], Stack(drafter(Streaming(16, 234)), shapes.chain(1),
+                                                     (Verifier("target", Retrieval(budget, CHUNK), 6),)))]
+  costs = level_costs(t, d, ["target", retrieval, "draft", streaming], prompt, [1, 2, 4, 8])
+  curve = {name: affine(points) for name, points in costs.items()}
+  programs, rows, rest = Programs(), [], []
+  for names, stack in stacks:
+    runs = [engine.generate(t.params, t.config, [list(prompt)], max_new_tokens=max_new_tokens, stack=stack,
+                            sampling=sampling, stop_at_eos=False, draft=weights, programs=programs)
+            for _ in range(2)]
+    run = min(runs, key=lambda r: r.decode_s)
+    proposals = run.levels[0]["forwards"]
+    seconds = run.decode_s - proposals * tree_draft_seconds(stack.tree, curve[names[0]])
+    is_tree = stack.tree.size > stack.tree.max_depth
+    row = [proposals * stack.tree.max_depth, 0.0, proposals * is_tree]
+    for level in run.levels:  # level 1 verifies the whole tree; above, the buffers' mean length
+      width = stack.tree.size + 1 if level["level"] == 1 else level["proposed"] / level["forwards"] + 1
+      seconds -= level["forwards"] * curve[names[level["level"]]](width)
+      row[1] += level["forwards"]
+    rows.append(row)
+    rest.append(seconds)
+  fit = nonnegative_least_squares(np.array(rows), np.array(rest))
+  return {"draft_forward": float(fit[0]), "verify": float(fit[1]), "tree": float(fit[2])}
+
+
+def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """argmin |a x - b| over x >= 0, for a few columns: the best of the unconstrained fits on every
+  subset of columns (the others 0) whose solution is non-negative. An overhead is not negative;
+  an unconstrained fit of noisy timings can make one so and inflate another."""
+  n = a.shape[1]
+  best, best_residual = np.zeros(n), float(np.sum(b ** 2))
+  for mask in range(1, 2 ** n):
+    columns = [i for i in range(n) if mask >> i & 1]
+    x = np.linalg.lstsq(a[:, columns], b, rcond=None)[0]
+    if (x >= 0).all():
+      full = np.zeros(n)
+      full[columns] = x
+      residual = float(np.sum((a @ full - b) ** 2))
+      if residual < best_residual:
+        best, best_residual = full, residual
+  return best
+
+
+def ar_seconds(target, prompt: Sequence[int], max_new_tokens: int = 96) -> float:
+  """Seconds per token of plain decoding (`ar`) after `prompt`: what every stack must beat."""
+  programs = Programs()
+  runs = [engine.generate(target.params, target.config, [list(prompt)], max_new_tokens=max_new_tokens,
+                          stop_at_eos=False, programs=programs) for _ in range(2)]
+  return 1.0 / max(r.decode_tokens_per_s for r in runs)
 
 
 def _continuation_probs(config, params, long, vocab, tokens, target_vocab: int, sampling):
@@ -145,6 +245,40 @@ def _continuation_probs(config, params, long, vocab, tokens, target_vocab: int, 
   return spread_probs(probs, target_ids, target_vocab), target_ids[ranked]
 
 
+def ngram_proposals(history: Sequence[int], start: int, max_ngram: int) -> np.ndarray:
+  """[N]: the token the n-gram drafter (drafters.NGramDrafter) proposes at each position
+  i = start .. len(history) - 1, seeing history[:i]: what followed the latest earlier match of
+  the longest (<= max_ngram) suffix, else the last token."""
+  seq = np.asarray(history)
+  out = []
+  for end in range(start, len(seq)):
+    best = -1
+    match = np.arange(end) < end - 1          # a match ends strictly before the suffix does
+    for n in range(1, max_ngram + 1):
+      j = n - 1
+      if end - 1 - j < 0:
+        break
+      shifted = np.concatenate([np.full(j, -1), seq[:end - j]]) if j else seq[:end]
+      match &= (np.arange(end) >= j) & (shifted == seq[end - 1 - j])
+      if match.any():
+        best = int(np.nonzero(match)[0].max())
+    out.append(seq[best + 1] if best >= 0 else seq[end - 1])
+  return np.asarray(out, np.int32)
+
+
+def _ngram_probs(name: str, prompt, continuation, vocab_size: int):
+  """An n-gram level as a proposer: a one-hot q on its proposal, which is its only rank."""
+  tokens = ngram_proposals(list(prompt) + list(continuation), len(prompt), _ngram_order(name))
+  ranked = np.full((len(tokens), PROFILE_RANKS), -1, np.int32)
+  ranked[:, 0] = tokens
+  return jax.nn.one_hot(tokens, vocab_size), jnp.asarray(ranked)
+
+
+def _ngram_order(name: str) -> int:
+  order = name.removeprefix("ngram").removeprefix(":")
+  return int(order) if order else 3
+
+
 def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Sequence[int],
                     continuation: Sequence[int], sampling) -> dict:
   """{"verifier<-proposer": acceptance} over a continuation of `prompt` (the target's own, as a
@@ -152,24 +286,36 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Seq
   acceptance of one proposed token, E sum_x min(p, q) (Leviathan et al.); `greedy`, how often the
   proposer's top token is the verifier's; `profile`, Sequoia's per-rank acceptance of the
   proposer's top-R tokens, p(x_r) (train/metrics.py); `greedy_profile`, the same for a greedy
-  verifier. The continuation runs as one chunk, so a StreamingLLM window holds it all (the
+  verifier; `alpha_next` and `greedy_next`, the same rates at a position after an accepted one
+  (equal to alpha and greedy if positions are independent). A proposer `ngram[:N]` is the n-gram
+  drafter over the prompt and the continuation so far (one rank: its proposal). The continuation runs as one chunk, so a StreamingLLM window holds it all (the
   window slides token by token in decoding): an approximation for continuations much shorter
   than the window."""
   levels = _Levels(target, draft, prompt, len(continuation))
   vocab_size = target.config.vocab_size
   dists = {}
   for name in {n for pair in pairs for n in pair}:
-    dists[name] = _continuation_probs(*levels[name], list(continuation), vocab_size, sampling)
+    if re.fullmatch(r"ngram(:\d+)?", name):
+      dists[name] = _ngram_probs(name, prompt, continuation, vocab_size)
+    else:
+      dists[name] = _continuation_probs(*levels[name], list(continuation), vocab_size, sampling)
   out = {}
   for verifier, proposer in pairs:
     p, _ = dists[verifier]
     q, ranked = dists[proposer]
-    hits = ranked == jnp.argmax(p, axis=-1)[:, None]
+    valid = ranked >= 0                                            # an n-gram has one rank
+    hits = valid & (ranked == jnp.argmax(p, axis=-1)[:, None])
+    accept = jnp.sum(jnp.minimum(p, q), axis=-1)                  # [N] per position
     out[f"{verifier}<-{proposer}"] = {
-        "alpha": float(jnp.sum(jnp.minimum(p, q), axis=-1).mean()),
+        "alpha": float(accept.mean()),
         "greedy": float(hits[:, 0].mean()),
-        "profile": np.asarray(jnp.take_along_axis(p, ranked, axis=-1).mean(axis=0)).tolist(),
-        "greedy_profile": np.asarray(hits.mean(axis=0)).tolist()}
+        "profile": np.asarray(jnp.where(valid, jnp.take_along_axis(p, jnp.maximum(ranked, 0), axis=-1),
+                                        0.0).mean(axis=0)).tolist(),
+        "greedy_profile": np.asarray(hits.mean(axis=0)).tolist(),
+        # Independence across positions (the latency model's assumption): acceptance of the
+        # next position given this one was accepted, against the unconditional rates above.
+        "alpha_next": float(jnp.sum(accept[:-1] * accept[1:]) / jnp.maximum(jnp.sum(accept[:-1]), 1e-9)),
+        "greedy_next": float(jnp.sum(hits[:-1, 0] & hits[1:, 0]) / max(int(jnp.sum(hits[:-1, 0])), 1))}
   return out
 
 

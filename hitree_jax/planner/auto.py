@@ -1,0 +1,291 @@
+"""From measurements to a stack: the planner's candidate space, its profile, and the plan as a
+--levels spec that launch.generate and launch.benchmark run.
+
+A profile (`measure`) holds, at one context length and one sampling setting, every candidate
+level's cost curve, the acceptance of every (verifier, proposer) pair that may meet in a stack,
+and the engine's per-round overheads (profile.py). `candidates` turns it into
+optimize.Candidates; `plan` searches them (optimize.optimize) and ranks the runners-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+from typing import Sequence
+
+from hitree_jax.planner import latency, optimize
+from hitree_jax.planner import profile as profile_lib
+from hitree_jax.tree import shapes
+
+CONTEXTS = (512, 1024, 2048, 4096, 7680)   # a prompt is planned for the nearest profiled length
+
+
+@dataclasses.dataclass(frozen=True)
+class Space:
+  """The stacks the planner chooses among. Level names as in profile.py and the --levels grammar
+  ('draft' is the --draft model); middles cheapest first (a level verifies only those before it)."""
+  drafters: tuple[str, ...] = ("ngram:3", "self:8", "draft", "draft@streaming:16x234")
+  middles: tuple[str, ...] = ("draft@streaming:16x234", "draft", "retrieval:256", "retrieval:512",
+                              "retrieval:1024")
+  chains: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+  trees: tuple[str, ...] = ("kary:2x2", "kary:2x3", "kary:3x2", "sequoia:8,4", "sequoia:16,5")
+  gammas: tuple[int, ...] = (2, 3, 4, 6, 8, 12)
+  widths: tuple[int, ...] = (1, 2, 4, 8, 16)
+
+  def for_context(self, context: int) -> "Space":
+    """Without the retrieval budgets that would hold the whole context (the target itself)."""
+    keep = tuple(m for m in self.middles if not (m.startswith("retrieval:") and _budget(m) >= context))
+    return dataclasses.replace(self, middles=keep)
+
+  def levels(self) -> list[str]:
+    return list(dict.fromkeys([*self.drafters, *self.middles, "target"]))
+
+  def pairs(self) -> list[tuple[str, str]]:
+    """(verifier, proposer): each middle and the target over each drafter and each middle before
+    it (the space lists middles cheapest first)."""
+    out = []
+    for i, verifier in enumerate([*self.middles, "target"]):
+      for proposer in [*self.drafters, *self.middles[:i]]:
+        if proposer != verifier:
+          out.append((verifier, proposer))
+    return out
+
+
+def _budget(name: str) -> int:
+  return int(name.split(":")[1])
+
+
+def _model_levels(names: Sequence[str]) -> list[str]:
+  return [n for n in names if not re.fullmatch(r"ngram(:\d+)?", n)]
+
+
+PASSAGES = 3  # acceptance is averaged over this many passages: one passage's is off by up to 30%
+
+
+def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
+            sampling, space: Space = Space(), repeats: int = 10) -> dict:
+  """A profile: costs {level: {width: s}}, acceptance {"v<-p": ...}, overheads {field: s},
+  ar_seconds (per token of plain decoding, measured). Acceptance is the mean over the prompts
+  (passages of one length); the timings are taken after the first.
+  target, draft: loading.LoadedModel; continuations: the target's own tokens after each prompt."""
+  prompt = prompts[0]
+  space = space.for_context(len(prompt))
+  budgets = [_budget(m) for m in space.middles if m.startswith("retrieval:")]
+  per_passage = [profile_lib.pair_acceptance(target, draft, space.pairs(), p, c, sampling)
+                 for p, c in zip(prompts, continuations)]
+  return {"context": len(prompt), "passages": len(prompts),
+          "costs": profile_lib.level_costs(target, draft, _model_levels(space.levels()), prompt,
+                                           space.widths, repeats),
+          "acceptance": {pair: _mean([a[pair] for a in per_passage]) for pair in per_passage[0]},
+          "overheads": profile_lib.round_overheads(target, draft, prompt, sampling,
+                                                   budget=min(budgets, default=256)),
+          "ar_seconds": profile_lib.ar_seconds(target, prompt)}
+
+
+def _mean(records: Sequence[dict]) -> dict:
+  """Field by field (numbers, or lists of numbers element by element)."""
+  mean = lambda xs: sum(xs) / len(xs)
+  return {k: (list(map(mean, zip(*(r[k] for r in records)))) if isinstance(records[0][k], list)
+              else mean([r[k] for r in records])) for k in records[0]}
+
+
+def _tree(label: str, profile: Sequence[float]) -> shapes.TokenTree:
+  spec = shapes.parse_tree_spec(label)
+  return shapes.from_acceptance(profile, *spec[1:]) if isinstance(spec, tuple) else spec
+
+
+def candidates(profile: dict, greedy: bool, space: Space = Space()) -> optimize.Candidates:
+  """optimize.Candidates from a profile (as stored: JSON keys are strings)."""
+  space = space.for_context(profile["context"])
+  curve = {name: latency.affine({int(w): s for w, s in points.items()})
+           for name, points in profile["costs"].items()}
+  per_rank, per_token = {}, {}
+  for pair, record in profile["acceptance"].items():
+    verifier, proposer = pair.split("<-")
+    per_rank[verifier, proposer] = record["greedy_profile" if greedy else "profile"]
+    per_token[verifier, proposer] = record["greedy" if greedy else "alpha"]
+  drafters = []
+  for name in space.drafters:
+    reference = per_rank.get(("target", name))
+    labels = [f"chain:{n}" for n in space.chains]
+    if not name.startswith("ngram") and reference is not None and reference[0] > 0:
+      labels += list(space.trees)
+    trees = tuple((label, _tree(label, reference)) for label in labels)
+    drafters.append(optimize.Drafter(name, trees, curve.get(name)))
+  middles = tuple((m, curve[m]) for m in space.middles)
+  return optimize.Candidates(tuple(drafters), middles, curve["target"], space.gammas, per_rank,
+                             latency.Overheads(**profile["overheads"]), per_token)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """A plan in the launchers' terms: the --levels spec (None: plain decoding, `ar`, when no
+  stack is predicted to beat it), and for a Sequoia tree the per-rank acceptance it was built
+  from (--acceptance). best_stack: the fastest stack, chosen or not."""
+  best_stack: optimize.Plan
+  levels: str | None
+  acceptance: tuple[float, ...] | None
+  predicted_tokens_per_s: float
+  ar_tokens_per_s: float
+
+  def flags(self, draft: str) -> dict:
+    if self.levels is None:
+      return {"method": "ar"}
+    out = {"method": "hsd", "levels": self.levels, "draft": draft}
+    if self.acceptance is not None:
+      out["acceptance"] = ",".join(f"{a:.4f}" for a in self.acceptance)
+    return out
+
+
+def levels_spec(plan: optimize.Plan) -> str:
+  return "+".join([f"{plan.drafter}/{plan.tree}", *(f"{m}/{g}" for m, g in plan.middles)])
+
+
+MIN_GAIN = 0.10  # a stack must be predicted this much faster than `ar` to be chosen over it
+
+
+def choose(profile: dict, greedy: bool, space: Space = Space(), min_gain: float = MIN_GAIN) -> Choice:
+  """The fastest stack of the space for this profile, or `ar` unless that stack is predicted at
+  least `min_gain` faster. The margin is the model's error: on SmolLM2 at 2K and 4K tokens its
+  predictions were within 10% of measurement for most stacks, within 25% for all
+  (docs/planner.md), and a stack predicted 8% faster than `ar` ran 12% slower."""
+  c = candidates(profile, greedy, space)
+  plan = optimize.optimize(c)
+  stack_speed, ar_speed = 1.0 / plan.exact.seconds_per_token, 1.0 / profile["ar_seconds"]
+  if stack_speed < (1.0 + min_gain) * ar_speed:
+    return Choice(plan, None, None, ar_speed, ar_speed)
+  # A Sequoia tree is built from the drafter's profile against the target (`candidates`).
+  acceptance = tuple(c.profile("target", plan.drafter)) if plan.tree.startswith("sequoia") else None
+  return Choice(plan, levels_spec(plan), acceptance, stack_speed, ar_speed)
+
+
+def predict(profile: dict, greedy: bool, levels: str, tree: shapes.TokenTree | None = None,
+            space: Space = Space()) -> latency.Prediction:
+  """The model's prediction for a stack given as a --levels spec in the profile's names ('draft'
+  for the draft model); tree: the bottom level's, when its label is not one of the space's."""
+  c = candidates(profile, greedy, space)
+  bottom, *middle = levels.split("+")
+  name, _, label = bottom.rpartition("/")
+  drafter = next((d for d in c.drafters if d.name == name), None)
+  if drafter is None:
+    raise ValueError(f"{bottom!r}: the profile has no drafter {name!r} (it has {list(space.drafters)})")
+  tree = tree if tree is not None else dict(drafter.trees).get(label)
+  if tree is None:
+    tree = _tree(label, c.profile("target", name))
+  middles = tuple((piece.rpartition("/")[0], int(piece.rpartition("/")[2])) for piece in middle)
+  if any(m not in dict(c.middles) for m, _ in middles):
+    raise ValueError(f"{levels!r}: the profile has no middle level among {[m for m, _ in middles]} "
+                     f"(it has {[m for m, _ in c.middles]})")
+  model = optimize.stack_model(c, drafter, tree, middles)
+  if model is None:
+    raise ValueError(f"{levels!r}: the profile has no acceptance for a pair of its levels")
+  return latency.predict(model)
+
+
+def in_profile_names(levels: str, draft_path: str | None) -> str:
+  """A Method's --levels spec with the draft model's path written 'draft', as profiles name it."""
+  if draft_path is None:
+    return levels
+  from hitree_jax.loading import resolve
+  pieces = []
+  for piece in levels.split("+"):
+    who, _, shape = piece.rpartition("/")
+    name = re.split(r"[@,]", who, maxsplit=1)[0]
+    cache_and_mode = who[len(name):]
+    pieces.append(f"{'draft' if _resolves_to(name, draft_path, resolve) else name}{cache_and_mode}/{shape}")
+  return "+".join(pieces)
+
+
+def _resolves_to(name: str, draft_path: str, resolve) -> bool:
+  try:
+    return str(resolve(name)) == str(resolve(draft_path))
+  except (FileNotFoundError, ValueError):
+    return False
+
+
+def profile_path(directory: str | pathlib.Path, model: str, draft: str, context: int, sampling,
+                 book: str = "austen") -> pathlib.Path:
+  """Where the profile of (models, context, book, sampling) is kept."""
+  stem = lambda path: pathlib.Path(path).name.split(".")[0]
+  t, p, k = float(sampling.temperature), float(sampling.top_p), int(sampling.top_k)
+  setting = "greedy" if t == 0 else f"T{t:g}-p{p:g}-k{k}"
+  return pathlib.Path(directory) / f"{stem(model)}+{stem(draft)}" / f"ctx{context}-{book}-{setting}.json"
+
+
+def nearest_context(length: int) -> int:
+  return min(CONTEXTS, key=lambda c: abs(c - length))
+
+
+def default_dir() -> pathlib.Path:
+  """`$HITREE_PROFILES`, else `<assets>/profiles` (beside the weights and the compilation cache)."""
+  import os
+  from hitree_jax.data import assets_dir
+  env = os.environ.get("HITREE_PROFILES")
+  return pathlib.Path(env).expanduser() if env else assets_dir() / "profiles"
+
+
+def profile_key(model_path: str, draft_path: str, context: int, sampling, book: str) -> dict:
+  """What a stored profile must have been measured for (profile.profile_key: and the machine)."""
+  return dict(profile_lib.profile_key(model_path, draft_path), context=context, book=book,
+              sampling=[float(sampling.temperature), float(sampling.top_p), int(sampling.top_k)])
+
+
+def profiled(model: str, draft: str, context: int, sampling, directory: str | pathlib.Path | None = None,
+             book: str = "austen", space: Space = Space(), loaded: tuple = (None, None),
+             log=lambda message: None) -> tuple[dict, pathlib.Path]:
+  """The profile of (model, draft) at `context` tokens of `book` and this sampling: stored, or
+  measured and stored (a few minutes on a CPU). loaded: the models if already in memory."""
+  from hitree_jax.loading import load_model, resolve
+  model_path, draft_path = str(resolve(model)), str(resolve(draft))
+  path = profile_path(directory or default_dir(), model_path, draft_path, context, sampling, book)
+  key = profile_key(model_path, draft_path, context, sampling, book)
+
+  def run():
+    from hitree_jax.data import book_prompts
+    from hitree_jax.decode import engine
+    from hitree_jax.tokenizer import load_tokenizer
+    log(f"profiling {model} + {draft} at {context} tokens of {book} (once; kept in {path})")
+    target = loaded[0] or load_model(model_path)
+    drafter = loaded[1] or load_model(draft_path)
+    prompts = book_prompts(load_tokenizer(target.path), context, PASSAGES, corpus=book)
+    # The target's own text, as a stack meets it: sampled when the plan is for sampling.
+    continuations = [engine.generate(target.params, target.config, [p], max_new_tokens=64, sampling=sampling,
+                                     seed=i, stop_at_eos=False).tokens[0] for i, p in enumerate(prompts)]
+    return measure(target, drafter, prompts, continuations, sampling, space)
+
+  return profile_lib.cached(path, key, run), path
+
+
+def plan_for(model: str, draft: str, prompt_length: int, sampling, directory=None, book: str = "austen",
+             loaded: tuple = (None, None), log=lambda message: None,
+             min_gain: float = MIN_GAIN) -> tuple[Choice, dict, pathlib.Path]:
+  """(the fastest stack, the profile, its path) for a prompt of `prompt_length` tokens: planned
+  from the profile at the nearest of CONTEXTS, measured on first use."""
+  profile, path = profiled(model, draft, nearest_context(prompt_length), sampling, directory, book,
+                           loaded=loaded, log=log)
+  return choose(profile, float(sampling.temperature) == 0, min_gain=min_gain), profile, path
+
+
+def break_even(profile: dict, greedy: bool, middle: str, space: Space = Space(), steps: int = 20) -> float | None:
+  """HSD's question, with this profile's costs: the lowest acceptance, by the target, of `middle`'s
+  tokens at which a stack with `middle` under the target beats every stack without it (bisection
+  over that acceptance, everything else as measured); None if it does not even at 1.0."""
+  c = candidates(profile, greedy, space)
+  without = dataclasses.replace(c, middles=tuple(m for m in c.middles if m[0] != middle))
+  best_without = optimize.optimize(without).seconds_per_token
+
+  def pays(a: float) -> bool:
+    ranks = {k: ([a] + [0.0] * 7 if k == ("target", middle) else v) for k, v in c.acceptance.items()}
+    per_token = {k: (a if k == ("target", middle) else v) for k, v in c.buffer_acceptance.items()}
+    tops = tuple(m for m in c.middles if m[0] != middle) + tuple(m for m in c.middles if m[0] == middle)
+    plan = optimize.optimize(dataclasses.replace(c, acceptance=ranks, buffer_acceptance=per_token, middles=tops))
+    return bool(plan.middles) and plan.middles[-1][0] == middle and plan.seconds_per_token < best_without
+
+  if not any(m == middle for m, _ in c.middles) or not pays(1.0):
+    return None
+  low, high = 0.0, 1.0
+  for _ in range(steps):
+    mid = (low + high) / 2
+    low, high = (low, mid) if pays(mid) else (mid, high)
+  return high

@@ -1,0 +1,123 @@
+"""Choose the fastest speculation stack for a model, its draft, a context length and a sampling
+setting, from measured profiles (hitree_jax/planner), and write it as a config.
+
+  python -m launch.plan --draft=drafts/smollm2-draft.gguf --prompt_tokens=2048 --out=plan.py
+  python -m launch.generate --config=plan.py --book=austen --prompt_tokens=2048
+  python -m launch.benchmark --config=plan.py --prompt_tokens=2048
+
+It chooses plain decoding (`ar`) when no stack is predicted to beat it.
+
+The first run at a (models, context, sampling) measures a profile: each candidate level's forward
+cost, the acceptance between every pair of levels over the target's own continuation of a book
+passage, and the engine's per-round overheads (a few minutes on a CPU). It is kept under
+--profile_dir and reused while the models, the machine and jax are the same.
+`launch.generate --method=auto` plans the same way, on first use.
+
+--predict=LEVELS,... also prints the model's prediction for stacks given in the --levels
+grammar (e.g. draft/chain:2 or draft@streaming:16x234/chain:1+retrieval:512/6).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from absl import flags, logging
+
+from launch import common
+
+common.define_model_flags()
+common.define_sampling_flags()
+flags.DEFINE_string("draft", None, "The draft model (a path), e.g. drafts/smollm2-draft.gguf.")
+flags.DEFINE_enum("book", "austen", ["austen", "shakespeare", "milton"], "Book corpus the profile is "
+                  "measured on.")
+flags.DEFINE_integer("prompt_tokens", 2048, "Context length to plan for, in tokens.")
+flags.DEFINE_string("profile_dir", None, "Where profiles are kept (default: $HITREE_PROFILES, else "
+                    "assets/profiles).")
+flags.DEFINE_multi_string("predict", [], "Also print the prediction for this stack (--levels "
+                          "grammar); repeatable.")
+flags.DEFINE_float("min_gain", 0.10, "Choose a stack only if it is predicted this much faster than ar "
+                   "(the model's error here is about 10%; 0: the fastest prediction wins).")
+flags.DEFINE_string("out", None, "Write the chosen stack here as a config (.py) for launch.generate "
+                    "and launch.benchmark, with the plan and its prediction in a .json beside it.")
+FLAGS = flags.FLAGS
+
+CONFIG = '''"""{title}
+
+  python -m launch.generate --config={path} --book=austen --prompt_tokens={context}
+  python -m launch.benchmark --config={path} --prompt_tokens={context}
+"""
+
+from ml_collections import config_dict
+
+
+def get_config():
+  return config_dict.ConfigDict({flags!r})
+'''
+
+
+def write_config(out: str, choice, draft: str, title: str, context: int) -> list[pathlib.Path]:
+  path = pathlib.Path(out)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(CONFIG.format(title=title, path=path, context=context, flags=choice.flags(draft)))
+  record = path.with_suffix(".json")
+  from hitree_jax.planner import auto
+  best = choice.best_stack
+  record.write_text(json.dumps({"title": title, "flags": choice.flags(draft),
+                                "predicted_tokens_per_s": choice.predicted_tokens_per_s,
+                                "ar_tokens_per_s": choice.ar_tokens_per_s,
+                                "fastest_stack": {"levels": auto.levels_spec(best),
+                                                  "predicted_tokens_per_s": 1 / best.exact.seconds_per_token,
+                                                  "tokens_per_target_forward": best.exact.tokens_per_target_forward}},
+                               indent=1))
+  return [path, record]
+
+
+def main(argv):
+  del argv
+  if FLAGS.draft is None:
+    raise ValueError("--draft: give the draft model's path (e.g. drafts/smollm2-draft.gguf)")
+  if FLAGS.prompt_tokens < 1:
+    raise ValueError(f"--prompt_tokens={FLAGS.prompt_tokens} must be >= 1")
+  if FLAGS.out is not None and not FLAGS.out.endswith(".py"):
+    raise ValueError(f"--out={FLAGS.out}: a config is a .py file")
+  sampling = common.sampling_from_flags(FLAGS)
+  from hitree_jax.planner import auto
+  if FLAGS.min_gain < 0:
+    raise ValueError(f"--min_gain={FLAGS.min_gain} must be >= 0")
+  choice, profile, path = auto.plan_for(FLAGS.model, FLAGS.draft, FLAGS.prompt_tokens, sampling,
+                                        FLAGS.profile_dir, FLAGS.book, log=logging.info,
+                                        min_gain=FLAGS.min_gain)
+  greedy = float(sampling.temperature) == 0
+  setting = "greedy" if greedy else f"T {FLAGS.temperature:g}, top-p {FLAGS.top_p:g}"
+  title = (f"The stack launch.plan chose for {FLAGS.model} + {FLAGS.draft} at {profile['context']} "
+           f"tokens, {setting}: {choice.predicted_tokens_per_s:.1f} tok/s predicted.")
+  best = choice.best_stack
+  print(f"profile: {path}")
+  print(f"chosen: {'hsd/' + choice.levels if choice.levels else 'ar'}: "
+        f"{choice.predicted_tokens_per_s:.1f} tok/s predicted")
+  print(f"  ar: {choice.ar_tokens_per_s:.1f} tok/s (measured)")
+  print(f"  fastest stack: hsd/{auto.levels_spec(best)}: {1 / best.exact.seconds_per_token:.1f} tok/s "
+        f"predicted, {best.exact.tokens_per_target_forward:.2f} tokens per target forward")
+  for levels in FLAGS.predict:
+    got = auto.predict(profile, greedy, levels)
+    print(f"  hsd/{levels}: {1 / got.seconds_per_token:.1f} tok/s predicted, "
+          f"{got.tokens_per_target_forward:.2f} tokens per target forward")
+  print("a middle level under the target pays from this acceptance of its tokens by the target "
+        "(measured in brackets):")
+  rate = "greedy" if greedy else "alpha"
+  for middle, _ in auto.candidates(profile, greedy).middles:
+    needed = auto.break_even(profile, greedy, middle)
+    measured = profile["acceptance"].get(f"target<-{middle}", {}).get(rate)
+    print(f"  {middle}: {'never' if needed is None else f'{needed:.2f}'} ({measured:.2f})")
+  if FLAGS.out:
+    written = write_config(FLAGS.out, choice, FLAGS.draft, title, profile["context"])
+    print("wrote " + ", ".join(map(str, written)))
+
+
+def run():
+  common.run(main)
+
+
+if __name__ == "__main__":
+  run()
