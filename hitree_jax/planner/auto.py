@@ -3,8 +3,9 @@
 
 A profile (`measure`) holds, at one context length and one sampling setting, every candidate
 level's cost curve, the acceptance of every (verifier, proposer) pair that may meet in a stack,
-and the engine's per-round overheads (profile.py). `candidates` turns it into
-optimize.Candidates; `plan` searches them (optimize.optimize) and ranks the runners-up.
+and the engine's per-round overheads (profile.py), kept as JSON (`profiled`). `candidates`
+turns it into optimize.Candidates; `choose` searches them (optimize.optimize) and weighs the
+fastest stack against `ar`; `predict` scores any stack.
 """
 
 from __future__ import annotations
@@ -74,12 +75,11 @@ def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequ
   budgets = [_budget(m) for m in space.middles if m.startswith("retrieval:")]
   per_passage = [profile_lib.pair_acceptance(target, draft, space.pairs(), p, c, sampling)
                  for p, c in zip(prompts, continuations)]
-  return {"context": len(prompt), "passages": len(prompts),
-          "costs": profile_lib.level_costs(target, draft, _model_levels(space.levels()), prompt,
-                                           space.widths, repeats),
+  costs = profile_lib.level_costs(target, draft, _model_levels(space.levels()), prompt, space.widths, repeats)
+  return {"context": len(prompt), "passages": len(prompts), "costs": costs,
           "acceptance": {pair: _mean([a[pair] for a in per_passage]) for pair in per_passage[0]},
           "overheads": profile_lib.round_overheads(target, draft, prompt, sampling,
-                                                   budget=min(budgets, default=256)),
+                                                   budget=min(budgets, default=256), costs=costs),
           "ar_seconds": profile_lib.ar_seconds(target, prompt)}
 
 

@@ -140,7 +140,7 @@ class Overheads:
 
   def check(self, proposal: TokenTree | None) -> float:
     """A verifying round's, its proposal a drafter's tree, or (None) a middle level's buffer."""
-    return self.verify + (self.tree if proposal is not None and proposal.size > proposal.max_depth else 0.0)
+    return self.verify + (self.tree if proposal is not None and proposal.max_branching > 1 else 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,19 +210,3 @@ def affine(points: Mapping[int, float]) -> Cost:
     return lambda width: float(s[0])
   slope, fixed = np.polyfit(w, s, 1)
   return lambda width: float(fixed + slope * width)
-
-
-def interpolated(points: Mapping[int, float]) -> Cost:
-  """A cost curve from measured (width: seconds) points, linear between them and beyond."""
-  w = np.array(sorted(points), np.float64)
-  s = np.array([points[k] for k in sorted(points)], np.float64)
-  if w.size == 1:
-    return lambda width: float(s[0])
-
-  def cost(width: int) -> float:
-    if width <= w[-1]:
-      return float(np.interp(width, w, s))
-    slope = (s[-1] - s[-2]) / (w[-1] - w[-2])
-    return float(s[-1] + slope * (width - w[-1]))
-
-  return cost

@@ -154,7 +154,7 @@ def level_costs(target, draft, names: Sequence[str], prompt: Sequence[int], widt
 
 
 def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int = 512,
-                    max_new_tokens: int = 96) -> dict:
+                    max_new_tokens: int = 96, costs: dict | None = None) -> dict:
   """latency.Overheads' fields, fitted to whole generations of four reference stacks:
 
     draft/chain:1, draft/chain:4, draft/kary:2x2, draft@streaming:16x234/chain:1+retrieval:BUDGET/6
@@ -164,7 +164,8 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
   tree: four equations, three unknowns, least squares. Whole generations, not rounds timed
   alone (engine.generate's time_levels), so the loop's own cost is in, and the noise of a few
   milliseconds per timing averages out over ~100 tokens. (A per-token term came out negative
-  here: not resolved by these widths, and left out.)"""
+  here: not resolved by these widths, and left out.) costs: level_costs already measured at
+  this prompt (the forwards it needs are timed only where missing)."""
   from hitree_jax.decode.drafters import DraftWeights, ModelDrafter
   from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
   from hitree_jax.planner.latency import affine, tree_draft_seconds
@@ -180,7 +181,10 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
             (["draft", "target"], Stack(drafter(Full()), shapes.kary(2, 2))),
             ([streaming, retrieval, "target"], Stack(drafter(Streaming(16, 234)), shapes.chain(1),
                                                      (Verifier("target", Retrieval(budget, CHUNK), 6),)))]
-  costs = level_costs(t, d, ["target", retrieval, "draft", streaming], prompt, [1, 2, 4, 8])
+  costs = dict(costs or {})
+  missing = [n for n in ("target", retrieval, "draft", streaming) if n not in costs]
+  if missing:
+    costs.update(level_costs(t, d, missing, prompt, [1, 2, 4, 8]))
   curve = {name: affine(points) for name, points in costs.items()}
   programs, rows, rest = Programs(), [], []
   for names, stack in stacks:
@@ -190,7 +194,7 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
     run = min(runs, key=lambda r: r.decode_s)
     proposals = run.levels[0]["forwards"]
     seconds = run.decode_s - proposals * tree_draft_seconds(stack.tree, curve[names[0]])
-    is_tree = stack.tree.size > stack.tree.max_depth
+    is_tree = stack.tree.max_branching > 1
     row = [proposals * stack.tree.max_depth, 0.0, proposals * is_tree]
     for level in run.levels:  # level 1 verifies the whole tree; above, the buffers' mean length
       width = stack.tree.size + 1 if level["level"] == 1 else level["proposed"] / level["forwards"] + 1
