@@ -19,8 +19,10 @@ cache) and times, as separate programs, the median of --repeats runs:
 and `step`, one real `ar` decode step (decode time / tokens of a 128-token
 generation), whose excess over forward + sampling is the loop's own cost
 (bookkeeping, the recent cache's block appends). With --peers=llamacpp it also
-times llama.cpp's forward of w tokens after the same prompt. Writes OUT (JSON)
-and OUT.md.
+times llama.cpp's forward of w tokens after the same prompt. With --xla_profile
+it splits the forward again by XLA's profiler, op by op, into weights, head,
+attention, other ops and XLA's runtime, with the rate the weights are read at
+(launch/xla_profile.py). Writes OUT (JSON) and OUT.md.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ flags.DEFINE_integer("repeats", 20, "Timed runs of each part (the median is repo
 flags.DEFINE_integer("step_tokens", 128, "Tokens of the real `ar` generation whose step is timed.")
 flags.DEFINE_list("peers", [], "llamacpp: also time llama.cpp's forward of w tokens (launch/peers.py).")
 flags.DEFINE_string("llamacpp_gguf", None, "The GGUF llama.cpp runs (default: the model's own).")
+flags.DEFINE_bool("xla_profile", False, "Also split each forward by XLA's profiler (launch/xla_profile.py).")
 flags.DEFINE_string("out", "step_cost.json", "JSON record; the table goes to OUT.md.")
 FLAGS = flags.FLAGS
 
@@ -126,6 +129,9 @@ def context_row(model, ids, widths, sampling, programs, peer, progress) -> dict:
     part["attention_ms"] = part["forward_ms"] - part["layers_ms"] - part["head_ms"]
     if w > 1:
       part["verify_ms"] = median_ms(verify_chain(w), key, tokens, logits, repeats=FLAGS.repeats)
+    if FLAGS.xla_profile:
+      from launch import xla_profile
+      part["profile"] = xla_profile.breakdown(full_forward, params, tokens, recent, long, repeats=FLAGS.repeats)
     if peer is not None:
       part["llamacpp_forward_ms"] = peer.forward_ms(ids, w, FLAGS.repeats)
     row["widths"][w] = part
@@ -163,6 +169,19 @@ def markdown(rows) -> str:
         their_ratio = theirs / base["llamacpp_forward_ms"] if theirs and base else None
         line += f" {fmt(theirs)} | {fmt(their_ratio)} |"
       lines.append(line)
+  if any("profile" in p for r in rows for p in r["widths"].values()):
+    lines += ["", "By XLA's profiler (ms per forward; GB/s: the weights' bytes / their products' time):", "",
+              "| prompt tokens | tokens per forward | forward ms | weights | head | attention | other ops "
+              "| runtime | ops | weights GB/s | head GB/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+      for w, p in r["widths"].items():
+        if "profile" in p:
+          q = p["profile"]
+          lines.append(f"| {r['prompt_tokens']} | {w} | {fmt(p['forward_ms'])} | {fmt(q['weights_ms'])} | "
+                       f"{fmt(q['head_ms'])} | {fmt(q['attention_ms'])} | {fmt(q['other_ms'])} | "
+                       f"{fmt(q['runtime_ms'])} | {q['ops']:.0f} | {fmt(q['weights_gb_per_s'])} | "
+                       f"{fmt(q['head_gb_per_s'])} |")
   return "\n".join(lines)
 
 

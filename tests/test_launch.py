@@ -322,11 +322,35 @@ def test_benchmark_peers_decode_the_same_ids_as_ar(smollm2_f32_gguf, tmp_path):
   assert proc.returncode == 2 and "unknown peer 'vllm'" in proc.stderr
 
 
+def test_xla_profile_gives_each_product_its_role():
+  import jax
+  import jax.numpy as jnp
+  from launch import xla_profile
+
+  @jax.jit
+  def forward(params, cache, x):
+    h = jnp.tanh(x @ params["proj"]["kernel"])                    # weights: 8 x 16 floats
+    scores = jnp.einsum("bd,bsd->bs", h, cache)                     # attention: reads no parameter
+    return (h + scores @ cache) @ params["lm_head"]["kernel"]      # attention, then the head
+  params = {"proj": {"kernel": jnp.ones((8, 16))}, "lm_head": {"kernel": jnp.ones((16, 32))}}
+  args = (params, jnp.ones((2, 5, 16)), jnp.ones((2, 8)))
+  roles = xla_profile.op_roles(forward.lower(*args).compile().as_text())
+  products = sorted(role for role, _ in roles.values() if role != "other")
+  assert products == ["attention", "attention", "head", "weights"]
+  assert sorted(n for role, n in roles.values() if role in ("weights", "head")) == [8 * 16 * 4, 16 * 32 * 4]
+  # ops that overlap share the stretch: the shares add up to the time covered (25), not to 30
+  spans = [(0, 10, ("weights", 0)), (5, 15, ("attention", 0)), (20, 25, ("other", 0)), (7, 7, ("head", 0))]
+  assert xla_profile.shared_time(spans) == {"weights": 7.5, "attention": 7.5, "other": 5}
+  result = xla_profile.breakdown(forward, *args, repeats=3)
+  assert result["weights_ms"] > 0 and result["head_ms"] > 0 and result["attention_ms"] > 0
+  assert result["ops"] >= 4 and result["weights_gb_per_s"] > 0
+
+
 @pytest.mark.slow
 def test_step_cost_splits_a_step_into_its_parts(tmp_path):
   out = tmp_path / "cost.json"
   proc = launch("step_cost", "--model=smollm2", "--prompt_tokens=40", "--widths=1,3", "--repeats=2",
-                "--step_tokens=6", "--temperature=0.6", "--top_p=0.9", f"--out={out}")
+                "--step_tokens=6", "--temperature=0.6", "--top_p=0.9", "--xla_profile", f"--out={out}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   (row,) = json.loads(out.read_text())["rows"]
   assert row["prompt_tokens"] == 40 and row["step_ms"] > 0
@@ -335,8 +359,13 @@ def test_step_cost_splits_a_step_into_its_parts(tmp_path):
     assert part["forward_ms"] > part["layers_ms"] > 0 and part["head_ms"] > 0 and part["sampling_ms"] > 0
     assert part["attention_ms"] == pytest.approx(part["forward_ms"] - part["layers_ms"] - part["head_ms"])
   assert three["verify_ms"] > 0 and "verify_ms" not in one
+  for part in (one, three):  # by the profiler: 30 layers of 7 projections, an attention per layer
+    profile = part["profile"]
+    assert min(profile[f"{role}_ms"] for role in ("weights", "head", "attention", "other")) > 0
+    assert profile["ops"] > 30 * 9 and profile["weights_gb_per_s"] > 0 and profile["head_gb_per_s"] > 0
   assert row["loop_ms"] == pytest.approx(row["step_ms"] - one["forward_ms"] - one["sampling_ms"])
   table = (tmp_path / "cost.md").read_text()
   assert table.startswith("| prompt tokens | `ar` step ms |") and "| 40 | 3 |" in table
+  assert "By XLA's profiler" in table
   proc = launch("step_cost", "--model=smollm2", "--widths=0", f"--out={out}")
   assert proc.returncode == 2 and "--widths" in proc.stderr
