@@ -104,6 +104,22 @@ def test_reduced_vocabulary_draft_greedy_equals_ar(params, ar_tokens):
   assert result.mean_accepted > 3.5  # it proposes the target's own choices
 
 
+def test_prefill_time_waits_for_every_levels_cache(params, monkeypatch):
+  # Decoding is timed from when prefill returns: the draft's cache must be built by then,
+  # or its prefill, still running on the device, is counted as decode time.
+  blocked = []
+  wait = jax.block_until_ready
+  monkeypatch.setattr(engine.jax, "block_until_ready", lambda x: blocked.append(x) or wait(x))
+  small = CONFIG.replace(hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8)
+  drafter, weights = model_draft(init_params(small, jax.random.key(5)), small)
+  args, _ = engine._prefilled_args(params, CONFIG, PROMPTS, 8, Stack(drafter, tree_lib.chain(2)),
+                                   None, 0, True, weights, Programs(), None)
+  waited = {id(leaf) for x in blocked for leaf in jax.tree.leaves(x)}
+  long_caches = [leaf for leaf in jax.tree.leaves(args[2]) if isinstance(leaf, jax.Array)]
+  assert len(long_caches) >= 2 * (CONFIG.num_layers + small.num_layers)  # keys and values of both
+  assert all(id(leaf) in waited for leaf in long_caches)
+
+
 def test_draft_with_another_vocabulary_is_refused(params):
   drafter, weights = model_draft(params, CONFIG.replace(vocab_size=50))
   with pytest.raises(ValueError, match="vocabularies differ.*50.*53"):
