@@ -30,12 +30,12 @@ import gzip
 import json
 import pathlib
 import re
-import statistics
 import tempfile
-import time
 from typing import Callable
 
 import jax
+
+from hitree_jax.planner.profile import median_seconds
 
 ROLES = ("weights", "head", "attention", "other", "runtime")
 HEAD_PARAMS = ("lm_head", "embed_tokens")
@@ -160,12 +160,7 @@ def breakdown(fn: Callable, *args, repeats: int = 10, weights_prefix: str = "par
   the traced calls' mean.
   """
   roles = op_roles(fn.lower(*args).compile().as_text(), weights_prefix)
-  jax.block_until_ready(fn(*args))
-  walls = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    walls.append(time.perf_counter() - start)
+  wall = median_seconds(fn, *args, repeats=repeats)  # warms up too
   with tempfile.TemporaryDirectory() as tmp:
     jax.profiler.start_trace(tmp, create_perfetto_trace=True)
     try:
@@ -183,7 +178,6 @@ def breakdown(fn: Callable, *args, repeats: int = 10, weights_prefix: str = "par
   read = collections.Counter()
   for _, _, (role, nbytes) in spans:
     read[role] += nbytes / repeats
-  wall = statistics.median(walls)
   result = {f"{role}_ms": 1e3 * seconds.get(role, 0.0) for role in ROLES[:-1]}
   result["runtime_ms"] = 1e3 * (wall - sum(seconds.values()))
   result["ops"] = len(spans) / repeats
