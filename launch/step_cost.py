@@ -60,6 +60,7 @@ def part_programs(config, sampling):
   """Jitted parts of a step; each takes only arrays (the config is closed over)."""
   import jax
   import jax.numpy as jnp
+  from hitree_jax.decode.programs import ahead_of_time
   from hitree_jax.decode.drafters import round_attend
   from hitree_jax.decode.sampling import draw, probabilities
   from hitree_jax.decode.verify import verify
@@ -101,7 +102,8 @@ def part_programs(config, sampling):
       return verify(key, tree, tokens[:, 1:], probs, probs, "iid").n_accepted
     return run
 
-  return full_forward, layers, head, sample_all, verify_chain
+  return tuple(map(ahead_of_time, (full_forward, layers, head, sample_all))) + (
+      lambda width: ahead_of_time(verify_chain(width)),)
 
 
 def context_row(model, ids, widths, sampling, programs, peer, progress) -> dict:

@@ -35,6 +35,7 @@ from typing import Callable
 
 import jax
 
+from hitree_jax.decode.programs import compile_lowered
 from hitree_jax.planner.profile import median_seconds
 
 ROLES = ("weights", "head", "attention", "other", "runtime")
@@ -159,7 +160,7 @@ def breakdown(fn: Callable, *args, repeats: int = 10, weights_prefix: str = "par
   The wall time is the median of `repeats` untraced calls; the ops' shares (`shared_time`) are
   the traced calls' mean.
   """
-  roles = op_roles(fn.lower(*args).compile().as_text(), weights_prefix)
+  roles = op_roles(compile_lowered(fn.lower(*args)).as_text(), weights_prefix)
   wall = median_seconds(fn, *args, repeats=repeats)  # warms up too
   with tempfile.TemporaryDirectory() as tmp:
     jax.profiler.start_trace(tmp, create_perfetto_trace=True)

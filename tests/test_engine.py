@@ -13,6 +13,7 @@ from hitree_jax.cache.full import KVCache, causal_attend
 from hitree_jax.decode import engine
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter, SelfDrafter, parse_draft_spec
+from hitree_jax.decode import programs as programs_lib
 from hitree_jax.decode.programs import Programs
 from hitree_jax.decode.sampling import SamplingParams, probabilities
 from hitree_jax.decode.stack import Stack
@@ -146,6 +147,26 @@ def test_second_generation_compiles_nothing(params, setup):
                           sampling=SamplingParams.create(0.8, 0.9), seed=1)
   assert again.compiles == 0
 
+
+def test_every_program_gets_the_cpu_defaults(params, monkeypatch):
+  """Every program of a generation is compiled by compile_lowered, which hands XLA
+  programs.CPU_DEFAULTS (an option XLA does not know is refused by name), less what $XLA_FLAGS
+  sets."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("CPU_DEFAULTS are the CPU's")
+  compiled = []
+  real = programs_lib.compile_lowered
+  monkeypatch.setattr(programs_lib, "compile_lowered",
+                      lambda lowered, extra=None: compiled.append(extra) or real(lowered, extra))
+  result = engine.generate(params, CONFIG, [[1, 2, 3]], tree=tree_lib.chain(2),
+                           drafter=SelfDrafter(1), max_new_tokens=4, programs=Programs())
+  assert len(compiled) == result.compiles + result.cache_loads >= 3   # prefill, logits, decoding
+
+  monkeypatch.setattr(programs_lib, "CPU_DEFAULTS", {"xla_cpu_not_an_option": 1})
+  with pytest.raises(Exception, match="xla_cpu_not_an_option"):
+    engine.generate(params, CONFIG, [[1, 2, 3]], max_new_tokens=4, programs=Programs())
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_not_an_option=2")
+  assert programs_lib.cpu_options({"xla_extra": True}) == {"xla_extra": True}
 
 def test_bad_drafter_settings_are_named(params):
   with pytest.raises(ValueError, match="chain"):

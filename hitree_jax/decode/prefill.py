@@ -130,7 +130,7 @@ def prefill(params, config: ModelConfig, cache: KVCache, batch: PromptBatch, pro
   lengths = jnp.asarray(batch.lengths)
   last_hidden = jnp.zeros((batch.batch, config.hidden_size), jnp.dtype(config.dtype))
   args = (params, config, cache, tokens[:, :chunk], jnp.int32(0), lengths, last_hidden)
-  step = programs.get(("prefill", config, shape_key(args)), _prefill_chunk, *args, cpu_options=CPU_COPY_FREE)
+  step = programs.get(("prefill", config, shape_key(args)), _prefill_chunk, *args, extra_cpu_options=CPU_COPY_FREE)
   hidden = []
   for start in range(0, padded, chunk):
     cache, last_hidden, chunk_hidden = step(params, cache, tokens[:, start:start + chunk],
