@@ -133,7 +133,8 @@ def context_row(model, ids, widths, sampling, programs, peer, progress) -> dict:
       part["verify_ms"] = median_ms(verify_chain(w), key, tokens, logits, repeats=FLAGS.repeats)
     if FLAGS.xla_profile:
       from launch import xla_profile
-      part["profile"] = xla_profile.breakdown(full_forward, params, tokens, recent, long, repeats=FLAGS.repeats)
+      part["profile"] = xla_profile.breakdown(full_forward, params, tokens, recent, long, repeats=FLAGS.repeats,
+                                               wall_s=part["forward_ms"] / 1e3)  # roles add up to it
     if peer is not None:
       part["llamacpp_forward_ms"] = peer.forward_ms(ids, w, FLAGS.repeats)
     row["widths"][w] = part

@@ -153,15 +153,17 @@ def shared_time(spans) -> dict[str, float]:
   return dict(shares)
 
 
-def breakdown(fn: Callable, *args, repeats: int = 10, weights_prefix: str = "params") -> dict:
+def breakdown(fn: Callable, *args, repeats: int = 10, weights_prefix: str = "params",
+              wall_s: float | None = None) -> dict:
   """Milliseconds per call of a jitted, loop-free `fn(*args)` by role (ROLES), and the read rates.
 
   Returns {"<role>_ms": ..., "ops": ops per call, "weights_gb_per_s": ..., "head_gb_per_s": ...}.
-  The wall time is the median of `repeats` untraced calls; the ops' shares (`shared_time`) are
-  the traced calls' mean.
+  The wall time is wall_s when the caller has measured it (so the roles add up to the caller's
+  figure), else the median of `repeats` untraced calls; the ops' shares (`shared_time`) are the
+  traced calls' mean.
   """
   roles = op_roles(compile_lowered(fn.lower(*args)).as_text(), weights_prefix)
-  wall = median_seconds(fn, *args, repeats=repeats)  # warms up too
+  wall = median_seconds(fn, *args, repeats=repeats) if wall_s is None else wall_s  # warm either way
   with tempfile.TemporaryDirectory() as tmp:
     jax.profiler.start_trace(tmp, create_perfetto_trace=True)
     try:

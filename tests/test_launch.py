@@ -363,6 +363,8 @@ def test_step_cost_splits_a_step_into_its_parts(tmp_path):
     profile = part["profile"]
     assert min(profile[f"{role}_ms"] for role in ("weights", "head", "attention", "other")) > 0
     assert profile["ops"] > 30 * 9 and profile["weights_gb_per_s"] > 0 and profile["head_gb_per_s"] > 0
+    roles = sum(profile[f"{role}_ms"] for role in ("weights", "head", "attention", "other", "runtime"))
+    assert roles == pytest.approx(part["forward_ms"])   # the forward column, split
   assert row["loop_ms"] == pytest.approx(row["step_ms"] - one["forward_ms"] - one["sampling_ms"])
   table = (tmp_path / "cost.md").read_text()
   assert table.startswith("| prompt tokens | `ar` step ms |") and "| 40 | 3 |" in table

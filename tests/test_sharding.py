@@ -71,6 +71,19 @@ def test_sharded_greedy_equals_one_device(params, draft, one_device, name, mesh_
   assert result.tokens == one_device[name]
 
 
+
+@pytest.mark.parametrize("name", ["tree", "triforce"])
+def test_sharded_sampling_draws_what_one_device_draws(params, draft, one_device, name):
+  """Sampling under a mesh is the same computation: with the same seed it draws the same tokens
+  as one device (jax's random bits do not depend on how an array is split), so its law is the
+  one the enumeration tests (test_engine, test_hierarchy) check on one device."""
+  sampling = SamplingParams.create(0.8, 0.9)
+  run = lambda mesh: engine.generate(params, CONFIG, PROMPTS, stack=STACKS[name], draft=draft,
+                                     max_new_tokens=30, sampling=sampling, seed=5, mesh=mesh).tokens
+  expected = run(None)
+  assert expected != one_device[name]   # it did sample (the greedy tokens differ)
+  assert run(sharding.make_mesh("data:2,model:4")) == expected
+
 def test_prefill_over_a_cache_split_by_slot_is_exact_and_gathers_nothing(params, draft):
   """A 1,100-token prompt prefills in 3 chunks; under sequence:2 each device reads only its own
   slots of the cache (a per-shard loop, softmax states merged across devices): the tokens are one
