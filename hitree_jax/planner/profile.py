@@ -155,18 +155,23 @@ def level_costs(target, draft, names: Sequence[str], prompt: Sequence[int], widt
 
 def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int = 512,
                     max_new_tokens: int = 96, costs: dict | None = None) -> dict:
-  """latency.Overheads' fields, fitted to whole generations of four reference stacks:
+  """latency.Overheads' fields, fitted to whole generations of five reference stacks:
 
-    draft/chain:1, draft/chain:4, draft/kary:2x2, draft@streaming:16x234/chain:1+retrieval:BUDGET/6
+    draft/chain:1, draft/chain:4, draft/kary:2x2, draft@streaming:16x234/chain:1+retrieval:BUDGET/6,
+    ngram:3/chain:2+draft/3
 
   In each, the decode seconds less its forwards' (level_costs at each level's mean width) are
-  the drafter's forwards x draft_forward + verifying rounds x verify + rounds verifying a tree x
-  tree: four equations, three unknowns, least squares. Whole generations, not rounds timed
+  the model drafter's forwards x draft_forward + verifying rounds x verify + rounds verifying a
+  tree x tree: five equations, three unknowns, least squares. The last stack runs several cheap
+  rounds of its middle level per target forward, as deep stacks do, so its rows pin `verify`
+  down where the others (few rounds, each mostly forward) leave it to the forwards' noise: fitted
+  without it, verify came out 1.2-3.1 ms across context lengths (a four-level stack pays it about
+  11 times per target forward); with it, 2.1 and 2.5 ms at 2K and 4K. Whole generations, not rounds timed
   alone (engine.generate's time_levels), so the loop's own cost is in, and the noise of a few
   milliseconds per timing averages out over ~100 tokens. (A per-token term came out negative
   here: not resolved by these widths, and left out.) costs: level_costs already measured at
   this prompt (the forwards it needs are timed only where missing)."""
-  from hitree_jax.decode.drafters import DraftWeights, ModelDrafter
+  from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter
   from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
   from hitree_jax.planner.latency import affine, tree_draft_seconds
   from hitree_jax.tree import shapes
@@ -180,7 +185,9 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
             (["draft", "target"], Stack(drafter(Full()), shapes.chain(4))),
             (["draft", "target"], Stack(drafter(Full()), shapes.kary(2, 2))),
             ([streaming, retrieval, "target"], Stack(drafter(Streaming(16, 234)), shapes.chain(1),
-                                                     (Verifier("target", Retrieval(budget, CHUNK), 6),)))]
+                                                     (Verifier("target", Retrieval(budget, CHUNK), 6),))),
+            (["ngram:3", "draft", "target"], Stack(NGramDrafter(3), shapes.chain(2),
+                                                   (Verifier("draft", Full(), 3),), draft=d.config))]
   costs = dict(costs or {})
   missing = [n for n in ("target", retrieval, "draft", streaming) if n not in costs]
   if missing:
@@ -193,9 +200,9 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
             for _ in range(2)]
     run = min(runs, key=lambda r: r.decode_s)
     proposals = run.levels[0]["forwards"]
-    seconds = run.decode_s - proposals * tree_draft_seconds(stack.tree, curve[names[0]])
+    seconds = run.decode_s - proposals * tree_draft_seconds(stack.tree, curve.get(names[0]))
     is_tree = stack.tree.max_branching > 1
-    row = [proposals * stack.tree.max_depth, 0.0, proposals * is_tree]
+    row = [proposals * stack.tree.max_depth * (names[0] in curve), 0.0, proposals * is_tree]
     for level in run.levels:  # level 1 verifies the whole tree; above, the buffers' mean length
       width = stack.tree.size + 1 if level["level"] == 1 else level["proposed"] / level["forwards"] + 1
       seconds -= level["forwards"] * curve[names[level["level"]]](width)
@@ -326,8 +333,9 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Seq
 # Bumped when what a profile holds is measured differently, so stored ones are measured again.
 # 2: generations are timed from when every level's cache is built (engine._prefilled_args); the
 # overheads fitted before counted a draft's prefill as decoding. 3: CPU programs are compiled
-# with 512-bit vectors (programs.CPU_DEFAULTS).
-PROFILE_VERSION = 3
+# with 512-bit vectors (programs.CPU_DEFAULTS). 4: overheads fitted with a fifth reference stack
+# (round_overheads).
+PROFILE_VERSION = 4
 
 
 def profile_key(model: str, draft: str | None) -> dict:
