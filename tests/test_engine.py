@@ -168,6 +168,7 @@ def test_every_program_gets_the_cpu_defaults(params, monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_not_an_option=2")
   assert programs_lib.cpu_options({"xla_extra": True}) == {"xla_extra": True}
 
+
 def test_bad_drafter_settings_are_named(params):
   with pytest.raises(ValueError, match="chain"):
     engine.generate(params, CONFIG, [[1, 2]], tree=tree_lib.kary(2, 2), drafter=NGramDrafter(),

@@ -71,7 +71,6 @@ def test_sharded_greedy_equals_one_device(params, draft, one_device, name, mesh_
   assert result.tokens == one_device[name]
 
 
-
 @pytest.mark.parametrize("name", ["tree", "triforce"])
 def test_sharded_sampling_draws_what_one_device_draws(params, draft, one_device, name):
   """Sampling under a mesh is the same computation: with the same seed it draws the same tokens
@@ -83,6 +82,7 @@ def test_sharded_sampling_draws_what_one_device_draws(params, draft, one_device,
   expected = run(None)
   assert expected != one_device[name]   # it did sample (the greedy tokens differ)
   assert run(sharding.make_mesh("data:2,model:4")) == expected
+
 
 def test_prefill_over_a_cache_split_by_slot_is_exact_and_gathers_nothing(params, draft):
   """A 1,100-token prompt prefills in 3 chunks; under sequence:2 each device reads only its own

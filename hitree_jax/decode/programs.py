@@ -44,16 +44,13 @@ def compile_lowered(lowered, extra_cpu_options: dict | None = None):
 
 
 def ahead_of_time(jitted):
-  """`jitted` compiled per input shapes with compile_lowered, for callers without a Programs memo
-  (isolated timings), so they time the programs the engine runs. Positional array arguments
-  only; `.lower` is jitted's."""
-  compiled = {}
+  """`jitted` compiled per input shapes as the engine compiles its programs (a Programs memo of
+  its own, keyed by shape_key), for isolated timings, so they time the programs the engine runs.
+  Positional array arguments only; `.lower` is jitted's."""
+  programs = Programs()
 
   def call(*args):
-    key = shape_key(args)
-    if key not in compiled:
-      compiled[key] = compile_lowered(jitted.lower(*args))
-    return compiled[key](*args)
+    return programs.get(shape_key(args), jitted, *args)(*args)
 
   call.lower = jitted.lower
   return call

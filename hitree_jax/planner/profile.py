@@ -166,11 +166,11 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
   rounds of its middle level per target forward, as deep stacks do, so its rows pin `verify`
   down where the others (few rounds, each mostly forward) leave it to the forwards' noise: fitted
   without it, verify came out 1.2-3.1 ms across context lengths (a four-level stack pays it about
-  11 times per target forward); with it, 2.1 and 2.5 ms at 2K and 4K. Whole generations, not rounds timed
-  alone (engine.generate's time_levels), so the loop's own cost is in, and the noise of a few
-  milliseconds per timing averages out over ~100 tokens. (A per-token term came out negative
-  here: not resolved by these widths, and left out.) costs: level_costs already measured at
-  this prompt (the forwards it needs are timed only where missing)."""
+  11 times per target forward); with it, 2.1 and 2.5 ms at 2K and 4K. Whole generations, not
+  rounds timed alone (engine.generate's time_levels), so the loop's own cost is in, and the
+  noise of a few milliseconds per timing averages out over ~100 tokens. (A per-token term came
+  out negative here: not resolved by these widths, and left out.) costs: level_costs already
+  measured at this prompt (the forwards it needs are timed only where missing)."""
   from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter
   from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
   from hitree_jax.planner.latency import affine, tree_draft_seconds
