@@ -8,7 +8,8 @@ long-context prompts the hierarchy is for (SmolLM2 has 8192 positions: 4K and
 7.5K greedy); `heads` / `heads_greedy` EAGLE and Medusa against the distilled
 draft; `peers` our `ar` beside HF transformers and llama.cpp (after
 `python -m launch.convert --out=smollm2_f32.gguf`); `planner` / `planner_sampled`
-the planner's predictions against measurement (docs/planner.md); `quick` a
+the planner's predictions against measurement (docs/planner.md), and
+`planner_eagle` / `planner_eagle_sampled` with the EAGLE draft among its drafters; `quick` a
 smoke test.
 """
 
@@ -31,6 +32,13 @@ PLANNER = ",".join([
     f"hsd/{STREAMING}/chain:1+retrieval:512/6", f"hsd/{STREAMING}/chain:2+retrieval:1024/8",
     f"hsd/{STREAMING}/kary:2x2+retrieval:512/6", f"hsd/{DRAFT}/chain:2+retrieval:256/4",
     f"hsd/ngram:3/chain:2+{DRAFT}/3+retrieval:1024/6", f"hsd/{STREAMING}/chain:1+{DRAFT}/3+retrieval:512/6"])
+
+
+# The planner with the EAGLE draft among its drafters (--feature_draft): EAGLE's stacks beside the
+# distilled draft's, under the target and under a retrieval level.
+PLANNER_EAGLE = ",".join([
+    "ar", "auto", f"sd/{DRAFT}/2", f"sd/{EAGLE}/2", f"sd/{EAGLE}/3", f"tree/{EAGLE}/kary:2x2",
+    f"hsd/{EAGLE}/chain:2+retrieval:256/4"])
 
 
 def three_level(tree: str, gamma2: int) -> str:
@@ -70,6 +78,12 @@ SUITES = {
                     max_new_tokens=128, n_prompts=2, time_levels=False, temperature=0.0),
     "planner_sampled": dict(methods=PLANNER, draft=DRAFT, predict=True, prompt_tokens="2048",
                             max_new_tokens=128, n_prompts=2, time_levels=False, **SAMPLED),
+    "planner_eagle": dict(methods=PLANNER_EAGLE, draft=DRAFT, feature_draft=EAGLE, predict=True,
+                          prompt_tokens="512,2048", max_new_tokens=128, n_prompts=2, time_levels=False,
+                          temperature=0.0),
+    "planner_eagle_sampled": dict(methods=PLANNER_EAGLE, draft=DRAFT, feature_draft=EAGLE, predict=True,
+                                  prompt_tokens="512,2048", max_new_tokens=128, n_prompts=2,
+                                  time_levels=False, **SAMPLED),
     "quick": dict(methods="ar,sd/ngram/4", prompt_tokens="128", max_new_tokens=16, n_prompts=1),
 }
 

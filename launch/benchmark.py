@@ -201,7 +201,9 @@ def main(argv):
   greedy = FLAGS.temperature == 0
   specs = common.join_method_specs(FLAGS.methods)
   if "auto" in specs or FLAGS.predict:
-    common.check_auto_draft(FLAGS.draft)
+    common.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
+  elif FLAGS.feature_draft is not None:
+    raise ValueError("--feature_draft is weighed by the planner: it applies to --methods=auto and --predict")
   methods = [spec if spec == "auto" else common.parse_method(spec, common.Knobs.from_flags(FLAGS), greedy)
              for spec in specs]
   sampling = common.sampling_from_flags(FLAGS)
@@ -223,8 +225,8 @@ def main(argv):
   progress = Progress("benchmark", len(lengths) * (len(methods) + len(peer_engines)) * (FLAGS.n_prompts + 1))
   for n_tokens in lengths:
     prompts = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts, corpus=FLAGS.book)
-    planned = [common.auto_method(FLAGS.model, FLAGS.draft, n_tokens, sampling, loaded=(model, None))
-               .load_draft(model.config, model.params) if m == "auto" else m for m in methods]
+    planned = [common.auto_method(FLAGS.model, FLAGS.draft, n_tokens, sampling, loaded=(model, None),
+                                  feature_draft=FLAGS.feature_draft).load_draft(model.config, model.params) if m == "auto" else m for m in methods]
     for method in planned:
       # Each method's programs live only while it runs: a process holding every method's
       # (a dozen hierarchies, a program per level each) ran XLA:CPU out of code memory.
@@ -265,11 +267,12 @@ def prediction(model, method, n_tokens: int, sampling) -> dict:
   if method.levels is None:
     return {}
   from hitree_jax.planner import auto
+  eagle = common.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   profile, _ = auto.profiled(FLAGS.model, FLAGS.draft, auto.nearest_context(n_tokens), sampling,
-                             book=FLAGS.book, loaded=(model, None), log=logging.info)
+                             book=FLAGS.book, loaded=(model, None), log=logging.info, eagle=eagle)
   try:
-    got = auto.predict(profile, FLAGS.temperature == 0, auto.in_profile_names(method.levels, FLAGS.draft),
-                       method.tree)
+    got = auto.predict(profile, FLAGS.temperature == 0,
+                       auto.in_profile_names(method.levels, FLAGS.draft, eagle), method.tree)
   except ValueError as e:
     logging.info("no prediction for %s: %s", method.label, e)
     return {}

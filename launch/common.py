@@ -84,10 +84,10 @@ METHOD_FLAGS = {
     "triforce": ("draft", "budget", "reselect", "sinks", "window", "gamma1", "gamma2"),
     "hitree": ("draft", "tree", "acceptance", "budget", "reselect", "sinks", "window", "gamma2"),
     "hsd": ("draft", "levels", "acceptance"),
-    "auto": ("draft",),
+    "auto": ("draft", "feature_draft"),
 }
 SPECULATION_FLAGS = ("draft", "gamma", "tree", "acceptance", "budget", "reselect", "sinks", "window",
-                     "gamma1", "gamma2", "levels")
+                     "gamma1", "gamma2", "levels", "feature_draft")
 
 
 def check_method_flags(method_name: str, given: set[str]) -> None:
@@ -200,11 +200,18 @@ def define_speculation_flags():
                        "retrieval level, --method=triforce (default 1, TriForce's).")
   flags.DEFINE_integer("gamma2", None, "Tokens the retrieval level buffers before the target "
                        "verifies them: --method=triforce (default 6) and hitree (default 12).")
+  define_feature_draft_flag()
   flags.DEFINE_string("levels", None, "--method=hsd: the stack below the target, bottom-up, levels "
                       "joined by '+': DRAFTER/TREE first (DRAFTER: ngram[:N], self:K, draft (the "
                       "--draft model) or PATH, [@streaming:SINKSxWINDOW], [,MODE]; or retrieval:BUDGET), "
                       "then WHO/GAMMA per level (WHO: retrieval:BUDGET[:RESELECT] or draft[@streaming:SxW]). "
                       "e.g. ngram:3/chain:2+draft/4+retrieval:1024/6 (docs/methods.md).")
+
+
+def define_feature_draft_flag():
+  flags.DEFINE_string("feature_draft", None, "--method=auto (and launch.plan): an EAGLE draft, "
+                      "eagle:PATH (e.g. eagle:drafts/smollm2-eagle), that the planner also weighs as the "
+                      "bottom level, under the target or a retrieval level.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -535,25 +542,39 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
                 heads=heads)
 
 
-def check_auto_draft(draft: str) -> None:
+def check_auto_draft(draft: str, feature_draft: str | None = None) -> str | None:
+  """Refuses what the planner cannot plan around; -> the EAGLE draft's folder, or None."""
   if _split_level(draft)[0].startswith(("ngram", "self:") + HEADS):
+    hint = (f" (an EAGLE draft joins with --feature_draft={draft})" if draft.startswith("eagle:") else "")
     raise ValueError(f"--method=auto plans stacks around a draft model: give --draft=PATH (e.g. "
-                     f"drafts/smollm2-draft.gguf), not {draft}")
+                     f"drafts/smollm2-draft.gguf), not {draft}{hint}")
+  if feature_draft is None:
+    return None
+  if not feature_draft.startswith("eagle:"):
+    raise ValueError(f"--feature_draft={feature_draft}: the planner weighs an EAGLE draft, eagle:PATH "
+                     "(Medusa's heads are not planned: each head's acceptance falls with its depth, "
+                     "which its latency model does not describe)")
+  from hitree_jax.train.heads import read_meta
+  path = feature_draft.removeprefix("eagle:")
+  read_meta(path, "eagle")  # FileNotFoundError naming it, before any load
+  return path
 
 
-def auto_method(model: str, draft: str, prompt_length: int, sampling, loaded: tuple = (None, None)) -> Method:
+def auto_method(model: str, draft: str, prompt_length: int, sampling, loaded: tuple = (None, None),
+                feature_draft: str | None = None) -> Method:
   """--method=auto: the stack the planner chooses (hitree_jax/planner/auto.py) around the draft
-  model `draft`, for this prompt length and sampling, from the profile measured on first use."""
+  model `draft` (and the EAGLE draft `feature_draft`, eagle:PATH), for this prompt length and
+  sampling, from the profile measured on first use."""
   from hitree_jax.planner import auto
-  check_auto_draft(draft)
+  eagle = check_auto_draft(draft, feature_draft)
   choice, _, path = auto.plan_for(model, draft, prompt_length, sampling, loaded=loaded,
-                                  log=lambda message: logging.info("%s", message))
+                                  log=lambda message: logging.info("%s", message), eagle=eagle)
   logging.info("--method=auto: %s, %.1f tok/s predicted (ar %.1f; profile %s)",
                f"hsd/{choice.levels}" if choice.levels else "ar", choice.predicted_tokens_per_s,
                choice.ar_tokens_per_s, path)
   if choice.levels is None:
     return Method("ar", label="auto=ar")
-  flags = choice.flags(draft)
+  flags = choice.flags(draft, eagle)
   method = parse_method("hsd", Knobs(draft=draft, levels=flags["levels"], acceptance=flags.get("acceptance")),
                         float(sampling.temperature) == 0)
   return dataclasses.replace(method, label=f"auto={method.label}")

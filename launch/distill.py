@@ -128,7 +128,8 @@ def train_heads_main():
                                   data["train"], data["eval"], steps=FLAGS.steps, batch=FLAGS.batch,
                                   lr=FLAGS.lr, warmup=FLAGS.warmup, seed=FLAGS.seed, until=FLAGS.until,
                                   progress=Progress("training", min_interval_s=30).update,
-                                  objective=objective, frozen=heads.frozen_arrays(teacher.params, vocab))
+                                  objective=objective, frozen=heads.frozen_arrays(teacher.params, vocab),
+                                  settings=run_settings())
   record = {"train_s_this_run": time.perf_counter() - start, "history": history, "vocab_size": vocab.size}
   if FLAGS.until is not None and FLAGS.until < FLAGS.steps:
     return record
@@ -174,7 +175,8 @@ def train_main():
   params, history = distill.train(workdir, config, params, data["train"], data["eval"],
                                   steps=FLAGS.steps, batch=FLAGS.batch, lr=FLAGS.lr,
                                   warmup=FLAGS.warmup, seed=FLAGS.seed, until=FLAGS.until,
-                                  progress=Progress("training", min_interval_s=30).update)
+                                  progress=Progress("training", min_interval_s=30).update,
+                                  settings=run_settings())
   record = {"train_s_this_run": time.perf_counter() - start, "history": history,
             "layers": layers, "vocab_size": vocab.size}
   if FLAGS.until is not None and FLAGS.until < FLAGS.steps:
@@ -198,6 +200,11 @@ def train_main():
 _TRAIN_FLAGS = ("kind", "teacher", "workdir", "out", "layers", "vocab_size", "window", "train_windows",
                 "eval_windows", "topk", "steps", "batch", "lr", "warmup", "seed", "quantize",
                 "feature_weight", "unroll", "num_heads", "train_text", "own_prompt_tokens")
+
+
+def run_settings() -> dict:
+  """The flags that define a training run (all of _TRAIN_FLAGS but where it is kept and written)."""
+  return {name: FLAGS[name].value for name in _TRAIN_FLAGS if name not in ("workdir", "out")}
 
 
 def jax_to_numpy(tree):

@@ -90,7 +90,7 @@ def main(argv):
   common.check_method_flags(FLAGS.method.partition("/")[0], common.given_flags())
   planned = FLAGS.method == "auto"  # the stack is chosen once the prompt's length is known
   if planned:
-    common.check_auto_draft(FLAGS.draft)
+    common.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   else:
     method = common.parse_method(FLAGS.method, common.Knobs.from_flags(FLAGS), FLAGS.temperature == 0)
   check_prompt_flags()
@@ -117,7 +117,8 @@ def main(argv):
   model = load_model(FLAGS.model, FLAGS.dtype)
   sharding.check(model.config, mesh, 1, 256)  # before the draft loads; generate checks the cache's slots
   if planned:
-    method = common.auto_method(FLAGS.model, FLAGS.draft, len(ids), sampling, loaded=(model, None))
+    method = common.auto_method(FLAGS.model, FLAGS.draft, len(ids), sampling, loaded=(model, None),
+                                feature_draft=FLAGS.feature_draft)
   method = method.load_draft(model.config, model.params)
   model_ids = ids if model.vocab is None else model.vocab.to_draft(ids).tolist()  # a draft alone
   result = method.generate(sharding.place_params(model.params, mesh), model.config, [model_ids],

@@ -13,6 +13,9 @@ passage, and the engine's per-round overheads (a few minutes on a CPU). It is ke
 --profile_dir and reused while the models, the machine and jax are the same.
 `launch.generate --method=auto` plans the same way, on first use.
 
+--feature_draft=eagle:PATH adds an EAGLE draft to the candidate drafters (under the target or a
+retrieval level, whose features it reads).
+
 --predict=LEVELS,... also prints the model's prediction for stacks given in the --levels
 grammar (e.g. draft/chain:2 or draft@streaming:16x234/chain:1+retrieval:512/6).
 """
@@ -29,6 +32,7 @@ from launch import common
 common.define_model_flags()
 common.define_sampling_flags()
 flags.DEFINE_string("draft", None, "The draft model (a path), e.g. drafts/smollm2-draft.gguf.")
+common.define_feature_draft_flag()
 flags.DEFINE_enum("book", "austen", ["austen", "shakespeare", "milton"], "Book corpus the profile is "
                   "measured on.")
 flags.DEFINE_integer("prompt_tokens", 2048, "Context length to plan for, in tokens.")
@@ -56,14 +60,15 @@ def get_config():
 '''
 
 
-def write_config(out: str, choice, draft: str, title: str, context: int) -> list[pathlib.Path]:
+def write_config(out: str, choice, draft: str, title: str, context: int,
+                 eagle: str | None = None) -> list[pathlib.Path]:
   path = pathlib.Path(out)
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(CONFIG.format(title=title, path=path, context=context, flags=choice.flags(draft)))
+  path.write_text(CONFIG.format(title=title, path=path, context=context, flags=choice.flags(draft, eagle)))
   record = path.with_suffix(".json")
   from hitree_jax.planner import auto
   best = choice.best_stack
-  record.write_text(json.dumps({"title": title, "flags": choice.flags(draft),
+  record.write_text(json.dumps({"title": title, "flags": choice.flags(draft, eagle),
                                 "predicted_tokens_per_s": choice.predicted_tokens_per_s,
                                 "ar_tokens_per_s": choice.ar_tokens_per_s,
                                 "fastest_stack": {"levels": auto.levels_spec(best),
@@ -85,12 +90,14 @@ def main(argv):
   from hitree_jax.planner import auto
   if FLAGS.min_gain < 0:
     raise ValueError(f"--min_gain={FLAGS.min_gain} must be >= 0")
+  eagle = common.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   choice, profile, path = auto.plan_for(FLAGS.model, FLAGS.draft, FLAGS.prompt_tokens, sampling,
                                         FLAGS.profile_dir, FLAGS.book, log=logging.info,
-                                        min_gain=FLAGS.min_gain)
+                                        min_gain=FLAGS.min_gain, eagle=eagle)
   greedy = float(sampling.temperature) == 0
   setting = "greedy" if greedy else f"T {FLAGS.temperature:g}, top-p {FLAGS.top_p:g}"
-  title = (f"The stack launch.plan chose for {FLAGS.model} + {FLAGS.draft} at {profile['context']} "
+  models = " + ".join([FLAGS.model, FLAGS.draft, *([FLAGS.feature_draft] if eagle else [])])
+  title = (f"The stack launch.plan chose for {models} at {profile['context']} "
            f"tokens, {setting}: {choice.predicted_tokens_per_s:.1f} tok/s predicted.")
   best = choice.best_stack
   print(f"profile: {path}")
@@ -111,7 +118,7 @@ def main(argv):
     measured = profile["acceptance"].get(f"target<-{middle}", {}).get(rate)
     print(f"  {middle}: {'never' if needed is None else f'{needed:.2f}'} ({measured:.2f})")
   if FLAGS.out:
-    written = write_config(FLAGS.out, choice, FLAGS.draft, title, profile["context"])
+    written = write_config(FLAGS.out, choice, FLAGS.draft, title, profile["context"], eagle)
     print("wrote " + ", ".join(map(str, written)))
 
 

@@ -121,6 +121,18 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, teacher_para
   assert max(jax.tree.leaves(moved)) > 1e-3  # training changed the weights at all
 
 
+def test_resuming_a_run_made_with_other_settings_is_refused(tmp_path, teacher_params, data):
+  config, params = distill.student_from_teacher(teacher_params, TEACHER, (0,), data[3])
+  kwargs = dict(batch=8, lr=1e-2, warmup=2, seed=3, until=0, settings={"train_windows": 16})
+  distill.train(tmp_path, config, params, student_data(data), None, steps=6, **kwargs)
+  distill.train(tmp_path, config, params, student_data(data), None, steps=6, **kwargs)  # resumes
+  with pytest.raises(ValueError, match="steps: 6 there, 8 now"):
+    distill.train(tmp_path, config, params, student_data(data), None, steps=8, **kwargs)
+  with pytest.raises(ValueError, match="train_windows: 16 there, 32 now"):
+    distill.train(tmp_path, config, params, student_data(data), None, steps=6,
+                  **dict(kwargs, settings={"train_windows": 32}))
+
+
 def test_batches_depend_only_on_seed_and_step():
   first = [distill.batch_indices(20, 4, s, seed=1) for s in range(10)]
   assert all(np.array_equal(a, distill.batch_indices(20, 4, s, seed=1)) for s, a in enumerate(first))

@@ -148,6 +148,14 @@ def test_progress_reports_elapsed_and_eta():
     (["--method=auto", "--draft=ngram:3", "--prompt=hi"], "not ngram:3"),
     (["--method=auto", "--draft=drafts/smollm2-draft.gguf", "--gamma=3", "--prompt=hi"],
      "--gamma does not apply to --method=auto"),
+    (["--method=auto", "--draft=eagle:drafts/smollm2-eagle", "--prompt=hi"],
+     "joins with --feature_draft=eagle:drafts/smollm2-eagle"),
+    (["--method=auto", "--draft=drafts/smollm2-draft.gguf", "--feature_draft=medusa:drafts/smollm2-medusa",
+      "--prompt=hi"], "--feature_draft=medusa:drafts/smollm2-medusa: the planner weighs an EAGLE draft"),
+    (["--method=auto", "--draft=drafts/smollm2-draft.gguf", "--feature_draft=eagle:/no/such", "--prompt=hi"],
+     "'/no/such' not found"),
+    (["--method=sd", "--feature_draft=eagle:drafts/smollm2-eagle", "--prompt=hi"],
+     "--feature_draft does not apply to --method=sd"),
 ])
 def test_generate_rejects_bad_input_by_name(args, message):
   proc = launch("generate", *args, timeout=120)

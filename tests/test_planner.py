@@ -3,6 +3,7 @@ its shortest-path search against brute force."""
 
 import dataclasses
 import json
+import pathlib
 import types
 
 import jax
@@ -204,9 +205,9 @@ def synthetic_profile(context=512, space=None):
   from hitree_jax.planner import auto
   space = (space or auto.Space()).for_context(context)
   base = {"target": 0.020, "retrieval:256": 0.013, "retrieval:512": 0.015, "retrieval:1024": 0.017,
-          "self:8": 0.007, "draft": 0.0024, "draft@streaming:16x234": 0.0018}
+          "self:8": 0.007, "draft": 0.0024, "draft@streaming:16x234": 0.0018, "eagle": 0.0012}
   quality = {"target": 1.0, "retrieval:256": 0.9, "retrieval:512": 0.93, "retrieval:1024": 0.95,
-             "self:8": 0.1, "draft": 0.45, "draft@streaming:16x234": 0.4, "ngram:3": 0.3}
+             "self:8": 0.1, "draft": 0.45, "draft@streaming:16x234": 0.4, "ngram:3": 0.3, "eagle": 0.7}
   costs = {name: {str(w): base[name] * (1 + 0.08 * (w - 1)) for w in space.widths}
            for name in space.levels() if name in base}
   acceptance = {}
@@ -235,6 +236,32 @@ def test_a_plan_is_the_fastest_stack_of_its_space_and_runs_as_flags(greedy):
   method = parse_method("hsd", Knobs(draft=flags["draft"], levels=flags["levels"],
                                      acceptance=flags.get("acceptance")), greedy)
   assert method.levels.split("+")[1:] == choice.levels.split("+")[1:]
+
+
+def test_an_eagle_draft_is_planned_only_under_the_targets_weights_and_runs_as_flags():
+  from hitree_jax.planner import auto
+  from launch.common import Knobs, parse_method
+  space = auto.Space().with_eagle()
+  assert ("target", "eagle") in space.pairs() and ("retrieval:256", "eagle") in space.pairs()
+  assert not any(p == "eagle" and v.startswith("draft") for v, p in space.pairs())
+  profile = synthetic_profile(space=space)
+  assert "eagle" in [d.name for d in auto.candidates(profile, True).drafters]  # from the profile alone
+  choice = auto.choose(profile, True)
+  best = optimize.brute_force(auto.candidates(profile, True), max_middles=2, fixed_buffers=True)
+  assert choice.best_stack.seconds_per_token <= best.seconds_per_token * (1 + 1e-9)
+  assert choice.levels.startswith("eagle/")  # the cheapest and best drafter here
+  assert not any(m.startswith("draft") for m, _ in choice.best_stack.middles)
+  with pytest.raises(ValueError, match="drafts with an EAGLE draft"):
+    choice.flags("drafts/smollm2-draft.gguf")
+  flags = choice.flags("drafts/smollm2-draft.gguf", "drafts/smollm2-eagle")
+  assert flags["levels"].startswith("eagle:drafts/smollm2-eagle/")
+  method = parse_method("hsd", Knobs(draft=flags["draft"], levels=flags["levels"],
+                                     acceptance=flags.get("acceptance")), True)
+  assert method.heads == "eagle:drafts/smollm2-eagle"
+  named = auto.in_profile_names(method.levels, "drafts/smollm2-draft.gguf", "drafts/smollm2-eagle")
+  assert named == choice.levels
+  assert auto.predict(profile, True, named).seconds_per_token == pytest.approx(
+      1 / choice.predicted_tokens_per_s)
 
 
 def test_plain_decoding_is_chosen_when_no_stack_beats_it():
@@ -311,9 +338,9 @@ def test_measure_and_choose_on_tiny_models_and_the_plan_is_exact(tiny_pair):
 
 
 def test_plan_writes_a_config_that_generate_runs_and_auto_plans_the_same(tmp_path):
-  """launch.plan and --method=auto from a stored profile (made up here: measuring SmolLM2's takes
-  minutes), on the real SmolLM2 and its draft: the config runs, auto picks the same stack, and
-  both generate ar's greedy tokens."""
+  """launch.plan and --method=auto from stored profiles (made up here: measuring SmolLM2's takes
+  minutes), on the real SmolLM2 with its draft, and with its EAGLE draft too: each config runs,
+  auto picks the same stack, and all generate ar's greedy tokens."""
   import os
   import subprocess
   import sys
@@ -321,33 +348,42 @@ def test_plan_writes_a_config_that_generate_runs_and_auto_plans_the_same(tmp_pat
   from hitree_jax.loading import resolve
   from hitree_jax.planner import auto
   from tests.test_launch import REPO
-  draft = "drafts/smollm2-draft.gguf"
+  draft, eagle = "drafts/smollm2-draft.gguf", "drafts/smollm2-eagle"
   model_path, draft_path = str(resolve("smollm2")), str(resolve(draft))
+  eagle_path = str((pathlib.Path(REPO) / eagle).resolve())
   greedy = SamplingParams.create()
-  stored = auto.profile_path(tmp_path, model_path, draft_path, 512, greedy)
-  stored.parent.mkdir(parents=True)
-  stored.write_text(json.dumps({"key": auto.profile_key(model_path, draft_path, 512, greedy, "austen"),
-                                "profile": synthetic_profile(512)}))
-  expected = auto.choose(synthetic_profile(512), True)
   env = dict(os.environ, HITREE_PROFILES=str(tmp_path))
   run = lambda module, *args: subprocess.run([sys.executable, "-m", f"launch.{module}", *args], cwd=REPO,
                                              capture_output=True, text=True, timeout=600, env=env)
-  plan = run("plan", f"--draft={draft}", "--prompt_tokens=500", f"--out={tmp_path / 'plan.py'}",
-             "--predict=draft/chain:2")
-  assert plan.returncode == 0, plan.stderr[-3000:]
-  assert f"chosen: hsd/{expected.levels}: {expected.predicted_tokens_per_s:.1f} tok/s" in plan.stdout
-  assert "hsd/draft/chain:2: " in plan.stdout
-  assert json.loads((tmp_path / "plan.json").read_text())["flags"]["levels"] == expected.levels
   common = ["--book=austen", "--prompt_tokens=500", "--max_new_tokens=12", "--ignore_eos", "--json"]
-  records = {}
-  for name, args in [("config", [f"--config={tmp_path / 'plan.py'}"]),
-                     ("auto", ["--method=auto", f"--draft={draft}"]), ("ar", [])]:
-    proc = run("generate", *args, *common)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert records["auto"]["method"] == f"auto={records['config']['method']}"
-  assert records["config"]["method"].endswith(expected.levels.split("/", 1)[1])
-  assert records["config"]["tokens"] == records["auto"]["tokens"] == records["ar"]["tokens"]
+  ar = run("generate", *common)
+  assert ar.returncode == 0, ar.stderr[-3000:]
+  ar_tokens = json.loads(ar.stdout.strip().splitlines()[-1])["tokens"]
+  for feature_draft in (None, eagle_path):
+    space = auto.Space() if feature_draft is None else auto.Space().with_eagle()
+    stored = auto.profile_path(tmp_path, model_path, draft_path, 512, greedy, eagle=feature_draft)
+    stored.parent.mkdir(parents=True)
+    key = auto.profile_key(model_path, draft_path, 512, greedy, "austen", feature_draft)
+    stored.write_text(json.dumps({"key": key, "profile": synthetic_profile(512, space)}))
+    expected = auto.choose(synthetic_profile(512, space), True)
+    assert expected.levels.startswith("eagle/") == (feature_draft is not None)
+    extra = [] if feature_draft is None else [f"--feature_draft=eagle:{eagle}"]
+    out = tmp_path / f"plan{len(extra)}.py"
+    plan = run("plan", f"--draft={draft}", *extra, "--prompt_tokens=500", f"--out={out}",
+               "--predict=draft/chain:2")
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert f"chosen: hsd/{expected.levels}: {expected.predicted_tokens_per_s:.1f} tok/s" in plan.stdout
+    assert "hsd/draft/chain:2: " in plan.stdout
+    assert json.loads(out.with_suffix(".json").read_text())["flags"]["levels"] == expected.flags(
+        draft, None if feature_draft is None else eagle)["levels"]
+    records = {}
+    for name, args in [("config", [f"--config={out}"]), ("auto", ["--method=auto", f"--draft={draft}", *extra])]:
+      proc = run("generate", *args, *common)
+      assert proc.returncode == 0, proc.stderr[-3000:]
+      records[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert records["auto"]["method"] == f"auto={records['config']['method']}"
+    assert records["config"]["method"].endswith(expected.levels.split("/", 1)[1])
+    assert records["config"]["tokens"] == records["auto"]["tokens"] == ar_tokens
 
 
 def test_break_even_is_where_a_middle_level_starts_to_pay():
@@ -365,3 +401,79 @@ def test_break_even_is_where_a_middle_level_starts_to_pay():
   assert tops_with(min(1.0, needed + 0.02)) and not tops_with(needed - 0.02)
   assert auto.break_even(dict(profile, costs={**profile["costs"], "retrieval:256": profile["costs"]["target"]}),
                          True, "retrieval:256") is None   # as dear as the target: never pays
+
+
+@pytest.fixture(scope="module")
+def eagle_trio():
+  """A one-layer tiny target (with its decode head), a random draft model, and EAGLE layers that
+  copy the target's (feature_weight 0: the target itself) or also read the features (2.0)."""
+  from tests.test_heads import CONFIG, eagle_draft, target_params
+  params = target_params(CONFIG)
+  target = types.SimpleNamespace(config=CONFIG, params=params, vocab=None)
+  draft = types.SimpleNamespace(config=CONFIG, params=init_params(CONFIG, jax.random.key(7)), vocab=None)
+  eagles = {}
+  for weight in (0.0, 2.0):
+    drafter, weights = eagle_draft(params, CONFIG, weight)
+    eagles[weight] = types.SimpleNamespace(config=drafter.config, params=weights.params, vocab=None)
+  return target, draft, eagles
+
+
+def test_an_eagle_drafts_acceptance_reads_its_verifiers_features(eagle_trio):
+  """Against the EAGLE layer run offline over the whole sequence with the target's true features."""
+  import jax.numpy as jnp
+  from hitree_jax.cache.full import KVCache, causal_attend
+  from hitree_jax.decode.sampling import SamplingParams, probabilities
+  from hitree_jax.heads import eagle
+  from hitree_jax.model.llama import forward
+  target, draft, eagles = eagle_trio
+  prompt, continuation = [int(x) for x in np.arange(40) * 7 % 53], [int(x) for x in np.arange(20) * 5 % 53]
+  sampling = SamplingParams.create(0.8)
+  pairs = [("target", "eagle"), ("retrieval:256", "eagle")]
+  copy = profile.pair_acceptance(target, draft, pairs, prompt, continuation, sampling, eagles[0.0])
+  for pair in ("target<-eagle", "retrieval:256<-eagle"):   # 256 slots hold the whole context
+    assert copy[pair]["alpha"] == pytest.approx(1.0, abs=1e-5) and copy[pair]["greedy"] == 1.0
+  got = profile.pair_acceptance(target, draft, pairs, prompt, continuation, sampling, eagles[2.0])
+  sequence = jnp.asarray([prompt + continuation])
+  t, p = sequence.shape[1], len(prompt)
+  attend = causal_attend(jnp.zeros((1,), jnp.int32), t, t)
+  logits, true, _ = forward(target.params, target.config, sequence, jnp.arange(t)[None],
+                            KVCache.init(target.config, 1, t), attend)
+  e = eagles[2.0]
+  predicted, _ = eagle.features(e.params, e.config, target.params["embed_tokens"]["embedding"], sequence,
+                                eagle.shifted(true), jnp.arange(t)[None], KVCache.init(e.config, 1, t), attend)
+  q = probabilities(eagle.logits(e.params, predicted, False)[0, p:], sampling)
+  expected = float(jnp.sum(jnp.minimum(probabilities(logits[0, p:], sampling), q), axis=-1).mean())
+  assert 0.05 < expected < 0.95  # a draft that depends on the features, right some of the time
+  assert got["target<-eagle"]["alpha"] == pytest.approx(expected, abs=1e-4)
+  assert got["retrieval:256<-eagle"]["alpha"] == pytest.approx(expected, abs=1e-4)
+
+
+def test_measure_with_an_eagle_draft_and_its_plan_is_exact(tmp_path, eagle_trio):
+  from hitree_jax.decode import engine
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.planner import auto
+  from hitree_jax.train import heads
+  from launch.common import Knobs, parse_method
+  target, draft, eagles = eagle_trio
+  space = auto.Space(drafters=("draft",), middles=("retrieval:64",), chains=(1, 2), trees=("kary:2x2",),
+                     gammas=(2,), widths=(1, 4))
+  prompt = [int(x) for x in np.arange(120) * 7 % 53]
+  continuation = engine.generate(target.params, target.config, [prompt], max_new_tokens=12,
+                                 stop_at_eos=False).tokens[0]
+  measured = auto.measure(target, draft, [prompt], [continuation], SamplingParams.create(), space,
+                          repeats=2, eagle=eagles[2.0])
+  assert set(measured["costs"]) == {"draft", "eagle", "retrieval:64", "target"}
+  assert {"target<-eagle", "retrieval:64<-eagle"} <= set(measured["acceptance"])
+  assert "draft<-eagle" not in measured["acceptance"]
+  measured = json.loads(json.dumps(measured))
+  folder = tmp_path / "eagle"
+  heads.save(folder, "eagle", eagles[2.0].params, target.config, None, {})
+  for levels in ("eagle/chain:2", "eagle/kary:2x2+retrieval:64/2"):
+    assert auto.predict(measured, True, levels, space=space).seconds_per_token > 0
+    choice = auto.Choice(None, levels, None, 1.0, 1.0)
+    flags = choice.flags("drafts/smollm2-draft.gguf", str(folder))
+    method = parse_method("hsd", Knobs(draft=flags["draft"], levels=flags["levels"]), True)
+    method = method.load_draft(target.config, target.params)
+    got = method.generate(target.params, target.config, [prompt], max_new_tokens=16, stop_at_eos=False)
+    ar = engine.generate(target.params, target.config, [prompt], max_new_tokens=16, stop_at_eos=False)
+    assert got.tokens == ar.tokens

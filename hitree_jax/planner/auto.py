@@ -25,7 +25,8 @@ CONTEXTS = (512, 1024, 2048, 4096, 7680)   # a prompt is planned for the nearest
 @dataclasses.dataclass(frozen=True)
 class Space:
   """The stacks the planner chooses among. Level names as in profile.py and the --levels grammar
-  ('draft' is the --draft model); middles cheapest first (a level verifies only those before it)."""
+  ('draft' is the --draft model, 'eagle' an EAGLE draft: `with_eagle`); middles cheapest first (a
+  level verifies only those before it)."""
   drafters: tuple[str, ...] = ("ngram:3", "self:8", "draft", "draft@streaming:16x234")
   middles: tuple[str, ...] = ("draft@streaming:16x234", "draft", "retrieval:256", "retrieval:512",
                               "retrieval:1024")
@@ -39,18 +40,29 @@ class Space:
     keep = tuple(m for m in self.middles if not (m.startswith("retrieval:") and _budget(m) >= context))
     return dataclasses.replace(self, middles=keep)
 
+  def with_eagle(self) -> "Space":
+    """With an EAGLE draft among the drafters."""
+    return self if "eagle" in self.drafters else dataclasses.replace(self, drafters=(*self.drafters, "eagle"))
+
   def levels(self) -> list[str]:
     return list(dict.fromkeys([*self.drafters, *self.middles, "target"]))
 
   def pairs(self) -> list[tuple[str, str]]:
     """(verifier, proposer): each middle and the target over each drafter and each middle before
-    it (the space lists middles cheapest first)."""
+    it (the space lists middles cheapest first); an EAGLE draft only under a level that runs the
+    target's weights (the target, or it over a retrieval cache), whose features it reads."""
     out = []
     for i, verifier in enumerate([*self.middles, "target"]):
       for proposer in [*self.drafters, *self.middles[:i]]:
+        if proposer == "eagle" and not _runs_the_targets_weights(verifier):
+          continue
         if proposer != verifier:
           out.append((verifier, proposer))
     return out
+
+
+def _runs_the_targets_weights(level: str) -> bool:
+  return level == "target" or level.startswith("retrieval:")
 
 
 def _budget(name: str) -> int:
@@ -65,17 +77,23 @@ PASSAGES = 3  # acceptance is averaged over this many passages: one passage's is
 
 
 def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
-            sampling, space: Space = Space(), repeats: int = 10) -> dict:
+            sampling, space: Space = Space(), repeats: int = 10, eagle=None) -> dict:
   """A profile: costs {level: {width: s}}, acceptance {"v<-p": ...}, overheads {field: s},
   ar_seconds (per token of plain decoding, measured). Acceptance is the mean over the prompts
   (passages of one length); the timings are taken after the first.
-  target, draft: loading.LoadedModel; continuations: the target's own tokens after each prompt."""
+  target, draft: loading.LoadedModel; continuations: the target's own tokens after each prompt;
+  eagle: profile.load_eagle's EAGLE draft, measured as the level 'eagle' (the space gets it).
+  The overheads are fitted to the draft model's stacks; an EAGLE forward is charged the draft
+  model's per-forward overhead."""
   prompt = prompts[0]
   space = space.for_context(len(prompt))
+  if eagle is not None:
+    space = space.with_eagle()
   budgets = [_budget(m) for m in space.middles if m.startswith("retrieval:")]
-  per_passage = [profile_lib.pair_acceptance(target, draft, space.pairs(), p, c, sampling)
+  per_passage = [profile_lib.pair_acceptance(target, draft, space.pairs(), p, c, sampling, eagle)
                  for p, c in zip(prompts, continuations)]
-  costs = profile_lib.level_costs(target, draft, _model_levels(space.levels()), prompt, space.widths, repeats)
+  costs = profile_lib.level_costs(target, draft, _model_levels(space.levels()), prompt, space.widths, repeats,
+                                  eagle)
   return {"context": len(prompt), "passages": len(prompts), "costs": costs,
           "acceptance": {pair: _mean([a[pair] for a in per_passage]) for pair in per_passage[0]},
           "overheads": profile_lib.round_overheads(target, draft, prompt, sampling,
@@ -96,8 +114,11 @@ def _tree(label: str, profile: Sequence[float]) -> shapes.TokenTree:
 
 
 def candidates(profile: dict, greedy: bool, space: Space = Space()) -> optimize.Candidates:
-  """optimize.Candidates from a profile (as stored: JSON keys are strings)."""
+  """optimize.Candidates from a profile (as stored: JSON keys are strings); an EAGLE draft it
+  measured joins the space's drafters."""
   space = space.for_context(profile["context"])
+  if "eagle" in profile["costs"]:
+    space = space.with_eagle()
   curve = {name: latency.affine({int(w): s for w, s in points.items()})
            for name, points in profile["costs"].items()}
   per_rank, per_token = {}, {}
@@ -129,10 +150,17 @@ class Choice:
   predicted_tokens_per_s: float
   ar_tokens_per_s: float
 
-  def flags(self, draft: str) -> dict:
+  def flags(self, draft: str, eagle: str | None = None) -> dict:
+    """The launchers' flags: draft is the draft model's path, eagle the EAGLE draft's (a plan
+    drafting with 'eagle' names it eagle:PATH)."""
     if self.levels is None:
       return {"method": "ar"}
-    out = {"method": "hsd", "levels": self.levels, "draft": draft}
+    levels = self.levels
+    if levels.startswith("eagle/"):
+      if eagle is None:
+        raise ValueError(f"{levels!r} drafts with an EAGLE draft: give its path")
+      levels = f"eagle:{eagle}/{levels.removeprefix('eagle/')}"
+    out = {"method": "hsd", "levels": levels, "draft": draft}
     if self.acceptance is not None:
       out["acceptance"] = ",".join(f"{a:.4f}" for a in self.acceptance)
     return out
@@ -169,7 +197,7 @@ def predict(profile: dict, greedy: bool, levels: str, tree: shapes.TokenTree | N
   name, _, label = bottom.rpartition("/")
   drafter = next((d for d in c.drafters if d.name == name), None)
   if drafter is None:
-    raise ValueError(f"{bottom!r}: the profile has no drafter {name!r} (it has {list(space.drafters)})")
+    raise ValueError(f"{bottom!r}: the profile has no drafter {name!r} (it has {[d.name for d in c.drafters]})")
   tree = tree if tree is not None else dict(drafter.trees).get(label)
   if tree is None:
     tree = _tree(label, c.profile("target", name))
@@ -183,18 +211,26 @@ def predict(profile: dict, greedy: bool, levels: str, tree: shapes.TokenTree | N
   return latency.predict(model)
 
 
-def in_profile_names(levels: str, draft_path: str | None) -> str:
-  """A Method's --levels spec with the draft model's path written 'draft', as profiles name it."""
-  if draft_path is None:
-    return levels
+def in_profile_names(levels: str, draft_path: str | None, eagle_path: str | None = None) -> str:
+  """A Method's --levels spec with the draft model's path written 'draft' and the EAGLE draft's
+  eagle:PATH written 'eagle', as profiles name them."""
   from hitree_jax.loading import resolve
   pieces = []
   for piece in levels.split("+"):
     who, _, shape = piece.rpartition("/")
     name = re.split(r"[@,]", who, maxsplit=1)[0]
     cache_and_mode = who[len(name):]
-    pieces.append(f"{'draft' if _resolves_to(name, draft_path, resolve) else name}{cache_and_mode}/{shape}")
+    if draft_path is not None and _resolves_to(name, draft_path, resolve):
+      name = "draft"
+    elif eagle_path is not None and name.startswith("eagle:") and _same_path(name.removeprefix("eagle:"),
+                                                                             eagle_path):
+      name = "eagle"
+    pieces.append(f"{name}{cache_and_mode}/{shape}")
   return "+".join(pieces)
+
+
+def _same_path(a: str, b: str) -> bool:
+  return pathlib.Path(a).resolve() == pathlib.Path(b).resolve()
 
 
 def _resolves_to(name: str, draft_path: str, resolve) -> bool:
@@ -205,12 +241,13 @@ def _resolves_to(name: str, draft_path: str, resolve) -> bool:
 
 
 def profile_path(directory: str | pathlib.Path, model: str, draft: str, context: int, sampling,
-                 book: str = "austen") -> pathlib.Path:
+                 book: str = "austen", eagle: str | None = None) -> pathlib.Path:
   """Where the profile of (models, context, book, sampling) is kept."""
   stem = lambda path: pathlib.Path(path).name.split(".")[0]
   t, p, k = float(sampling.temperature), float(sampling.top_p), int(sampling.top_k)
   setting = "greedy" if t == 0 else f"T{t:g}-p{p:g}-k{k}"
-  return pathlib.Path(directory) / f"{stem(model)}+{stem(draft)}" / f"ctx{context}-{book}-{setting}.json"
+  models = "+".join([stem(model), stem(draft), *([stem(eagle)] if eagle else [])])
+  return pathlib.Path(directory) / models / f"ctx{context}-{book}-{setting}.json"
 
 
 def nearest_context(length: int) -> int:
@@ -225,45 +262,52 @@ def default_dir() -> pathlib.Path:
   return pathlib.Path(env).expanduser() if env else assets_dir() / "profiles"
 
 
-def profile_key(model_path: str, draft_path: str, context: int, sampling, book: str) -> dict:
+def profile_key(model_path: str, draft_path: str, context: int, sampling, book: str,
+                eagle_path: str | None = None) -> dict:
   """What a stored profile must have been measured for (profile.profile_key: and the machine)."""
-  return dict(profile_lib.profile_key(model_path, draft_path), context=context, book=book,
-              sampling=[float(sampling.temperature), float(sampling.top_p), int(sampling.top_k)])
+  key = dict(profile_lib.profile_key(model_path, draft_path), context=context, book=book,
+             sampling=[float(sampling.temperature), float(sampling.top_p), int(sampling.top_k)])
+  return key if eagle_path is None else dict(key, eagle=eagle_path)
 
 
 def profiled(model: str, draft: str, context: int, sampling, directory: str | pathlib.Path | None = None,
              book: str = "austen", space: Space = Space(), loaded: tuple = (None, None),
-             log=lambda message: None) -> tuple[dict, pathlib.Path]:
+             log=lambda message: None, eagle: str | None = None) -> tuple[dict, pathlib.Path]:
   """The profile of (model, draft) at `context` tokens of `book` and this sampling: stored, or
-  measured and stored (a few minutes on a CPU). loaded: the models if already in memory."""
+  measured and stored (a few minutes on a CPU). loaded: the models if already in memory; eagle:
+  an EAGLE draft's folder, profiled too (a profile of its own)."""
   from hitree_jax.loading import load_model, resolve
   model_path, draft_path = str(resolve(model)), str(resolve(draft))
-  path = profile_path(directory or default_dir(), model_path, draft_path, context, sampling, book)
-  key = profile_key(model_path, draft_path, context, sampling, book)
+  eagle_path = None if eagle is None else str(pathlib.Path(eagle).resolve())
+  path = profile_path(directory or default_dir(), model_path, draft_path, context, sampling, book, eagle_path)
+  key = profile_key(model_path, draft_path, context, sampling, book, eagle_path)
 
   def run():
     from hitree_jax.data import book_prompts
     from hitree_jax.decode import engine
     from hitree_jax.tokenizer import load_tokenizer
-    log(f"profiling {model} + {draft} at {context} tokens of {book} (once; kept in {path})")
+    log(f"profiling {' + '.join([model, draft, *([f'eagle:{eagle}'] if eagle else [])])} at {context} "
+        f"tokens of {book} (once; kept in {path})")
     target = loaded[0] or load_model(model_path)
     drafter = loaded[1] or load_model(draft_path)
+    feature_draft = None if eagle is None else profile_lib.load_eagle(eagle_path, target)
     prompts = book_prompts(load_tokenizer(target.path), context, PASSAGES, corpus=book)
     # The target's own text, as a stack meets it: sampled when the plan is for sampling.
     continuations = [engine.generate(target.params, target.config, [p], max_new_tokens=64, sampling=sampling,
                                      seed=i, stop_at_eos=False).tokens[0] for i, p in enumerate(prompts)]
-    return measure(target, drafter, prompts, continuations, sampling, space)
+    return measure(target, drafter, prompts, continuations, sampling, space, eagle=feature_draft)
 
   return profile_lib.cached(path, key, run), path
 
 
 def plan_for(model: str, draft: str, prompt_length: int, sampling, directory=None, book: str = "austen",
              loaded: tuple = (None, None), log=lambda message: None,
-             min_gain: float = MIN_GAIN) -> tuple[Choice, dict, pathlib.Path]:
+             min_gain: float = MIN_GAIN, eagle: str | None = None) -> tuple[Choice, dict, pathlib.Path]:
   """(the fastest stack, the profile, its path) for a prompt of `prompt_length` tokens: planned
-  from the profile at the nearest of CONTEXTS, measured on first use."""
+  from the profile at the nearest of CONTEXTS, measured on first use; eagle: an EAGLE draft's
+  folder, a candidate drafter too."""
   profile, path = profiled(model, draft, nearest_context(prompt_length), sampling, directory, book,
-                           loaded=loaded, log=log)
+                           loaded=loaded, log=log, eagle=eagle)
   return choose(profile, float(sampling.temperature) == 0, min_gain=min_gain), profile, path
 
 

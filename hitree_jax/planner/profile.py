@@ -11,6 +11,9 @@ the --levels grammar:
   self:K                    the target's first K layers over their full cache
   draft                     a draft model over its full cache
   draft@streaming:SxW       a draft model over a StreamingLLM cache of S sinks and W recent tokens
+  eagle                     an EAGLE feature draft (heads/eagle.py) over its one-layer cache; it
+                            proposes to a level with the target's weights (the target, or the
+                            target over a retrieval cache), whose features it reads
 
 Acceptance is measured between pairs of levels on a continuation of the
 prompt (`pair_acceptance`; `ngram[:N]` proposes too). What a round costs
@@ -28,6 +31,7 @@ import platform
 import re
 import statistics
 import time
+import types
 from typing import Callable, Sequence
 
 import jax
@@ -40,9 +44,10 @@ from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.drafters import round_attend
 from hitree_jax.decode.programs import Programs, ahead_of_time
 from hitree_jax.decode.sampling import probabilities
+from hitree_jax.heads import eagle as eagle_lib
+from hitree_jax.model.llama import forward
 from hitree_jax.model.vocab import spread_probs
 from hitree_jax.train.metrics import PROFILE_RANKS
-from hitree_jax.model.llama import forward
 
 RECENT_SLOTS = 32   # a level's recent cache in decoding (engine.MIN_RECENT_SLOTS)
 CHUNK = 8           # retrieval chunk (the launchers')
@@ -82,6 +87,35 @@ def _timed_forward(config):
   return ahead_of_time(run)
 
 
+def _timed_eagle_forward(config, reduced: bool):
+  """_timed_forward for an EAGLE draft: w tokens (with their features) through its layer over its
+  long cache and a recent one, then its head: what a round runs per depth of its tree."""
+  @jax.jit
+  def run(params, embedding, tokens, long):
+    w = tokens.shape[1]
+    recent = KVCache.init(config, tokens.shape[0], RECENT_SLOTS, long.keys[0].dtype)
+    positions = long.next_positions[:, None] + jnp.arange(w)[None, :]
+    attend = round_attend(recent.lengths, RECENT_SLOTS, jnp.tril(jnp.ones((w, w), bool)))
+    prev = jnp.zeros((*tokens.shape, config.hidden_size), long.keys[0].dtype)
+
+    def one(_, carry):
+      fed = tokens + (carry > jnp.inf).astype(tokens.dtype)    # always tokens, but after `carry`
+      out, _ = eagle_lib.features(params, config, embedding, fed, prev, positions, recent, attend,
+                                  context=(long,))
+      return eagle_lib.logits(params, out, reduced)[0, -1, 0]
+
+    return jax.lax.fori_loop(0, FORWARDS_PER_CALL, one, jnp.float32(0))
+  return ahead_of_time(run)
+
+
+def load_eagle(path, target) -> types.SimpleNamespace:
+  """An EAGLE draft (a launch.distill --kind=eagle folder) for `target`: config, params (the
+  target's head on its vocabulary included), vocab (ReducedVocab or None)."""
+  from hitree_jax.train import heads
+  meta, params, vocab = heads.load(path, target.params, target.config, "eagle")
+  return types.SimpleNamespace(config=heads.drafter(meta, target.config).config, params=params, vocab=vocab)
+
+
 def _first_layers(params, cache: KVCache, k: int):
   kept = {name: value for name, value in params.items()
           if not name.startswith("layers_") or int(name.split("_")[1]) < k}
@@ -89,16 +123,46 @@ def _first_layers(params, cache: KVCache, k: int):
 
 
 class _Levels:
-  """Each named level's (config, params, long cache, draft vocabulary or None) after a prompt."""
+  """Each named level's (config, params, long cache, draft vocabulary or None) after a prompt;
+  `timed` times a level's forward, `eagle_long` is an EAGLE draft's cache of the prompt."""
 
-  def __init__(self, target, draft, prompt: Sequence[int], extra: int):
-    self.target, self.draft, self.prompt = target, draft, list(prompt)
+  def __init__(self, target, draft, prompt: Sequence[int], extra: int, eagle=None):
+    self.target, self.draft, self.eagle, self.prompt = target, draft, eagle, list(prompt)
     self.slots = prefill_lib.cache_slots(len(prompt), extra, extra=RECENT_SLOTS)
     self.programs = Programs()
     c = target.config
-    _, self.full = prefill_lib.prefill(target.params, c, KVCache.init(c, 1, self.slots),
-                                       prefill_lib.make_batch([self.prompt], c, 1), self.programs)
-    self._draft_full = None
+    self.batch = prefill_lib.make_batch([self.prompt], c, 1)
+    _, self.full, *hidden = prefill_lib.prefill(target.params, c, KVCache.init(c, 1, self.slots), self.batch,
+                                                self.programs, all_hidden=eagle is not None)
+    self.prompt_hidden = hidden[0] if hidden else None   # [1, P', E]: what an EAGLE draft's prefill reads
+    self._draft_full = self._eagle_long = None
+
+  def eagle_long(self) -> KVCache:
+    """The EAGLE draft's one-layer cache of the prompt, run with the target's features (as prefill
+    builds it in decoding)."""
+    if self.eagle is None:
+      raise ValueError("level 'eagle' needs an EAGLE draft (eagle:PATH)")
+    if self._eagle_long is None:
+      e = self.eagle
+      tokens, chunk = prefill_lib.chunked_tokens(self.batch)
+      self._eagle_long = eagle_lib.prefill(e.params, e.config, self.target.params["embed_tokens"]["embedding"],
+                                           KVCache.init(e.config, 1, self.slots), tokens, self.prompt_hidden,
+                                           self.batch.lengths, chunk, self.programs)
+    return self._eagle_long
+
+  def last_prompt_feature(self) -> jax.Array:
+    """[1, E] the target's feature of the last prompt token (what an EAGLE draft reads first)."""
+    return self.prompt_hidden[:, len(self.prompt) - 1]
+
+  def timed(self, name: str) -> tuple[Callable, Callable[[int], tuple]]:
+    """(a program of FORWARDS_PER_CALL forwards of the level, width -> its arguments)."""
+    if name == "eagle":
+      e, long = self.eagle, self.eagle_long()
+      embedding = self.target.params["embed_tokens"]["embedding"]
+      return (_timed_eagle_forward(e.config, e.vocab is not None),
+              lambda w: (e.params, embedding, jnp.zeros((1, w), jnp.int32), long))
+    config, params, long, _ = self[name]
+    return _timed_forward(config), lambda w: (params, jnp.zeros((1, w), jnp.int32), long)
 
   def draft_full(self, name: str):
     if self.draft is None:
@@ -125,22 +189,22 @@ class _Levels:
       full = self.draft_full(name)
       long = full if m.group(1) is None else engine._streaming(full, int(m.group(1)), int(m.group(2)), None)
       return self.draft.config, self.draft.params, long, self.draft.vocab
-    raise ValueError(f"unknown level {name!r}: expected target, retrieval:B, self:K, draft or "
-                     "draft@streaming:SxW")
+    raise ValueError(f"unknown level {name!r}: expected target, retrieval:B, self:K, draft, "
+                     "draft@streaming:SxW or eagle")
 
 
 def level_costs(target, draft, names: Sequence[str], prompt: Sequence[int], widths: Sequence[int],
-                repeats: int = 10) -> dict:
+                repeats: int = 10, eagle=None) -> dict:
   """{level name: {width: seconds}} at the context of `prompt` (token ids of the target), the
   median of `repeats` timings, the widths of a level interleaved: a machine's drift (another
   process, the clock) then spreads over them all instead of bending the curve.
-  target, draft: loading.LoadedModel (draft may be None when no name needs one)."""
-  levels = _Levels(target, draft, prompt, 0)
+  target, draft: loading.LoadedModel (draft may be None when no name needs one); eagle:
+  load_eagle's, for the level 'eagle'."""
+  levels = _Levels(target, draft, prompt, 0, eagle)
   out = {}
   for name in names:
-    config, params, long, _ = levels[name]
-    run = _timed_forward(config)
-    calls = {w: (params, jnp.zeros((1, w), jnp.int32), long) for w in widths}
+    run, args_of = levels.timed(name)
+    calls = {w: args_of(w) for w in widths}
     for args in calls.values():
       jax.block_until_ready(run(*args))                      # compiles and warms up
     times = {w: [] for w in widths}
@@ -240,20 +304,43 @@ def ar_seconds(target, prompt: Sequence[int], max_new_tokens: int = 96) -> float
 
 
 def _continuation_probs(config, params, long, vocab, tokens, target_vocab: int, sampling):
-  """The level's sampling distribution [N, V_target] and its top-R tokens [N, R] (target ids) at
-  each of the N continuation tokens, teacher-forced in one chunk over its long cache."""
+  """The level's sampling distribution [N, V_target], its top-R tokens [N, R] (target ids) and
+  its features [1, N, E] at each of the N continuation tokens, teacher-forced in one chunk over
+  its long cache."""
   ids = jnp.asarray(tokens if vocab is None else vocab.to_draft(np.asarray(tokens)), jnp.int32)[None]
   n = ids.shape[1]
   recent = KVCache.init(config, 1, n, long.keys[0].dtype)
   positions = long.next_positions[:, None] + jnp.arange(n)[None, :]
-  logits, _, _ = forward(params, config, ids, positions, recent, jnp.tril(jnp.ones((n, n), bool))[None],
-                         context=(long,))
-  ranked = jax.lax.top_k(logits[0], PROFILE_RANKS)[1]
-  probs = probabilities(logits[0], sampling)
+  logits, hidden, _ = forward(params, config, ids, positions, recent, jnp.tril(jnp.ones((n, n), bool))[None],
+                              context=(long,))
+  return (*_ranked_probs(logits[0], vocab, target_vocab, sampling), hidden)
+
+
+def _ranked_probs(logits, vocab, target_vocab: int, sampling):
+  """logits [N, V'] -> (sampling distribution [N, V_target], top-R tokens [N, R] in target ids)."""
+  ranked = jax.lax.top_k(logits, PROFILE_RANKS)[1]
+  probs = probabilities(logits, sampling)
   if vocab is None:
     return probs, ranked
   target_ids = jnp.asarray(vocab.target_ids)
   return spread_probs(probs, target_ids, target_vocab), target_ids[ranked]
+
+
+def _eagle_continuation_probs(levels: _Levels, features, tokens, target_vocab: int, sampling):
+  """_continuation_probs' first two for the EAGLE draft proposing to the level whose features
+  [1, N, E] over the continuation it reads: at continuation token i it reads that token and the
+  feature of the one before (of the last prompt token, the target's, first), as in decoding."""
+  e, long = levels.eagle, levels.eagle_long()
+  ids = jnp.asarray(tokens, jnp.int32)[None]
+  n = ids.shape[1]
+  prev = jnp.concatenate([levels.last_prompt_feature()[:, None], features[:, :-1]], axis=1)
+  positions = long.next_positions[:, None] + jnp.arange(n)[None, :]
+  out, _ = eagle_lib.features(e.params, e.config, levels.target.params["embed_tokens"]["embedding"], ids,
+                              prev.astype(long.keys[0].dtype), positions,
+                              KVCache.init(e.config, 1, n, long.keys[0].dtype),
+                              jnp.tril(jnp.ones((n, n), bool))[None], context=(long,))
+  return _ranked_probs(eagle_lib.logits(e.params, out[0], e.vocab is not None), e.vocab, target_vocab,
+                       sampling)
 
 
 def ngram_proposals(history: Sequence[int], start: int, max_ngram: int) -> np.ndarray:
@@ -291,7 +378,7 @@ def _ngram_order(name: str) -> int:
 
 
 def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Sequence[int],
-                    continuation: Sequence[int], sampling) -> dict:
+                    continuation: Sequence[int], sampling, eagle=None) -> dict:
   """{"verifier<-proposer": acceptance} over a continuation of `prompt` (the target's own, as a
   stack meets it), each level over its own caches of the prompt. Per pair: `alpha`, the expected
   acceptance of one proposed token, E sum_x min(p, q) (Leviathan et al.); `greedy`, how often the
@@ -299,21 +386,27 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Seq
   proposer's top-R tokens, p(x_r) (train/metrics.py); `greedy_profile`, the same for a greedy
   verifier; `alpha_next` and `greedy_next`, the same rates at a position after an accepted one
   (equal to alpha and greedy if positions are independent). A proposer `ngram[:N]` is the n-gram
-  drafter over the prompt and the continuation so far (one rank: its proposal). The continuation runs as one chunk, so a StreamingLLM window holds it all (the
-  window slides token by token in decoding): an approximation for continuations much shorter
-  than the window."""
-  levels = _Levels(target, draft, prompt, len(continuation))
+  drafter over the prompt and the continuation so far (one rank: its proposal); `eagle`
+  (load_eagle's) reads its verifier's features, so its rates are per verifier. The continuation
+  runs as one chunk, so a StreamingLLM window holds it all (the window slides token by token in
+  decoding): an approximation for continuations much shorter than the window."""
+  levels = _Levels(target, draft, prompt, len(continuation), eagle)
   vocab_size = target.config.vocab_size
-  dists = {}
-  for name in {n for pair in pairs for n in pair}:
+  dists, features = {}, {}
+  for name in {n for pair in pairs for n in pair} - {"eagle"}:
     if re.fullmatch(r"ngram(:\d+)?", name):
       dists[name] = _ngram_probs(name, prompt, continuation, vocab_size)
     else:
-      dists[name] = _continuation_probs(*levels[name], list(continuation), vocab_size, sampling)
+      *dists[name], features[name] = _continuation_probs(*levels[name], list(continuation), vocab_size,
+                                                         sampling)
   out = {}
   for verifier, proposer in pairs:
     p, _ = dists[verifier]
-    q, ranked = dists[proposer]
+    if proposer == "eagle":
+      q, ranked = _eagle_continuation_probs(levels, features[verifier], list(continuation), vocab_size,
+                                            sampling)
+    else:
+      q, ranked = dists[proposer]
     valid = ranked >= 0                                            # an n-gram has one rank
     hits = valid & (ranked == jnp.argmax(p, axis=-1)[:, None])
     accept = jnp.sum(jnp.minimum(p, q), axis=-1)                  # [N] per position

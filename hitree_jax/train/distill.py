@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import pathlib
 import time
 from typing import Callable, Sequence
@@ -206,10 +207,34 @@ def evaluate_loss(params, objective: Objective, data, batch: int, frozen=None) -
   return float(np.average(losses, weights=sizes)), float(np.average(agrees, weights=sizes))
 
 
+SETTINGS = "settings.json"
+
+
+def check_settings(workdir: pathlib.Path, settings: dict) -> None:
+  """Records a new run's settings in workdir, or refuses to resume one made with others."""
+  path = workdir / SETTINGS
+  settings = json.loads(json.dumps(settings))  # as JSON reads them back (tuples become lists)
+  if path.is_file():
+    kept = json.loads(path.read_text())
+    changed = {k: (kept.get(k), settings.get(k)) for k in sorted({*kept, *settings})
+               if kept.get(k) != settings.get(k)}
+    if changed:
+      raise ValueError(f"{workdir} holds a run made with other settings (" + ", ".join(
+          f"{k}: {old} there, {new} now" for k, (old, new) in changed.items()) +
+          "): use another workdir, or delete it to start again")
+    return
+  if (workdir / "ckpt").is_dir() and any((workdir / "ckpt").iterdir()):
+    raise ValueError(f"{workdir} holds checkpoints without {SETTINGS} (a run of an older version): "
+                     "use another workdir, or delete it to start again")
+  workdir.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(settings, indent=1, sort_keys=True))
+
+
 def train(workdir: pathlib.Path, config: ModelConfig, params, train_data, eval_data, *, steps: int,
           batch: int, lr: float, warmup: int, seed: int, save_every: int = 25,
           eval_every: int = 50, log_every: int = 5, until: int | None = None,
-          progress: ProgressFn | None = None, objective: Objective | None = None, frozen=None):
+          progress: ProgressFn | None = None, objective: Objective | None = None, frozen=None,
+          settings: dict | None = None):
   """Trains (or resumes) in workdir/ckpt; returns (params, history of logged metrics).
 
   objective / frozen: what is minimised (default: a draft model's loss_fn for `config`) and the
@@ -218,10 +243,15 @@ def train(workdir: pathlib.Path, config: ModelConfig, params, train_data, eval_d
   `until`: stop after that step (and save), e.g. to train in slices of a session (0: none);
   rerunning with the same settings continues exactly where it stopped.
   `progress`: told of each step this run takes (see ProgressFn).
+  `settings`: what defines the run (e.g. its command-line flags), kept in workdir/settings.json:
+  resuming a checkpoint made with other settings is refused, naming them (it would silently
+  continue another run: other data, another schedule).
 
   train_data / eval_data: (tokens [N,T], target ids [N,T,k], target probs [N,T,k]) in draft ids.
   """
   objective = objective or draft_objective(config)
+  check_settings(pathlib.Path(workdir), dict(settings or {}, steps=steps, batch=batch, lr=lr,
+                                             warmup=warmup, seed=seed))
   tx = optimizer(lr, steps, warmup)
   params = jax.tree.map(jnp.array, params)  # a copy: the step donates its state's buffers
   state = {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0)}
