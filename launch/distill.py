@@ -4,7 +4,7 @@ Train (labels, training and export; an interrupted run resumes from workdir):
   python -m launch.distill --teacher=smollm2 --workdir=runs/draft \
       --out=drafts/smollm2-draft.gguf
 Train EAGLE's one-layer feature draft, or Medusa's heads, on the target's features (heads/):
-  python -m launch.distill --kind=eagle --workdir=runs/eagle --out=drafts/smollm2-eagle
+  python -m launch.distill --config=configs/distill_eagle.py   # drafts/smollm2-eagle's recipe
   python -m launch.distill --kind=medusa --workdir=runs/eagle --out=drafts/smollm2-medusa
 Evaluate a draft on held-out books (agreement, acceptance, cost ratio):
   python -m launch.distill --eval --draft=drafts/smollm2-draft.gguf --json

@@ -80,7 +80,7 @@ def test_readme_library_example_runs(tmp_path):
 # ---- config files ----
 
 CONFIGS = {"methods.py": "generate", "models.py": "generate", "benchmarks.py": "benchmark",
-           "distill_smollm2.py": "distill"}
+           "distill_smollm2.py": "distill", "distill_eagle.py": "distill"}
 
 
 @pytest.mark.parametrize("name,module", CONFIGS.items())
@@ -246,6 +246,26 @@ def test_distill_recipe_is_the_shipped_drafts():
   for name, value in recipe.items():
     expected = value.split(",") if name == "layers" else value
     assert name == "workdir" or defaults[name] == expected, (name, defaults[name], value)
+
+
+def test_eagle_recipe_is_the_shipped_eagle_drafts():
+  """configs/distill_eagle.py holds the settings drafts/smollm2-eagle was trained with (its
+  heads.json's command) and evaluated at."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("eagle_recipe", REPO / "configs" / "distill_eagle.py")
+  recipe_module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(recipe_module)
+  recipe = recipe_module.get_config()
+  shipped = json.loads((REPO / "drafts" / "smollm2-eagle" / "heads.json").read_text())
+  command = dict(arg[2:].split("=", 1) for arg in shipped["command"].split()[3:])
+  defaults = _flag_defaults("distill")
+  for name, value in recipe.items():
+    if name in ("workdir", "out"):
+      continue
+    used = command.get(name, defaults[name])
+    assert type(value)(used) == value if not isinstance(value, bool) else str(used) == str(value), (name, used)
+  for name in ("vocab_size", "window", "eval_windows", "temperature", "top_p", "cost_context"):
+    assert shipped["evaluation"][name] == recipe[name], name
 
 
 def _flag_defaults(module: str) -> dict:

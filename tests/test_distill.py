@@ -124,7 +124,9 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, teacher_para
 def test_resuming_a_run_made_with_other_settings_is_refused(tmp_path, teacher_params, data):
   config, params = distill.student_from_teacher(teacher_params, TEACHER, (0,), data[3])
   kwargs = dict(batch=8, lr=1e-2, warmup=2, seed=3, until=0, settings={"train_windows": 16})
-  distill.train(tmp_path, config, params, student_data(data), None, steps=6, **kwargs)
+  distill.train(tmp_path, config, params, student_data(data), None, steps=8, **kwargs)  # only labels:
+  assert not (tmp_path / distill.SETTINGS).exists()                                    # nothing kept
+  distill.train(tmp_path, config, params, student_data(data), None, steps=6, **dict(kwargs, until=1))
   distill.train(tmp_path, config, params, student_data(data), None, steps=6, **kwargs)  # resumes
   with pytest.raises(ValueError, match="steps: 6 there, 8 now"):
     distill.train(tmp_path, config, params, student_data(data), None, steps=8, **kwargs)

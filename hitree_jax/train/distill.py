@@ -210,8 +210,9 @@ def evaluate_loss(params, objective: Objective, data, batch: int, frozen=None) -
 SETTINGS = "settings.json"
 
 
-def check_settings(workdir: pathlib.Path, settings: dict) -> None:
-  """Records a new run's settings in workdir, or refuses to resume one made with others."""
+def check_settings(workdir: pathlib.Path, settings: dict, record: bool = True) -> None:
+  """Records a new run's settings in workdir (unless not `record`: a call that trains nothing,
+  e.g. one that only labels), or refuses to resume one made with others."""
   path = workdir / SETTINGS
   settings = json.loads(json.dumps(settings))  # as JSON reads them back (tuples become lists)
   if path.is_file():
@@ -226,8 +227,9 @@ def check_settings(workdir: pathlib.Path, settings: dict) -> None:
   if (workdir / "ckpt").is_dir() and any((workdir / "ckpt").iterdir()):
     raise ValueError(f"{workdir} holds checkpoints without {SETTINGS} (a run of an older version): "
                      "use another workdir, or delete it to start again")
-  workdir.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(settings, indent=1, sort_keys=True))
+  if record:
+    workdir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=1, sort_keys=True))
 
 
 def train(workdir: pathlib.Path, config: ModelConfig, params, train_data, eval_data, *, steps: int,
@@ -251,7 +253,7 @@ def train(workdir: pathlib.Path, config: ModelConfig, params, train_data, eval_d
   """
   objective = objective or draft_objective(config)
   check_settings(pathlib.Path(workdir), dict(settings or {}, steps=steps, batch=batch, lr=lr,
-                                             warmup=warmup, seed=seed))
+                                             warmup=warmup, seed=seed), record=until != 0)
   tx = optimizer(lr, steps, warmup)
   params = jax.tree.map(jnp.array, params)  # a copy: the step donates its state's buffers
   state = {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0)}
