@@ -35,6 +35,12 @@ def test_a_chain_is_the_textbook_formula():
   assert with_overheads.seconds_per_token == pytest.approx(round_seconds / expected_tokens)
 
 
+def test_deeper_nodes_of_a_chain_accept_at_the_deeper_rate():
+  law = latency.accepted_law(shapes.chain(3), [0.6], deeper=0.8)
+  at_least = law[::-1].cumsum()[::-1]                  # P(accepted >= k)
+  np.testing.assert_allclose(at_least, [1.0, 0.6, 0.6 ** 2 * 0.8, 0.6 ** 3 * 0.8 ** 2])
+
+
 def test_a_trees_accepted_law_has_sequoias_mean():
   profile = [0.6, 0.25, 0.1]
   for tree in (shapes.kary(3, 2), shapes.from_acceptance(profile, 12, 4), shapes.chain(5)):
@@ -446,6 +452,17 @@ def test_an_eagle_drafts_acceptance_reads_its_verifiers_features(eagle_trio):
   assert 0.05 < expected < 0.95  # a draft that depends on the features, right some of the time
   assert got["target<-eagle"]["alpha"] == pytest.approx(expected, abs=1e-4)
   assert got["retrieval:256<-eagle"]["alpha"] == pytest.approx(expected, abs=1e-4)
+  # As a deeper node it reads the feature it predicted the position before: training's second pass.
+  from hitree_jax.train.heads import two_passes
+  _, again = two_passes(e.params, e.config, target.params["embed_tokens"]["embedding"], sequence, true)
+  p_dist = probabilities(logits[0, p:], sampling)
+  accept = jnp.sum(jnp.minimum(p_dist, q), axis=-1)
+  deep = jnp.sum(jnp.minimum(p_dist, probabilities(eagle.logits(e.params, again, False)[0, p:], sampling)), -1)
+  ratio = float(jnp.sum(accept[:-1] * deep[1:]) / jnp.sum(accept[:-1]) / accept.mean())
+  assert ratio != pytest.approx(1.0, abs=0.01)  # it does read them
+  assert got["target<-eagle"]["deeper"] == pytest.approx(ratio, rel=1e-3)
+  assert copy["target<-eagle"]["deeper"] == pytest.approx(1.0, abs=1e-4)
+  assert copy["target<-eagle"]["greedy_deeper"] == 1.0
 
 
 def test_measure_with_an_eagle_draft_and_its_plan_is_exact(tmp_path, eagle_trio):

@@ -121,11 +121,13 @@ def candidates(profile: dict, greedy: bool, space: Space = Space()) -> optimize.
     space = space.with_eagle()
   curve = {name: latency.affine({int(w): s for w, s in points.items()})
            for name, points in profile["costs"].items()}
-  per_rank, per_token = {}, {}
+  per_rank, per_token, deeper = {}, {}, {}
   for pair, record in profile["acceptance"].items():
     verifier, proposer = pair.split("<-")
     per_rank[verifier, proposer] = record["greedy_profile" if greedy else "profile"]
     per_token[verifier, proposer] = record["greedy" if greedy else "alpha"]
+    if "deeper" in record:  # an EAGLE draft's (profile.pair_acceptance)
+      deeper[verifier, proposer] = record["greedy_deeper" if greedy else "deeper"]
   drafters = []
   for name in space.drafters:
     reference = per_rank.get(("target", name))
@@ -136,7 +138,7 @@ def candidates(profile: dict, greedy: bool, space: Space = Space()) -> optimize.
     drafters.append(optimize.Drafter(name, trees, curve.get(name)))
   middles = tuple((m, curve[m]) for m in space.middles)
   return optimize.Candidates(tuple(drafters), middles, curve["target"], space.gammas, per_rank,
-                             latency.Overheads(**profile["overheads"]), per_token)
+                             latency.Overheads(**profile["overheads"]), per_token, deeper)
 
 
 @dataclasses.dataclass(frozen=True)

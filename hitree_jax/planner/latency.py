@@ -72,21 +72,24 @@ from hitree_jax.tree.shapes import TokenTree, chain, node_reach
 Cost = Callable[[int], float]
 
 
-def accepted_law(tree: TokenTree, profile: Sequence[float]) -> np.ndarray:
-  """P(the verifier accepts k nodes of `tree`), k = 0 .. depth, under the per-rank profile."""
+def accepted_law(tree: TokenTree, profile: Sequence[float], deeper: float = 1.0) -> np.ndarray:
+  """P(the verifier accepts k nodes of `tree`), k = 0 .. depth, under the per-rank profile.
+  deeper: the acceptance of a node below depth 1, given its parent's, relative to the profile's
+  (1: positions independent and alike; an EAGLE draft's deeper nodes read the features their
+  parents predicted, and accept less): a node at depth d is reached deeper^(d-1) times as often."""
   if sum(profile) > 1 + 1e-6:
     raise ValueError(f"a per-rank profile holds the verifier's probabilities of distinct tokens "
                      f"(summing to <= 1), not {list(profile)}")
   reach, depth = node_reach(tree, profile), tree.depth
   at_least = np.ones(tree.max_depth + 1)                      # P(accepted >= d), d = 0 .. depth
   for d in range(1, tree.max_depth + 1):
-    at_least[d] = reach[depth == d].sum()
+    at_least[d] = min(reach[depth == d].sum() * deeper ** (d - 1), at_least[d - 1])
   return at_least - np.append(at_least[1:], 0.0)
 
 
-def tree_yield(tree: TokenTree, profile: Sequence[float]) -> np.ndarray:
+def tree_yield(tree: TokenTree, profile: Sequence[float], deeper: float = 1.0) -> np.ndarray:
   """The law of the yield (accepted + 1) of verifying `tree`: index y = P(Y = y)."""
-  return np.concatenate([[0.0], accepted_law(tree, profile)])
+  return np.concatenate([[0.0], accepted_law(tree, profile, deeper)])
 
 
 def chain_law(length: int, a: float) -> np.ndarray:
@@ -155,6 +158,7 @@ class StackModel:
   gammas: tuple[int, ...] = ()            # levels 1 .. K-1
   overheads: Overheads = Overheads()
   model_drafter: bool = True              # its proposal pays Overheads.propose (n-gram lookup: no)
+  deeper: float = 1.0                     # accepted_law's, for level 1's verdict on the tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +177,7 @@ def predict(stack: StackModel, fixed_buffers: bool = False) -> Prediction:
     raise ValueError("a stack of K verifying levels needs K costs, K acceptances and K - 1 gammas")
   tree, over = stack.tree, stack.overheads
   # Level 1 verifies the drafter's tree: a fixed proposal.
-  yield_law = tree_yield(tree, stack.acceptance[0])
+  yield_law = tree_yield(tree, stack.acceptance[0], stack.deeper)
   proposal_cost = stack.costs[0](tree.size + 1) + over.check(tree)
   below_seconds = stack.draft_seconds + (over.propose(tree) if stack.model_drafter else 0.0)
   rounds = [1.0]

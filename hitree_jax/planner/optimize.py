@@ -56,9 +56,14 @@ class Candidates:
   # (verifier, middle level) -> per-token acceptance of the middle level's buffer (default: the
   # per-rank profile's rank 0); under sampling a buffer holds samples, accepted at rate alpha.
   buffer_acceptance: Mapping[tuple[str, str], float] | None = None
+  # (verifier, drafter) -> latency.accepted_law's `deeper` (default 1: positions alike).
+  deeper: Mapping[tuple[str, str], float] | None = None
 
   def profile(self, verifier: str, proposer: str):
     return self.acceptance.get((verifier, proposer))
+
+  def deeper_of(self, verifier: str, proposer: str) -> float:
+    return 1.0 if self.deeper is None else self.deeper.get((verifier, proposer), 1.0)
 
   def of_buffer(self, verifier: str, proposer: str) -> float | None:
     if self.buffer_acceptance is not None:
@@ -92,7 +97,7 @@ def stack_model(c: Candidates, drafter: Drafter, tree: TokenTree,
                             costs=tuple(cost_of[n] for n in names[1:]),
                             acceptance=(tuple(acceptance[0]), *acceptance[1:]),
                             gammas=tuple(g for _, g in middles), overheads=c.overheads,
-                            model_drafter=drafter.cost is not None)
+                            model_drafter=drafter.cost is not None, deeper=c.deeper_of(names[1], names[0]))
 
 
 def brute_force(c: Candidates, max_middles: int | None = None, fixed_buffers: bool = True) -> Plan:
@@ -132,7 +137,7 @@ def optimize(c: Candidates) -> Plan:
     name, tree, length, _, _ = state
     if tree is not None:
       profile = c.profile(verifier, name)
-      return None if profile is None else latency.tree_yield(tree, profile)
+      return None if profile is None else latency.tree_yield(tree, profile, c.deeper_of(verifier, name))
     a = c.of_buffer(verifier, name)
     return None if a is None else latency.round_yield(np.eye(length + 1)[-1], a)  # exactly `length` tokens
 

@@ -327,20 +327,31 @@ def _ranked_probs(logits, vocab, target_vocab: int, sampling):
 
 
 def _eagle_continuation_probs(levels: _Levels, features, tokens, target_vocab: int, sampling):
-  """_continuation_probs' first two for the EAGLE draft proposing to the level whose features
-  [1, N, E] over the continuation it reads: at continuation token i it reads that token and the
-  feature of the one before (of the last prompt token, the target's, first), as in decoding."""
+  """For the EAGLE draft proposing to the level whose features [1, N, E] over the continuation it
+  reads: (its distribution [N, V_target] and top-R tokens [N, R] at each continuation token, as at
+  a tree's first depth: reading that token and the feature of the one before (of the last prompt
+  token, the target's, first); its distribution [N, V_target] as at a deeper node: reading the
+  feature the first pass predicted at the token before instead (index 0: none, unused)). As
+  training's two passes (train/heads.py), over the draft's cache of the prompt."""
   e, long = levels.eagle, levels.eagle_long()
   ids = jnp.asarray(tokens, jnp.int32)[None]
   n = ids.shape[1]
-  prev = jnp.concatenate([levels.last_prompt_feature()[:, None], features[:, :-1]], axis=1)
+  dtype = long.keys[0].dtype
+  embedding = levels.target.params["embed_tokens"]["embedding"]
+  prev = jnp.concatenate([levels.last_prompt_feature()[:, None], features[:, :-1]], axis=1).astype(dtype)
   positions = long.next_positions[:, None] + jnp.arange(n)[None, :]
-  out, _ = eagle_lib.features(e.params, e.config, levels.target.params["embed_tokens"]["embedding"], ids,
-                              prev.astype(long.keys[0].dtype), positions,
-                              KVCache.init(e.config, 1, n, long.keys[0].dtype),
-                              jnp.tril(jnp.ones((n, n), bool))[None], context=(long,))
-  return _ranked_probs(eagle_lib.logits(e.params, out[0], e.vocab is not None), e.vocab, target_vocab,
-                       sampling)
+  causal = jnp.tril(jnp.ones((n, n), bool))[None]
+  own = jnp.eye(n, dtype=bool)[None]
+  scratch = KVCache.init(e.config, 1, 2 * n, dtype)                  # slots: pass 1, then pass 2
+  first, scratch = eagle_lib.features(e.params, e.config, embedding, ids, prev, positions, scratch,
+                                      jnp.pad(causal, ((0, 0), (0, 0), (0, n))), context=(long,))
+  again, _ = eagle_lib.features(e.params, e.config, embedding, ids, eagle_lib.shifted(first).astype(dtype),
+                                positions, scratch, jnp.concatenate([causal & ~own, own], axis=2),
+                                write_at=jnp.full((1,), n, jnp.int32), context=(long,))
+  reduced = e.vocab is not None
+  q, ranked = _ranked_probs(eagle_lib.logits(e.params, first[0], reduced), e.vocab, target_vocab, sampling)
+  q_deep, _ = _ranked_probs(eagle_lib.logits(e.params, again[0], reduced), e.vocab, target_vocab, sampling)
+  return q, ranked, q_deep
 
 
 def ngram_proposals(history: Sequence[int], start: int, max_ngram: int) -> np.ndarray:
@@ -402,9 +413,10 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Seq
   out = {}
   for verifier, proposer in pairs:
     p, _ = dists[verifier]
+    deep = None
     if proposer == "eagle":
-      q, ranked = _eagle_continuation_probs(levels, features[verifier], list(continuation), vocab_size,
-                                            sampling)
+      q, ranked, deep = _eagle_continuation_probs(levels, features[verifier], list(continuation),
+                                                  vocab_size, sampling)
     else:
       q, ranked = dists[proposer]
     valid = ranked >= 0                                            # an n-gram has one rank
@@ -420,15 +432,28 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Seq
         # next position given this one was accepted, against the unconditional rates above.
         "alpha_next": float(jnp.sum(accept[:-1] * accept[1:]) / jnp.maximum(jnp.sum(accept[:-1]), 1e-9)),
         "greedy_next": float(jnp.sum(hits[:-1, 0] & hits[1:, 0]) / max(int(jnp.sum(hits[:-1, 0])), 1))}
+    if deep is not None:
+      out[f"{verifier}<-{proposer}"].update(_deeper(p, accept, hits[:, 0], deep))
   return out
+
+
+def _deeper(p, accept, hits, q_deep) -> dict:
+  """An EAGLE draft's `deeper` and `greedy_deeper` (latency.accepted_law): the acceptance of its
+  token as a deeper node (reading the feature it predicted the position before), given that the
+  position before was accepted, relative to the overall rate at a first depth."""
+  accept_deep = jnp.sum(jnp.minimum(p, q_deep), axis=-1)[1:]
+  hits_deep = (jnp.argmax(q_deep, axis=-1) == jnp.argmax(p, axis=-1))[1:]
+  given = lambda rate, before: float(jnp.sum(before * rate) / jnp.maximum(jnp.sum(before), 1e-9))
+  return {"deeper": given(accept_deep, accept[:-1]) / max(float(accept.mean()), 1e-9),
+          "greedy_deeper": given(hits_deep, hits[:-1]) / max(float(hits.mean()), 1e-9)}
 
 
 # Bumped when what a profile holds is measured differently, so stored ones are measured again.
 # 2: generations are timed from when every level's cache is built (engine._prefilled_args); the
 # overheads fitted before counted a draft's prefill as decoding. 3: CPU programs are compiled
 # with 512-bit vectors (programs.CPU_DEFAULTS). 4: overheads fitted with a fifth reference stack
-# (round_overheads).
-PROFILE_VERSION = 4
+# (round_overheads). 5: an EAGLE draft's deeper-node acceptance (pair_acceptance's `deeper`).
+PROFILE_VERSION = 5
 
 
 def profile_key(model: str, draft: str | None) -> dict:
