@@ -333,21 +333,13 @@ def _eagle_continuation_probs(levels: _Levels, features, tokens, target_vocab: i
   token, the target's, first); its distribution [N, V_target] as at a deeper node: reading the
   feature the first pass predicted at the token before instead (index 0: none, unused)). As
   training's two passes (train/heads.py), over the draft's cache of the prompt."""
+  from hitree_jax.train.heads import two_passes
   e, long = levels.eagle, levels.eagle_long()
   ids = jnp.asarray(tokens, jnp.int32)[None]
-  n = ids.shape[1]
-  dtype = long.keys[0].dtype
-  embedding = levels.target.params["embed_tokens"]["embedding"]
-  prev = jnp.concatenate([levels.last_prompt_feature()[:, None], features[:, :-1]], axis=1).astype(dtype)
-  positions = long.next_positions[:, None] + jnp.arange(n)[None, :]
-  causal = jnp.tril(jnp.ones((n, n), bool))[None]
-  own = jnp.eye(n, dtype=bool)[None]
-  scratch = KVCache.init(e.config, 1, 2 * n, dtype)                  # slots: pass 1, then pass 2
-  first, scratch = eagle_lib.features(e.params, e.config, embedding, ids, prev, positions, scratch,
-                                      jnp.pad(causal, ((0, 0), (0, 0), (0, n))), context=(long,))
-  again, _ = eagle_lib.features(e.params, e.config, embedding, ids, eagle_lib.shifted(first).astype(dtype),
-                                positions, scratch, jnp.concatenate([causal & ~own, own], axis=2),
-                                write_at=jnp.full((1,), n, jnp.int32), context=(long,))
+  positions = long.next_positions[:, None] + jnp.arange(ids.shape[1])[None, :]
+  first, again = two_passes(e.params, e.config, levels.target.params["embed_tokens"]["embedding"], ids,
+                            features, before=levels.last_prompt_feature(), positions=positions,
+                            context=(long,))
   reduced = e.vocab is not None
   q, ranked = _ranked_probs(eagle_lib.logits(e.params, first[0], reduced), e.vocab, target_vocab, sampling)
   q_deep, _ = _ranked_probs(eagle_lib.logits(e.params, again[0], reduced), e.vocab, target_vocab, sampling)

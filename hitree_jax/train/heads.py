@@ -56,22 +56,31 @@ def _cross_entropy(logits, ids, probs):
   return loss, jnp.mean(jnp.argmax(log_q, axis=-1) == ids[..., 0])
 
 
-def two_passes(params, config: ModelConfig, embedding, tokens, features, unroll: bool = True):
+def two_passes(params, config: ModelConfig, embedding, tokens, features, unroll: bool = True, *,
+               before=None, positions=None, context: tuple[KVCache, ...] = ()):
   """The draft over windows tokens [B,T] with the target's features [B,T,E] -> (f^ [B,T,E] read
   from the true features; f^ [B,T,E] read from the first pass's predictions, or None): the
-  second pass's position i sees the first pass's keys before it and its own key."""
+  second pass's position i sees the first pass's keys before it and its own key.
+
+  By default a window starts the sequence (position 0 reads a zero feature). Continuing one
+  instead (planner/profile.py): before [B,E], the feature its first token reads; positions [B,T];
+  context, the draft's caches of the tokens before it, which both passes attend to."""
   batch, t = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(t), (batch, t))
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(t), (batch, t))
   cache = KVCache.init(config, batch, 2 * t)                 # slots: pass 1, then pass 2
   earlier = causal_attend(cache.lengths, t, t)
-  predicted, cache = eagle.features(params, config, embedding, tokens, eagle.shifted(features),
-                                    positions, cache, jnp.pad(earlier, ((0, 0), (0, 0), (0, t))))
+  prev = eagle.shifted(features)
+  if before is not None:
+    prev = prev.at[:, 0].set(before.astype(prev.dtype))
+  predicted, cache = eagle.features(params, config, embedding, tokens, prev, positions, cache,
+                                    jnp.pad(earlier, ((0, 0), (0, 0), (0, t))), context=context)
   if not unroll:
     return predicted, None
   own = jnp.broadcast_to(jnp.eye(t, dtype=bool), (batch, t, t))
   again, _ = eagle.features(params, config, embedding, tokens, eagle.shifted(predicted), positions,
                             cache, jnp.concatenate([earlier & ~own, own], axis=2),
-                            write_at=jnp.full((batch,), t, jnp.int32))
+                            write_at=jnp.full((batch,), t, jnp.int32), context=context)
   return predicted, again
 
 
