@@ -55,6 +55,8 @@ flags.DEFINE_bool("time_levels", True, "Time one round of each level alone (a pr
                   "to compile) and report each level's share of the decode time.")
 flags.DEFINE_list("peers", [], "Other engines to time on the same prompt ids, when installed: hf "
                   "(transformers on PyTorch), llamacpp (llama-cpp-python). See launch/peers.py.")
+flags.DEFINE_list("llamacpp_cache", ["f16"], "What llama.cpp's KV cache stores, a row each: f16 "
+                  "(llama.cpp's default) and/or f32 (the precision of ours).")
 flags.DEFINE_list("llamacpp_gguf", [], "GGUF files llama.cpp runs, a row each (default: the model's "
                   "own file; `python -m launch.convert --out=X.gguf` writes our weights at F32).")
 flags.DEFINE_bool("predict", False, "Also record the planner's prediction for each stack (from the "
@@ -164,6 +166,8 @@ def check_flags() -> list[int]:
     raise app.UsageError("--prompt_tokens: give at least one length")
   from launch import peers
   peers.check(FLAGS.peers, FLAGS.llamacpp_gguf)
+  if not FLAGS.llamacpp_cache or set(FLAGS.llamacpp_cache) - {"f16", "f32"}:
+    raise app.UsageError(f"--llamacpp_cache={','.join(FLAGS.llamacpp_cache)}: expected f16 and/or f32")
   for name, value in [("prompt_tokens", min(lengths)),
                       ("max_new_tokens", FLAGS.max_new_tokens), ("n_prompts", FLAGS.n_prompts)]:
     if value < 1:
@@ -214,7 +218,7 @@ def main(argv):
   from hitree_jax.loading import load_model
   from hitree_jax.tokenizer import load_tokenizer
 
-  model = load_model(FLAGS.model, FLAGS.dtype)
+  model = load_model(FLAGS.model, FLAGS.dtype, FLAGS.key_dtype)
   sharding.check(model.config, mesh, 1, 256)
   model = dataclasses.replace(model, params=sharding.place_params(model.params, mesh))
   tokenizer = load_tokenizer(model.path)
@@ -287,7 +291,8 @@ def make_peers(model_path, longest_prompt: int) -> list:
   made = []
   for name in FLAGS.peers:
     if name == "llamacpp":
-      made += [peers.make_peer(name, model_path, path, context) for path in FLAGS.llamacpp_gguf or [None]]
+      made += [peers.make_peer(name, model_path, path, context, cache)
+               for path in FLAGS.llamacpp_gguf or [None] for cache in FLAGS.llamacpp_cache]
     else:
       made.append(peers.make_peer(name, model_path, None, context))
   return made
@@ -321,7 +326,7 @@ def record(rows) -> dict:
   """The JSON record: the settings, the machine and one row per (method, prompt length)."""
   import jax
   return {
-      "model": FLAGS.model, "dtype": FLAGS.dtype, "max_new_tokens": FLAGS.max_new_tokens,
+      "model": FLAGS.model, "dtype": FLAGS.dtype, "key_dtype": FLAGS.key_dtype, "max_new_tokens": FLAGS.max_new_tokens,
       "book": FLAGS.book, "temperature": FLAGS.temperature, "top_p": FLAGS.top_p,
       "top_k": FLAGS.top_k, "seed": FLAGS.seed, "backend": jax.default_backend(),
       "devices": [str(d) for d in jax.devices()], "mesh": FLAGS.mesh or None, "machine": platform.processor() or platform.machine(),

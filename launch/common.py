@@ -132,6 +132,10 @@ def run(main, config_sets_flags: bool = True) -> None:
 def define_model_flags():
   flags.DEFINE_string("model", "smollm2", "smollm2, a .gguf file, an HF folder or a launch.convert checkpoint.")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter/activation dtype (float32 on CPU).")
+  flags.DEFINE_enum("key_dtype", None, ["float32", "bfloat16"], "What the target's caches store keys "
+                    "in (default: --dtype). bfloat16 halves the bytes attention over a long cache "
+                    "reads, at the cost of the target's exact float32 numbers (like llama.cpp's "
+                    "16-bit cache): every method stays exact against `ar` with the same setting.")
 
 
 def define_mesh_flags():
@@ -567,6 +571,10 @@ def auto_method(model: str, draft: str, prompt_length: int, sampling, loaded: tu
   sampling, from the profile measured on first use."""
   from hitree_jax.planner import auto
   eagle = check_auto_draft(draft, feature_draft)
+  target = loaded[0]
+  if target is not None and target.config.cache_key_dtype != target.config.dtype:
+    raise ValueError(f"--method=auto plans from profiles of caches in --dtype={target.config.dtype}; "
+                     f"--key_dtype={target.config.key_dtype} is not supported with it")
   choice, _, path = auto.plan_for(model, draft, prompt_length, sampling, loaded=loaded,
                                   log=lambda message: logging.info("%s", message), eagle=eagle)
   logging.info("--method=auto: %s, %.1f tok/s predicted (ar %.1f; profile %s)",

@@ -13,7 +13,9 @@ prefill, then one token per forward, greedy or sampled with the same
 temperature / top-p / top-k (its own random numbers, so only greedy tokens can
 be compared). Speeds are decode tokens/s, prefill excluded, as for our rows.
 llama.cpp runs the GGUF it is given (--llamacpp_gguf): convert our weights with
-`launch.convert --out=X.gguf` to compare at the same float32 precision.
+`launch.convert --out=X.gguf` to compare at the same float32 precision. Its KV cache is
+f16 by default, as llama.cpp's is; --llamacpp_cache=f32 keeps it in float32 as ours is
+(and --key_dtype=bfloat16 gives ours 16-bit keys).
 """
 
 from __future__ import annotations
@@ -90,13 +92,20 @@ class HFPeer:
 
 
 class LlamaCppPeer:
-  """llama.cpp through llama-cpp-python, on every core (the library's default is half of them)."""
+  """llama.cpp through llama-cpp-python, on every core (the library's default is half of them).
 
-  def __init__(self, gguf_path: pathlib.Path, threads: int, context: int):
-    from llama_cpp import Llama
-    self.llm = Llama(model_path=str(gguf_path), n_ctx=context, n_batch=512, n_threads=threads,
-                     n_threads_batch=threads, verbose=False)
-    self.label = f"llama.cpp {gguf_file_type(gguf_path)}"
+  cache: what its KV cache stores, f16 (llama.cpp's default, named in no label) or f32 (our
+  default's precision: the label says `f32 cache`)."""
+
+  def __init__(self, gguf_path: pathlib.Path, threads: int, context: int, cache: str = "f16"):
+    import llama_cpp
+    types = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}
+    if cache not in types:
+      raise ValueError(f"llama.cpp cache {cache!r}: expected one of {', '.join(types)}")
+    self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=context, n_batch=512, n_threads=threads,
+                               n_threads_batch=threads, type_k=types[cache], type_v=types[cache],
+                               verbose=False)
+    self.label = f"llama.cpp {gguf_file_type(gguf_path)}" + ("" if cache == "f16" else f", {cache} cache")
 
   def run(self, ids: list[int], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
           seed: int) -> PeerRun:
@@ -152,9 +161,11 @@ def check(names: list[str], llamacpp_ggufs: list[str]) -> None:
                        "(python -m launch.convert --out=X.gguf writes one)")
 
 
-def make_peer(name: str, model_path: pathlib.Path, llamacpp_gguf: str | None, context: int):
+def make_peer(name: str, model_path: pathlib.Path, llamacpp_gguf: str | None, context: int,
+              llamacpp_cache: str = "f16"):
   """Peer `name` ready to run: hf on the model's own file; llamacpp on `llamacpp_gguf`
-  (default: the model's own GGUF). Raises ValueError when it cannot run here (see `check`)."""
+  (default: the model's own GGUF) with its KV cache in `llamacpp_cache`. Raises ValueError when
+  it cannot run here (see `check`)."""
   gguf_path = pathlib.Path(llamacpp_gguf) if llamacpp_gguf else model_path
   check([name], [str(gguf_path)] if name == "llamacpp" else [])
   threads = os.cpu_count() or 1
@@ -162,4 +173,4 @@ def make_peer(name: str, model_path: pathlib.Path, llamacpp_gguf: str | None, co
     if model_path.suffix != ".gguf":
       raise ValueError(f"--peers=hf loads a GGUF model; {model_path} is not one")
     return HFPeer(model_path, threads)
-  return LlamaCppPeer(gguf_path, threads, context)
+  return LlamaCppPeer(gguf_path, threads, context, llamacpp_cache)

@@ -44,6 +44,8 @@ flags.DEFINE_integer("repeats", 20, "Timed runs of each part (the median is repo
 flags.DEFINE_integer("step_tokens", 128, "Tokens of the real `ar` generation whose step is timed.")
 flags.DEFINE_list("peers", [], "llamacpp: also time llama.cpp's forward of w tokens (launch/peers.py).")
 flags.DEFINE_string("llamacpp_gguf", None, "The GGUF llama.cpp runs (default: the model's own).")
+flags.DEFINE_enum("llamacpp_cache", "f16", ["f16", "f32"], "What llama.cpp's KV cache stores: f16 "
+                  "(llama.cpp's default) or f32 (the precision of ours).")
 flags.DEFINE_bool("xla_profile", False, "Also split each forward by XLA's profiler (launch/xla_profile.py).")
 flags.DEFINE_string("out", "step_cost.json", "JSON record; the table goes to OUT.md.")
 FLAGS = flags.FLAGS
@@ -210,10 +212,10 @@ def main(argv):
   from hitree_jax.tokenizer import load_tokenizer
   from launch.progress import Progress
 
-  model = load_model(FLAGS.model, FLAGS.dtype)
+  model = load_model(FLAGS.model, FLAGS.dtype, FLAGS.key_dtype)
   tokenizer = load_tokenizer(model.path)
   peer = (peers.make_peer("llamacpp", model.path, FLAGS.llamacpp_gguf,
-                          max(lengths) + max(widths) + 16) if FLAGS.peers else None)
+                          max(lengths) + max(widths) + 16, FLAGS.llamacpp_cache) if FLAGS.peers else None)
   rows = []
   progress = Progress("step_cost", len(lengths) * (len(widths) + 1))
   for n in lengths:
@@ -221,7 +223,7 @@ def main(argv):
     rows.append(context_row(model, ids, widths, sampling, Programs(), peer, progress))
     jax.clear_caches()
   out = pathlib.Path(FLAGS.out)
-  record = {"model": FLAGS.model, "dtype": FLAGS.dtype, "temperature": FLAGS.temperature,
+  record = {"model": FLAGS.model, "dtype": FLAGS.dtype, "key_dtype": FLAGS.key_dtype, "temperature": FLAGS.temperature,
             "top_p": FLAGS.top_p, "top_k": FLAGS.top_k, "repeats": FLAGS.repeats,
             "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "llamacpp": None if peer is None else peer.label, "rows": rows}

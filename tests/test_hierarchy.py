@@ -76,6 +76,17 @@ def test_greedy_equals_ar(params, draft, ar_tokens, name):
     assert levels[-2]["forwards"] > levels[-1]["forwards"]
 
 
+@pytest.mark.parametrize("name", ["triforce", "self-under-retrieval", "4-level"])
+def test_bfloat16_keys_keep_every_level_exact(params, draft, name):
+  """The target's keys in bfloat16 (--key_dtype) make another target; each stack equals `ar`
+  over that target, its retrieval, streaming and self levels reading the same bfloat16 keys."""
+  config = CONFIG.replace(key_dtype="bfloat16")
+  want = engine.generate(params, config, PROMPTS, max_new_tokens=30).tokens
+  result = engine.generate(params, config, PROMPTS, stack=GREEDY_STACKS[name], draft=draft,
+                           max_new_tokens=30)
+  assert result.tokens == want
+
+
 @pytest.mark.parametrize("name", ["triforce", "4-level"])
 def test_level_times_leave_the_output_alone(params, draft, ar_tokens, name):
   """time_levels times one round of each level alone before decoding: same tokens, and every

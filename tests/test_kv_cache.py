@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hitree_jax.cache.full import KVCache, causal_attend, write_key_slots, write_slots
+from hitree_jax.cache.full import KVCache, causal_attend, dtypes_of, write_key_slots, write_slots
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.programs import Programs
 from hitree_jax.model import llama as model_lib
@@ -306,3 +306,27 @@ def test_causal_attend_mask():
   want = np.array([[[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0]],
                    [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]], bool)
   np.testing.assert_array_equal(got, want)
+
+
+def test_a_config_stores_keys_in_its_key_dtype_and_a_forward_reads_them():
+  """ModelConfig.key_dtype: caches built from the config keep keys in it and values in `dtype`;
+  a forward's logits then move from float32 keys' by a bfloat16 rounding, not more and not less
+  (so the setting reaches the product)."""
+  config = CONFIG.replace(key_dtype="bfloat16")
+  cache = KVCache.init(config, 1, MAX_LEN)
+  assert cache.keys[0].dtype == jnp.bfloat16 and cache.values[0].dtype == jnp.float32
+  assert KVCache.init(CONFIG, 1, 4, **dtypes_of(cache)).keys[0].dtype == jnp.bfloat16
+  tokens = random_tokens(3, 40)
+  padded = jnp.zeros((1, MAX_LEN), jnp.int32).at[0, :40].set(tokens)
+  positions = jnp.arange(MAX_LEN, dtype=jnp.int32)[None]
+  attend = causal_attend(cache.lengths, MAX_LEN, MAX_LEN)
+  logits, _, cache = _forward(tiny_params(), config, padded, positions, cache, attend)
+  assert cache.keys[0].dtype == jnp.bfloat16
+  want = reference(tokens)[0]
+  error = np.max(np.abs(np.asarray(logits[0, :40]) - want))
+  assert 1e-4 < error < 0.05 * np.max(np.abs(want)), error
+
+
+def test_a_bad_key_dtype_is_named():
+  with pytest.raises(ValueError, match="key_dtype='float16'"):
+    CONFIG.replace(key_dtype="float16")

@@ -18,9 +18,11 @@ def launch(module, *args, timeout=600):
 
 def test_generate_json_record():
   proc = launch("generate", "--model=smollm2", "--book=austen", "--prompt_tokens=64",
-                "--max_new_tokens=6", "--ignore_eos", "--temperature=0.6", "--top_p=0.9", "--json")
+                "--max_new_tokens=6", "--ignore_eos", "--temperature=0.6", "--top_p=0.9",
+                "--key_dtype=bfloat16", "--json")
   assert proc.returncode == 0, proc.stderr[-3000:]
   record = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert record["settings"]["key_dtype"] == "bfloat16"
   for key in ("prompt_ids", "tokens", "text", "prefill_s", "decode_s", "decode_tokens_per_s", "compile_s"):
     assert key in record, key
   assert len(record["prompt_ids"]) == 64 and len(record["tokens"]) == 6
@@ -156,6 +158,9 @@ def test_progress_reports_elapsed_and_eta():
      "'/no/such' not found"),
     (["--method=sd", "--feature_draft=eagle:drafts/smollm2-eagle", "--prompt=hi"],
      "--feature_draft does not apply to --method=sd"),
+    (["--method=auto", "--draft=drafts/smollm2-draft.gguf", "--key_dtype=bfloat16", "--prompt=hi"],
+     "--key_dtype=bfloat16 is not supported with it"),
+    (["--key_dtype=float16", "--prompt=hi"], "--key_dtype"),
 ])
 def test_generate_rejects_bad_input_by_name(args, message):
   proc = launch("generate", *args, timeout=120)
@@ -306,18 +311,20 @@ def test_convert_writes_the_same_weights_as_an_f32_gguf(smollm2_f32_gguf):
 
 @pytest.mark.slow
 def test_benchmark_peers_decode_the_same_ids_as_ar(smollm2_f32_gguf, tmp_path):
-  """HF transformers (and llama.cpp on the F32 file, where llama-cpp-python is installed) decode
-  the same prompt ids greedily: their tokens equal our ar's; a missing peer is named."""
+  """HF transformers (and llama.cpp on the F32 file with its cache in f16 and in f32, where
+  llama-cpp-python is installed) decode the same prompt ids greedily: their tokens equal our ar's;
+  a missing peer and a bad cache type are named."""
   import importlib.util
   has_llamacpp = importlib.util.find_spec("llama_cpp") is not None
   out = tmp_path / "peers.json"
   peer_list = "hf,llamacpp" if has_llamacpp else "hf"
   proc = launch("benchmark", "--model=smollm2", "--methods=ar", f"--peers={peer_list}",
-                f"--llamacpp_gguf={smollm2_f32_gguf}", "--prompt_tokens=40", "--max_new_tokens=8",
+                f"--llamacpp_gguf={smollm2_f32_gguf}", "--llamacpp_cache=f16,f32", "--prompt_tokens=40",
+                "--max_new_tokens=8",
                 "--n_prompts=1", "--time_levels=false", f"--out={out}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
-  assert set(rows) == {"ar", "hf"} | ({"llama.cpp F32"} if has_llamacpp else set())
+  assert set(rows) == {"ar", "hf"} | ({"llama.cpp F32", "llama.cpp F32, f32 cache"} if has_llamacpp else set())
   for name, row in rows.items():
     assert row["median_decode_tokens_per_s"] > 0 and row["median_prefill_s"] > 0
     if name != "ar":
@@ -328,6 +335,8 @@ def test_benchmark_peers_decode_the_same_ids_as_ar(smollm2_f32_gguf, tmp_path):
     assert proc.returncode == 2 and "pip install llama-cpp-python" in proc.stderr
   proc = launch("benchmark", "--model=smollm2", "--peers=vllm", f"--out={tmp_path / 'y.json'}")
   assert proc.returncode == 2 and "unknown peer 'vllm'" in proc.stderr
+  proc = launch("benchmark", "--model=smollm2", "--llamacpp_cache=q8_0", f"--out={tmp_path / 'z.json'}")
+  assert proc.returncode == 2 and "--llamacpp_cache=q8_0: expected f16 and/or f32" in proc.stderr
 
 
 def test_xla_profile_gives_each_product_its_role():

@@ -123,6 +123,27 @@ def test_speculative_greedy_equals_ar(ours, prompt, method, monkeypatch):
   assert got.mean_accepted > MEAN_ACCEPTED_FLOOR[method]
 
 
+@pytest.mark.parametrize("method", [f"sd/{DRAFT}/3", f"sd/{EAGLE}/3"])
+def test_bfloat16_keys_make_a_target_that_speculation_reproduces(ours, prompt, method, monkeypatch):
+  """--key_dtype=bfloat16: the target's logits move by a bfloat16 rounding of its keys, and a
+  draft model's or an EAGLE draft's chain (reading that target's features) equals its `ar`."""
+  from launch.common import parse_method
+  monkeypatch.chdir(pathlib.Path(__file__).resolve().parent.parent)
+  config = ours.config.replace(key_dtype="bfloat16")
+  n = len(prompt)
+  logits = {}
+  for c in (ours.config, config):
+    cache = KVCache.init(c, 1, n)
+    logits[c.cache_key_dtype] = np.asarray(forward(ours.params, c, jnp.asarray([prompt]), jnp.arange(n)[None],
+                                                   cache, causal_attend(cache.lengths, n, n))[0])[0]
+  error = np.abs(logits["bfloat16"] - logits["float32"]).max()
+  assert 1e-3 < error < 0.5, error
+  spec = parse_method(method).load_draft(config, ours.params)
+  expected = engine.generate(ours.params, config, [prompt], max_new_tokens=24, stop_at_eos=False).tokens[0]
+  got = spec.generate(ours.params, config, [prompt], max_new_tokens=24, stop_at_eos=False)
+  assert got.tokens[0] == expected
+
+
 @pytest.mark.parametrize("spec", [EAGLE, MEDUSA])
 def test_heads_ship_small_and_agree_with_the_target(ours, tokenizer, spec):
   """The committed drafts on the target's features: <= 25 MB, trained for SmolLM2's shape, and

@@ -38,11 +38,15 @@ class KVCache:
   lengths: jax.Array             # [B] int32: committed slots per row
 
   @classmethod
-  def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
+  def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None,
+           key_dtype=None) -> "KVCache":
+    """An empty cache: values in `dtype`, keys in `key_dtype` (defaults: the config's)."""
     dtype = dtype or jnp.dtype(config.dtype)
+    key_dtype = key_dtype or jnp.dtype(config.cache_key_dtype)
     kvh, d = config.num_kv_heads, config.head_dim
-    zeros = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-    return cls(keys=zeros((batch, kvh, d, max_len)), values=zeros((batch, kvh, max_len, d)),
+    zeros = lambda shape, dt: tuple(jnp.zeros(shape, dt) for _ in range(config.num_layers))
+    return cls(keys=zeros((batch, kvh, d, max_len), key_dtype),
+               values=zeros((batch, kvh, max_len, d), dtype),
                lengths=jnp.zeros((batch,), jnp.int32))
 
   @property
@@ -85,6 +89,12 @@ class KVCache:
     values = tuple(write_slots(buf, new.transpose(0, 2, 1, 3), self.lengths)
                    for buf, new in zip(self.values, other.values))
     return self.replace(keys=keys, values=values, lengths=self.lengths + other.lengths)
+
+
+def dtypes_of(cache) -> dict:
+  """KVCache.init's dtype arguments for a cache storing what `cache` (any with keys and values)
+  stores."""
+  return dict(dtype=cache.values[0].dtype, key_dtype=cache.keys[0].dtype)
 
 
 def _slots(new: jax.Array, start: jax.Array):

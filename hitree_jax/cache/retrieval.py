@@ -36,7 +36,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from hitree_jax.cache.full import KVCache
+from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import apply_rope, llama, rope_cos_sin, rope_inv_freq
 
@@ -188,7 +188,7 @@ def last_token_projections(params, config: ModelConfig, full: KVCache, last_toke
   """
   batch = full.batch
   position = jnp.maximum(full.lengths - 1, 0)[:, None]                  # [B, 1]
-  own = KVCache.init(config, batch, 1, full.keys[0].dtype)
+  own = KVCache.init(config, batch, 1, **dtypes_of(full))
   context = ((full.keys, full.values, position[:, 0]),)
   wanted = lambda module, method: method == "__call__" and module.name in names
   _, state = llama(config).apply(

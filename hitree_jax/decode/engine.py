@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 
 from hitree_jax import sharding
 from hitree_jax.cache import retrieval
-from hitree_jax.cache.full import KVCache
+from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.cache.streaming import StreamingCache
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode import programs as programs_lib
@@ -434,7 +434,7 @@ def _initial_state(layout: Layout, long_caches, prefilled, max_new_tokens: int,
   seq = seq.at[rows, end].set(first)
   width = layout.recent_slots
   recent = lambda j, long: sharding.constrain_cache(
-      KVCache.init(layout.config(j), batch, width, long.keys[0].dtype), layout.mesh,
+      KVCache.init(layout.config(j), batch, width, **dtypes_of(long)), layout.mesh,
       heads=layout.splits_heads(j), slots=False)
   caches = tuple(None if long is None else LevelCache(long, recent(j, long))
                  for j, long in enumerate(long_caches))

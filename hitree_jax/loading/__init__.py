@@ -57,14 +57,17 @@ class LoadedModel:
   vocab: ReducedVocab | None = None  # a draft's subset of its target's vocabulary (GGUF only)
 
 
-def load_config(spec: str, dtype: str = "float32") -> ModelConfig:
-  """The model's config without its weights: what a launcher validates against before loading."""
+def load_config(spec: str, dtype: str = "float32", key_dtype: str | None = None) -> ModelConfig:
+  """The model's config without its weights: what a launcher validates against before loading.
+  key_dtype: what its caches store keys in (ModelConfig.key_dtype; None: dtype)."""
   path = resolve(spec)
   if path.suffix == ".gguf":
-    return gguf.read_config(path, dtype)
-  if checkpoint.is_checkpoint(path):
-    return checkpoint.read_config(path, dtype)
-  return hf.read_config(path, dtype)
+    config = gguf.read_config(path, dtype)
+  elif checkpoint.is_checkpoint(path):
+    config = checkpoint.read_config(path, dtype)
+  else:
+    config = hf.read_config(path, dtype)
+  return config.replace(key_dtype=key_dtype)
 
 
 def load_vocab(spec: str) -> ReducedVocab | None:
@@ -73,7 +76,8 @@ def load_vocab(spec: str) -> ReducedVocab | None:
   return gguf.read_vocab(path) if path.suffix == ".gguf" else None
 
 
-def load_model(spec: str, dtype: str = "float32") -> LoadedModel:
+def load_model(spec: str, dtype: str = "float32", key_dtype: str | None = None) -> LoadedModel:
+  """The model's config and weights (in dtype); key_dtype as in load_config."""
   path = resolve(spec)
   vocab = None
   if path.suffix == ".gguf":
@@ -83,4 +87,5 @@ def load_model(spec: str, dtype: str = "float32") -> LoadedModel:
   else:
     config, params = hf.load_safetensors_dir(path, dtype)
   params = jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(dtype)), params)
+  config = config.replace(key_dtype=key_dtype)
   return LoadedModel(config, with_decode_head(params, config), path, vocab)

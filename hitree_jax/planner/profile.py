@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hitree_jax.cache.full import KVCache
+from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.decode import engine
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.drafters import round_attend
@@ -74,7 +74,7 @@ def _timed_forward(config):
   @jax.jit
   def run(params, tokens, long):
     w = tokens.shape[1]
-    recent = KVCache.init(config, tokens.shape[0], RECENT_SLOTS, long.keys[0].dtype)
+    recent = KVCache.init(config, tokens.shape[0], RECENT_SLOTS, **dtypes_of(long))
     positions = long.next_positions[:, None] + jnp.arange(w)[None, :]
     attend = round_attend(recent.lengths, RECENT_SLOTS, jnp.tril(jnp.ones((w, w), bool)))
 
@@ -93,10 +93,10 @@ def _timed_eagle_forward(config, reduced: bool):
   @jax.jit
   def run(params, embedding, tokens, long):
     w = tokens.shape[1]
-    recent = KVCache.init(config, tokens.shape[0], RECENT_SLOTS, long.keys[0].dtype)
+    recent = KVCache.init(config, tokens.shape[0], RECENT_SLOTS, **dtypes_of(long))
     positions = long.next_positions[:, None] + jnp.arange(w)[None, :]
     attend = round_attend(recent.lengths, RECENT_SLOTS, jnp.tril(jnp.ones((w, w), bool)))
-    prev = jnp.zeros((*tokens.shape, config.hidden_size), long.keys[0].dtype)
+    prev = jnp.zeros((*tokens.shape, config.hidden_size), long.values[0].dtype)
 
     def one(_, carry):
       fed = tokens + (carry > jnp.inf).astype(tokens.dtype)    # always tokens, but after `carry`
@@ -309,7 +309,7 @@ def _continuation_probs(config, params, long, vocab, tokens, target_vocab: int, 
   its long cache."""
   ids = jnp.asarray(tokens if vocab is None else vocab.to_draft(np.asarray(tokens)), jnp.int32)[None]
   n = ids.shape[1]
-  recent = KVCache.init(config, 1, n, long.keys[0].dtype)
+  recent = KVCache.init(config, 1, n, **dtypes_of(long))
   positions = long.next_positions[:, None] + jnp.arange(n)[None, :]
   logits, hidden, _ = forward(params, config, ids, positions, recent, jnp.tril(jnp.ones((n, n), bool))[None],
                               context=(long,))
