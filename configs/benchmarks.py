@@ -73,6 +73,11 @@ SUITES = {
     "peers": dict(methods="ar", peers="hf,llamacpp", llamacpp_gguf="smollm2_f32.gguf",
                   prompt_tokens="512,2048,7680", max_new_tokens=128, n_prompts=2, time_levels=False,
                   temperature=0.0),
+    # `ar` beside llama.cpp with its KV cache in f16 (its default) and in f32 (ours): run once as
+    # is and once with --key_dtype=bfloat16 (our keys in 16 bits).
+    "peers_caches": dict(methods="ar", peers="llamacpp", llamacpp_gguf="smollm2_f32.gguf",
+                         llamacpp_cache="f16,f32", prompt_tokens="512,2048,7680", max_new_tokens=128,
+                         n_prompts=3, time_levels=False, temperature=0.0),
     # The planner's predictions against measurement (profiles measured on first use).
     "planner": dict(methods=PLANNER, draft=DRAFT, predict=True, prompt_tokens="2048,4096",
                     max_new_tokens=128, n_prompts=2, time_levels=False, temperature=0.0),

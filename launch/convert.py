@@ -19,7 +19,7 @@ from absl import flags, logging
 
 from launch import common
 
-common.define_model_flags()
+common.define_model_flags(key_dtype=False)
 flags.DEFINE_string("out", None, "Folder to write the checkpoint to, or a .gguf file.", required=True)
 flags.DEFINE_enum("gguf_type", "f32", ["f32", "q8_0"], "Matrix type of a .gguf --out.")
 FLAGS = flags.FLAGS

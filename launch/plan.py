@@ -29,7 +29,7 @@ from absl import flags, logging
 
 from launch import common
 
-common.define_model_flags()
+common.define_model_flags(key_dtype=False)
 common.define_sampling_flags()
 flags.DEFINE_string("draft", None, "The draft model (a path), e.g. drafts/smollm2-draft.gguf.")
 common.define_feature_draft_flag()

@@ -327,6 +327,7 @@ def test_a_config_stores_keys_in_its_key_dtype_and_a_forward_reads_them():
   assert 1e-4 < error < 0.05 * np.max(np.abs(want)), error
 
 
-def test_a_bad_key_dtype_is_named():
+def test_a_bad_key_dtype_is_named_and_the_models_own_is_no_change():
   with pytest.raises(ValueError, match="key_dtype='float16'"):
     CONFIG.replace(key_dtype="float16")
+  assert CONFIG.replace(key_dtype="float32") == CONFIG

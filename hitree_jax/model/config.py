@@ -47,6 +47,8 @@ class ModelConfig:
     if self.key_dtype not in (None, "float32", "bfloat16"):
       raise ValueError(f"key_dtype={self.key_dtype!r}: expected 'float32', 'bfloat16' or None "
                        "(the model's dtype)")
+    if self.key_dtype == self.dtype:  # one config (and one compiled program) per cache layout
+      object.__setattr__(self, "key_dtype", None)
     if self.rope_scaling is not None:
       kind = self.rope_scaling_dict.get("rope_type", self.rope_scaling_dict.get("type"))
       if kind not in SUPPORTED_ROPE_SCALING and kind != "default":
