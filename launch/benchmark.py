@@ -166,7 +166,7 @@ def check_flags() -> list[int]:
     raise app.UsageError("--prompt_tokens: give at least one length")
   from launch import peers
   peers.check(FLAGS.peers, FLAGS.llamacpp_gguf)
-  if not FLAGS.llamacpp_cache or set(FLAGS.llamacpp_cache) - {"f16", "f32"}:
+  if not FLAGS.llamacpp_cache or set(FLAGS.llamacpp_cache) - set(peers.LLAMACPP_CACHES):
     raise app.UsageError(f"--llamacpp_cache={','.join(FLAGS.llamacpp_cache)}: expected f16 and/or f32")
   for name, value in [("prompt_tokens", min(lengths)),
                       ("max_new_tokens", FLAGS.max_new_tokens), ("n_prompts", FLAGS.n_prompts)]:

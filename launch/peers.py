@@ -27,6 +27,7 @@ import statistics
 import time
 
 PEERS = ("hf", "llamacpp")
+LLAMACPP_CACHES = ("f16", "f32")  # what llama.cpp's KV cache may store (f16: its default)
 
 
 @dataclasses.dataclass
@@ -99,9 +100,9 @@ class LlamaCppPeer:
 
   def __init__(self, gguf_path: pathlib.Path, threads: int, context: int, cache: str = "f16"):
     import llama_cpp
+    if cache not in LLAMACPP_CACHES:
+      raise ValueError(f"llama.cpp cache {cache!r}: expected one of {', '.join(LLAMACPP_CACHES)}")
     types = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}
-    if cache not in types:
-      raise ValueError(f"llama.cpp cache {cache!r}: expected one of {', '.join(types)}")
     self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=context, n_batch=512, n_threads=threads,
                                n_threads_batch=threads, type_k=types[cache], type_v=types[cache],
                                verbose=False)

@@ -33,7 +33,7 @@ import time
 
 from absl import flags
 
-from launch import common
+from launch import common, peers
 
 common.define_config_flag()
 common.define_model_flags()
@@ -44,7 +44,7 @@ flags.DEFINE_integer("repeats", 20, "Timed runs of each part (the median is repo
 flags.DEFINE_integer("step_tokens", 128, "Tokens of the real `ar` generation whose step is timed.")
 flags.DEFINE_list("peers", [], "llamacpp: also time llama.cpp's forward of w tokens (launch/peers.py).")
 flags.DEFINE_string("llamacpp_gguf", None, "The GGUF llama.cpp runs (default: the model's own).")
-flags.DEFINE_enum("llamacpp_cache", "f16", ["f16", "f32"], "What llama.cpp's KV cache stores: f16 "
+flags.DEFINE_enum("llamacpp_cache", "f16", list(peers.LLAMACPP_CACHES), "What llama.cpp's KV cache stores: f16 "
                   "(llama.cpp's default) or f32 (the precision of ours).")
 flags.DEFINE_bool("xla_profile", False, "Also split each forward by XLA's profiler (launch/xla_profile.py).")
 flags.DEFINE_string("out", "step_cost.json", "JSON record; the table goes to OUT.md.")
@@ -160,16 +160,16 @@ def markdown(rows) -> str:
     lines.append(f"| {r['prompt_tokens']} | {fmt(r['step_ms'])} | {fmt(one.get('forward_ms'))} | "
                  f"{fmt(one.get('layers_ms'))} | {fmt(one.get('head_ms'))} | {fmt(one.get('attention_ms'))} | "
                  f"{fmt(one.get('sampling_ms'))} | {fmt(r.get('loop_ms'))} |")
-  peers = any("llamacpp_forward_ms" in p for r in rows for p in r["widths"].values())
+  with_peer = any("llamacpp_forward_ms" in p for r in rows for p in r["widths"].values())
   lines += ["", "| prompt tokens | tokens per forward | forward ms | x 1-token | verify ms |"
-            + (" llama.cpp ms | llama.cpp x 1-token |" if peers else ""),
-            "|---|---|---|---|---|" + ("---|---|" if peers else "")]
+            + (" llama.cpp ms | llama.cpp x 1-token |" if with_peer else ""),
+            "|---|---|---|---|---|" + ("---|---|" if with_peer else "")]
   for r in rows:
     base = r["widths"].get(1, {})
     for w, p in r["widths"].items():
       ratio = p["forward_ms"] / base["forward_ms"] if base else None
       line = f"| {r['prompt_tokens']} | {w} | {fmt(p['forward_ms'])} | {fmt(ratio)} | {fmt(p.get('verify_ms'))} |"
-      if peers:
+      if with_peer:
         theirs = p.get("llamacpp_forward_ms")
         their_ratio = theirs / base["llamacpp_forward_ms"] if theirs and base else None
         line += f" {fmt(theirs)} | {fmt(their_ratio)} |"
@@ -202,7 +202,6 @@ def main(argv):
     raise ValueError("--prompt_tokens must be >= 16, --widths and --repeats >= 1")
   if set(FLAGS.peers) - {"llamacpp"}:
     raise ValueError(f"--peers={','.join(FLAGS.peers)}: step_cost times llamacpp only")
-  from launch import peers
   peers.check(FLAGS.peers, [FLAGS.llamacpp_gguf] if FLAGS.llamacpp_gguf else [])
   sampling = common.sampling_from_flags(FLAGS)
   import jax

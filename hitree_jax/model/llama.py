@@ -69,6 +69,12 @@ BLOCKWISE_MIN_ROWS = 64
 SLOT_AXIS = "sequence"  # the mesh axis a cache's slots are split over (sharding.RULES)
 
 
+def _scores(rows, k, scale):
+  """rows [B,KVH,R,D] . keys k [B,KVH,D,S] -> [B,KVH,R,S] float32: the rows are rounded to the keys'
+  dtype (ModelConfig.key_dtype), the product accumulates in float32."""
+  return jnp.einsum("bkrd,bkds->bkrs", rows.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
+
+
 def _merge(stats, scores, v):
   """Folds one block of scores [B,KVH,R,S] (values v [B,KVH,S,D]) into running softmax stats."""
   m, l, acc = stats
@@ -111,7 +117,7 @@ def _context_blocks(rows, k_buf, v_buf, lengths, stats, scale):
   """
   size = k_buf.shape[3]
   if rows.shape[2] < BLOCKWISE_MIN_ROWS or size % CONTEXT_BLOCK:
-    scores = jnp.einsum("bkrd,bkds->bkrs", rows.astype(k_buf.dtype), k_buf, preferred_element_type=jnp.float32) * scale
+    scores = _scores(rows, k_buf, scale)
     visible = jnp.arange(size)[None, :] < lengths[:, None]
     return _merge(stats, jnp.where(visible[:, None, None, :], scores, _MASKED), v_buf)
   shards = _slot_shards()
@@ -152,7 +158,7 @@ def _block_loop(rows, k_buf, v_buf, lengths, stats, scale, block: int):
   def body(i, stats):
     k = jax.lax.dynamic_slice_in_dim(k_buf, i * block, block, axis=3)
     v = jax.lax.dynamic_slice_in_dim(v_buf, i * block, block, axis=2)
-    scores = jnp.einsum("bkrd,bkds->bkrs", rows.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
+    scores = _scores(rows, k, scale)
     visible = (i * block + jnp.arange(block))[None, :] < lengths[:, None]  # [B, block]
     return _merge(stats, jnp.where(visible[:, None, None, :], scores, _MASKED), v)
 
@@ -175,7 +181,7 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, attend: jax.Arra
   g = h // kvh
   scale = 1.0 / math.sqrt(d)
   rows = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
-  scores = jnp.einsum("bkrd,bkds->bkrs", rows.astype(k_buf.dtype), k_buf, preferred_element_type=jnp.float32) * scale
+  scores = _scores(rows, k_buf, scale)
   mask = jnp.broadcast_to(attend[:, None, None], (b, 1, g, t, attend.shape[-1]))
   scores = jnp.where(mask.reshape(b, 1, g * t, -1), scores, _MASKED)
   stats = _merge(_empty_stats(rows), scores, v_buf)
