@@ -273,7 +273,8 @@ def prediction(model, method, n_tokens: int, sampling) -> dict:
   from hitree_jax.planner import auto
   eagle = common.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   profile, _ = auto.profiled(FLAGS.model, FLAGS.draft, auto.nearest_context(n_tokens), sampling,
-                             book=FLAGS.book, loaded=(model, None), log=logging.info, eagle=eagle)
+                             book=FLAGS.book, loaded=(model, None), log=logging.info, eagle=eagle,
+                             dtype=model.config.dtype, key_dtype=model.config.key_dtype)
   try:
     got = auto.predict(profile, FLAGS.temperature == 0,
                        auto.in_profile_names(method.levels, FLAGS.draft, eagle), method.tree)

@@ -573,12 +573,9 @@ def auto_method(model: str, draft: str, prompt_length: int, sampling, loaded: tu
   sampling, from the profile measured on first use."""
   from hitree_jax.planner import auto
   eagle = check_auto_draft(draft, feature_draft)
-  target = loaded[0]
-  if target is not None and target.config.cache_key_dtype != target.config.dtype:
-    raise ValueError(f"--method=auto plans from profiles of caches in --dtype={target.config.dtype}; "
-                     f"--key_dtype={target.config.key_dtype} is not supported with it")
+  precision = {} if loaded[0] is None else {"dtype": loaded[0].config.dtype, "key_dtype": loaded[0].config.key_dtype}
   choice, _, path = auto.plan_for(model, draft, prompt_length, sampling, loaded=loaded,
-                                  log=lambda message: logging.info("%s", message), eagle=eagle)
+                                  log=lambda message: logging.info("%s", message), eagle=eagle, **precision)
   logging.info("--method=auto: %s, %.1f tok/s predicted (ar %.1f; profile %s)",
                f"hsd/{choice.levels}" if choice.levels else "ar", choice.predicted_tokens_per_s,
                choice.ar_tokens_per_s, path)

@@ -29,7 +29,7 @@ from absl import flags, logging
 
 from launch import common
 
-common.define_model_flags(key_dtype=False)
+common.define_model_flags()
 common.define_sampling_flags()
 flags.DEFINE_string("draft", None, "The draft model (a path), e.g. drafts/smollm2-draft.gguf.")
 common.define_feature_draft_flag()
@@ -61,14 +61,16 @@ def get_config():
 
 
 def write_config(out: str, choice, draft: str, title: str, context: int,
-                 eagle: str | None = None) -> list[pathlib.Path]:
+                 eagle: str | None = None, precision: dict | None = None) -> list[pathlib.Path]:
+  """The plan as a config, with the target's precision (auto.precision) it was planned for."""
   path = pathlib.Path(out)
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(CONFIG.format(title=title, path=path, context=context, flags=choice.flags(draft, eagle)))
+  flags = {**choice.flags(draft, eagle), **{k: v for k, v in (precision or {}).items() if v is not None}}
+  path.write_text(CONFIG.format(title=title, path=path, context=context, flags=flags))
   record = path.with_suffix(".json")
   from hitree_jax.planner import auto
   best = choice.best_stack
-  record.write_text(json.dumps({"title": title, "flags": choice.flags(draft, eagle),
+  record.write_text(json.dumps({"title": title, "flags": flags,
                                 "predicted_tokens_per_s": choice.predicted_tokens_per_s,
                                 "ar_tokens_per_s": choice.ar_tokens_per_s,
                                 "fastest_stack": {"levels": auto.levels_spec(best),
@@ -93,10 +95,15 @@ def main(argv):
   eagle = common.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   choice, profile, path = auto.plan_for(FLAGS.model, FLAGS.draft, FLAGS.prompt_tokens, sampling,
                                         FLAGS.profile_dir, FLAGS.book, log=logging.info,
-                                        min_gain=FLAGS.min_gain, eagle=eagle)
+                                        min_gain=FLAGS.min_gain, eagle=eagle, dtype=FLAGS.dtype,
+                                        key_dtype=FLAGS.key_dtype)
   greedy = float(sampling.temperature) == 0
   setting = "greedy" if greedy else f"T {FLAGS.temperature:g}, top-p {FLAGS.top_p:g}"
   models = " + ".join([FLAGS.model, FLAGS.draft, *([FLAGS.feature_draft] if eagle else [])])
+  target_precision = auto.precision(FLAGS.dtype, FLAGS.key_dtype)
+  if target_precision:
+    setting += f", the target in {FLAGS.dtype}" + (f" with keys in {target_precision['key_dtype']}"
+                                                   if target_precision["key_dtype"] else "")
   title = (f"The stack launch.plan chose for {models} at {profile['context']} "
            f"tokens, {setting}: {choice.predicted_tokens_per_s:.1f} tok/s predicted.")
   best = choice.best_stack
@@ -118,7 +125,7 @@ def main(argv):
     measured = profile["acceptance"].get(f"target<-{middle}", {}).get(rate)
     print(f"  {middle}: {'never' if needed is None else f'{needed:.2f}'} ({measured:.2f})")
   if FLAGS.out:
-    written = write_config(FLAGS.out, choice, FLAGS.draft, title, profile["context"], eagle)
+    written = write_config(FLAGS.out, choice, FLAGS.draft, title, profile["context"], eagle, target_precision)
     print("wrote " + ", ".join(map(str, written)))
 
 

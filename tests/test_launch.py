@@ -158,8 +158,6 @@ def test_progress_reports_elapsed_and_eta():
      "'/no/such' not found"),
     (["--method=sd", "--feature_draft=eagle:drafts/smollm2-eagle", "--prompt=hi"],
      "--feature_draft does not apply to --method=sd"),
-    (["--method=auto", "--draft=drafts/smollm2-draft.gguf", "--key_dtype=bfloat16", "--prompt=hi"],
-     "--key_dtype=bfloat16 is not supported with it"),
     (["--key_dtype=float16", "--prompt=hi"], "--key_dtype"),
 ])
 def test_generate_rejects_bad_input_by_name(args, message):

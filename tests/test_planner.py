@@ -392,6 +392,71 @@ def test_plan_writes_a_config_that_generate_runs_and_auto_plans_the_same(tmp_pat
     assert records["config"]["tokens"] == records["auto"]["tokens"] == ar_tokens
 
 
+
+def test_a_profile_is_kept_per_precision_of_the_target():
+  """Costs and acceptance depend on the target's dtype and key dtype: each precision has its own
+  file and key, float32's unchanged (profiles stored before stay valid); a loaded target of
+  another precision than asked is refused before anything is measured."""
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.planner import auto
+  greedy = SamplingParams.create()
+  where = ("dir", "models/smollm2.gguf", "drafts/smollm2-draft.gguf", 512, greedy)
+  assert auto.precision() == auto.precision("float32", "float32") == {}
+  keys, weights = auto.precision("float32", "bfloat16"), auto.precision("bfloat16")
+  assert keys == {"dtype": "float32", "key_dtype": "bfloat16"}
+  assert weights == auto.precision("bfloat16", "bfloat16") == {"dtype": "bfloat16", "key_dtype": None}
+  paths = [auto.profile_path(*where, target_precision=p) for p in (None, keys, weights)]
+  assert paths[0].name == "ctx512-austen-greedy.json" and len(set(paths)) == 3
+  key = lambda p: auto.profile_key(*where[1:], "austen", target_precision=p)
+  assert "key_dtype" not in key(None) and key(keys)["key_dtype"] == "bfloat16" != key(weights)["key_dtype"]
+  config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                       num_kv_heads=2, head_dim=8, max_position_embeddings=1024, key_dtype="bfloat16")
+  target = types.SimpleNamespace(config=config)
+  with pytest.raises(ValueError, match="keys in bfloat16, not the profile's float32 and float32"):
+    auto.profiled("smollm2", "drafts/smollm2-draft.gguf", 512, greedy, "dir", loaded=(target, None))
+
+
+@pytest.mark.slow
+def test_auto_with_bfloat16_keys_plans_from_their_own_profile(tmp_path):
+  """launch.plan --key_dtype=bfloat16 and generate --method=auto --key_dtype=bfloat16 read the
+  profile stored for bfloat16 keys (made up here; the float32 one is absent, so reading any
+  other would start measuring), the plan's config carries the key dtype, and auto's stack
+  generates what ar with bfloat16 keys does."""
+  import os
+  import subprocess
+  import sys
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.loading import resolve
+  from hitree_jax.planner import auto
+  from tests.test_launch import REPO
+  draft = "drafts/smollm2-draft.gguf"
+  model_path, draft_path = str(resolve("smollm2")), str(resolve(draft))
+  keys = auto.precision("float32", "bfloat16")
+  greedy = SamplingParams.create()
+  stored = auto.profile_path(tmp_path, model_path, draft_path, 512, greedy, target_precision=keys)
+  stored.parent.mkdir(parents=True)
+  key = auto.profile_key(model_path, draft_path, 512, greedy, "austen", target_precision=keys)
+  stored.write_text(json.dumps({"key": key, "profile": synthetic_profile(512)}))
+  expected = auto.choose(synthetic_profile(512), True)
+  env = dict(os.environ, HITREE_PROFILES=str(tmp_path))
+  run = lambda module, *args: subprocess.run([sys.executable, "-m", f"launch.{module}", *args], cwd=REPO,
+                                             capture_output=True, text=True, timeout=600, env=env)
+  out = tmp_path / "plan.py"
+  plan = run("plan", f"--draft={draft}", "--key_dtype=bfloat16", "--prompt_tokens=500", f"--out={out}")
+  assert plan.returncode == 0, plan.stderr[-3000:]
+  assert f"profile: {stored}" in plan.stdout and "with keys in bfloat16" in out.read_text()
+  assert json.loads(out.with_suffix(".json").read_text())["flags"] == {**expected.flags(draft), **keys}
+  common = ["--book=austen", "--prompt_tokens=500", "--max_new_tokens=12", "--ignore_eos", "--json",
+            "--key_dtype=bfloat16"]
+  records = {}
+  for name, args in [("ar", ["--method=ar"]), ("auto", ["--method=auto", f"--draft={draft}"])]:
+    proc = run("generate", *args, *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "profiling" not in proc.stderr
+    records[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert records["auto"]["method"].endswith(expected.levels.split("/", 1)[1])
+  assert records["auto"]["tokens"] == records["ar"]["tokens"]
+
 def test_break_even_is_where_a_middle_level_starts_to_pay():
   from hitree_jax.planner import auto
   profile = synthetic_profile(1024)

@@ -242,13 +242,24 @@ def _resolves_to(name: str, draft_path: str, resolve) -> bool:
     return False
 
 
+def precision(dtype: str = "float32", key_dtype: str | None = None) -> dict:
+  """The target's precision as a profile records it: {} for float32 weights and caches (profiles
+  measured before precision was recorded stay valid), else its dtype and key dtype. The costs
+  and the acceptance both depend on it (launch --dtype, --key_dtype; ModelConfig)."""
+  key_dtype = None if key_dtype == dtype else key_dtype
+  return {} if (dtype, key_dtype) == ("float32", None) else {"dtype": dtype, "key_dtype": key_dtype}
+
+
 def profile_path(directory: str | pathlib.Path, model: str, draft: str, context: int, sampling,
-                 book: str = "austen", eagle: str | None = None) -> pathlib.Path:
-  """Where the profile of (models, context, book, sampling) is kept."""
+                 book: str = "austen", eagle: str | None = None, target_precision: dict | None = None) -> pathlib.Path:
+  """Where the profile of (models, context, book, sampling, the target's precision) is kept."""
   stem = lambda path: pathlib.Path(path).name.split(".")[0]
   t, p, k = float(sampling.temperature), float(sampling.top_p), int(sampling.top_k)
   setting = "greedy" if t == 0 else f"T{t:g}-p{p:g}-k{k}"
   models = "+".join([stem(model), stem(draft), *([stem(eagle)] if eagle else [])])
+  if target_precision:
+    dtype, key_dtype = target_precision["dtype"], target_precision["key_dtype"]
+    setting += f"-{dtype}" + (f"-keys-{key_dtype}" if key_dtype else "")
   return pathlib.Path(directory) / models / f"ctx{context}-{book}-{setting}.json"
 
 
@@ -265,24 +276,32 @@ def default_dir() -> pathlib.Path:
 
 
 def profile_key(model_path: str, draft_path: str, context: int, sampling, book: str,
-                eagle_path: str | None = None) -> dict:
+                eagle_path: str | None = None, target_precision: dict | None = None) -> dict:
   """What a stored profile must have been measured for (profile.profile_key: and the machine)."""
   key = dict(profile_lib.profile_key(model_path, draft_path), context=context, book=book,
-             sampling=[float(sampling.temperature), float(sampling.top_p), int(sampling.top_k)])
+             sampling=[float(sampling.temperature), float(sampling.top_p), int(sampling.top_k)],
+             **(target_precision or {}))
   return key if eagle_path is None else dict(key, eagle=eagle_path)
 
 
 def profiled(model: str, draft: str, context: int, sampling, directory: str | pathlib.Path | None = None,
              book: str = "austen", space: Space = Space(), loaded: tuple = (None, None),
-             log=lambda message: None, eagle: str | None = None) -> tuple[dict, pathlib.Path]:
-  """The profile of (model, draft) at `context` tokens of `book` and this sampling: stored, or
-  measured and stored (a few minutes on a CPU). loaded: the models if already in memory; eagle:
-  an EAGLE draft's folder, profiled too (a profile of its own)."""
+             log=lambda message: None, eagle: str | None = None, dtype: str = "float32",
+             key_dtype: str | None = None) -> tuple[dict, pathlib.Path]:
+  """The profile of (model, draft) at `context` tokens of `book` and this sampling, with the
+  target in `dtype` and its caches' keys in `key_dtype`: stored, or measured and stored (a few
+  minutes on a CPU). loaded: the models if already in memory (the target in that precision);
+  eagle: an EAGLE draft's folder, profiled too (a profile of its own)."""
   from hitree_jax.loading import load_model, resolve
   model_path, draft_path = str(resolve(model)), str(resolve(draft))
   eagle_path = None if eagle is None else str(pathlib.Path(eagle).resolve())
-  path = profile_path(directory or default_dir(), model_path, draft_path, context, sampling, book, eagle_path)
-  key = profile_key(model_path, draft_path, context, sampling, book, eagle_path)
+  target_precision = precision(dtype, key_dtype)
+  if loaded[0] is not None and precision(loaded[0].config.dtype, loaded[0].config.key_dtype) != target_precision:
+    raise ValueError(f"the loaded target is in {loaded[0].config.dtype} with keys in "
+                     f"{loaded[0].config.cache_key_dtype}, not the profile's {dtype} and {key_dtype or dtype}")
+  path = profile_path(directory or default_dir(), model_path, draft_path, context, sampling, book, eagle_path,
+                      target_precision)
+  key = profile_key(model_path, draft_path, context, sampling, book, eagle_path, target_precision)
 
   def run():
     from hitree_jax.data import book_prompts
@@ -290,7 +309,7 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
     from hitree_jax.tokenizer import load_tokenizer
     log(f"profiling {' + '.join([model, draft, *([f'eagle:{eagle}'] if eagle else [])])} at {context} "
         f"tokens of {book} (once; kept in {path})")
-    target = loaded[0] or load_model(model_path)
+    target = loaded[0] or load_model(model_path, dtype, key_dtype)
     drafter = loaded[1] or load_model(draft_path)
     feature_draft = None if eagle is None else profile_lib.load_eagle(eagle_path, target)
     prompts = book_prompts(load_tokenizer(target.path), context, PASSAGES, corpus=book)
@@ -304,12 +323,13 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
 
 def plan_for(model: str, draft: str, prompt_length: int, sampling, directory=None, book: str = "austen",
              loaded: tuple = (None, None), log=lambda message: None,
-             min_gain: float = MIN_GAIN, eagle: str | None = None) -> tuple[Choice, dict, pathlib.Path]:
+             min_gain: float = MIN_GAIN, eagle: str | None = None, dtype: str = "float32",
+             key_dtype: str | None = None) -> tuple[Choice, dict, pathlib.Path]:
   """(the fastest stack, the profile, its path) for a prompt of `prompt_length` tokens: planned
-  from the profile at the nearest of CONTEXTS, measured on first use; eagle: an EAGLE draft's
-  folder, a candidate drafter too."""
+  from the profile at the nearest of CONTEXTS (and the target's precision, as in `profiled`),
+  measured on first use; eagle: an EAGLE draft's folder, a candidate drafter too."""
   profile, path = profiled(model, draft, nearest_context(prompt_length), sampling, directory, book,
-                           loaded=loaded, log=log, eagle=eagle)
+                           loaded=loaded, log=log, eagle=eagle, dtype=dtype, key_dtype=key_dtype)
   return choose(profile, float(sampling.temperature) == 0, min_gain=min_gain), profile, path
 
 
