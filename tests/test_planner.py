@@ -392,7 +392,6 @@ def test_plan_writes_a_config_that_generate_runs_and_auto_plans_the_same(tmp_pat
     assert records["config"]["tokens"] == records["auto"]["tokens"] == ar_tokens
 
 
-
 def test_a_profile_is_kept_per_precision_of_the_target():
   """Costs and acceptance depend on the target's dtype and key dtype: each precision has its own
   file and key, float32's unchanged (profiles stored before stay valid); a loaded target of
@@ -456,6 +455,7 @@ def test_auto_with_bfloat16_keys_plans_from_their_own_profile(tmp_path):
     records[name] = json.loads(proc.stdout.strip().splitlines()[-1])
   assert records["auto"]["method"].endswith(expected.levels.split("/", 1)[1])
   assert records["auto"]["tokens"] == records["ar"]["tokens"]
+
 
 def test_break_even_is_where_a_middle_level_starts_to_pay():
   from hitree_jax.planner import auto
