@@ -52,6 +52,9 @@ flags.DEFINE_bool("quantize", True, "Export weight matrices as Q8_0 (else float3
 flags.DEFINE_float("feature_weight", 1.0, "--kind=eagle: weight of the feature regression (Huber).")
 flags.DEFINE_bool("unroll", True, "--kind=eagle: also train a second pass on the draft's own "
                   "predicted features (what depth-2 tree nodes read).")
+flags.DEFINE_list("taps", [], "--kind=eagle: teacher layers whose outputs the draft reads beside the "
+                  "final states, fused (EAGLE-3: a low, a middle and a high layer, e.g. 2,15,27); "
+                  "none: EAGLE's final states only.")
 flags.DEFINE_integer("num_heads", 4, "--kind=medusa: heads (the deepest tree they can fill).")
 flags.DEFINE_enum("train_text", "books", ["books", "own"], "Training text: book windows, or "
                   "windows whose first --own_prompt_tokens are a book's and the rest the teacher's "
@@ -93,6 +96,11 @@ def own_text():
   return FLAGS.own_prompt_tokens, SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
 
 
+def taps() -> tuple[int, ...]:
+  """--taps as layer indices (check_flags has checked them)."""
+  return tuple(int(x) for x in FLAGS.taps)
+
+
 def train_heads_main():
   """--kind=eagle|medusa: labels with features, training, the folder, and its evaluation."""
   import jax
@@ -108,7 +116,7 @@ def train_heads_main():
   vocab = ReducedVocab.most_frequent(corpus.token_counts(tokenizer, teacher.config.vocab_size),
                                      FLAGS.vocab_size)
   labels = {split: distill.prepare_labels(workdir, split, teacher, tokenizer, window=FLAGS.window,
-                                          n_windows=n, k=FLAGS.topk, features=True,
+                                          n_windows=n, k=FLAGS.topk, features=True, taps=taps(),
                                           progress=Progress(f"labelling {split} windows").update,
                                           own_text=own_text() if split == "train" else None)
             for split, n in (("train", FLAGS.train_windows), ("eval", FLAGS.eval_windows))}
@@ -117,13 +125,14 @@ def train_heads_main():
   config = eagle.layer_config(teacher.config, vocab.size)
   if FLAGS.kind == "eagle":
     objective = heads.eagle_objective(config, True, FLAGS.feature_weight, FLAGS.unroll)
-    params = eagle.init_params(config, jax.random.key(FLAGS.seed))
+    params = eagle.init_params(config, jax.random.key(FLAGS.seed), len(taps()))
   else:
     objective = heads.medusa_objective(FLAGS.num_heads, True)
     params = medusa.init_params(FLAGS.num_heads, config.hidden_size)
   start = time.perf_counter()
   # Labels are shared by the kinds (one workdir); each kind's checkpoints are its own.
-  run = FLAGS.kind if FLAGS.train_text == "books" else f"{FLAGS.kind}_own"
+  run = FLAGS.kind + ("_taps" + "-".join(FLAGS.taps) if FLAGS.taps else "")
+  run += "" if FLAGS.train_text == "books" else "_own"
   params, history = distill.train(workdir / run, config, params,
                                   data["train"], data["eval"], steps=FLAGS.steps, batch=FLAGS.batch,
                                   lr=FLAGS.lr, warmup=FLAGS.warmup, seed=FLAGS.seed, until=FLAGS.until,
@@ -136,7 +145,7 @@ def train_heads_main():
   out = out_path()
   final = history[-1] if history else {}
   heads.save(out, FLAGS.kind, params, teacher.config, vocab,
-             {"command": command(), "steps": FLAGS.steps,
+             {"command": command(), "steps": FLAGS.steps, **({"taps": list(taps())} if taps() else {}),
               **{k: final[k] for k in ("eval_loss", "eval_agreement") if k in final}})
   logging.info("%s draft written to %s; evaluating it", FLAGS.kind, out)
   record.update(out=str(out))
@@ -199,7 +208,7 @@ def train_main():
 
 _TRAIN_FLAGS = ("kind", "teacher", "workdir", "out", "layers", "vocab_size", "window", "train_windows",
                 "eval_windows", "topk", "steps", "batch", "lr", "warmup", "seed", "quantize",
-                "feature_weight", "unroll", "num_heads", "train_text", "own_prompt_tokens")
+                "feature_weight", "unroll", "taps", "num_heads", "train_text", "own_prompt_tokens")
 
 
 def run_settings() -> dict:
@@ -270,7 +279,8 @@ def evaluate_heads(teacher, tokenizer, spec: str) -> dict:
   sampling = SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
   windows = corpus.token_windows(tokenizer, "eval", FLAGS.window, FLAGS.eval_windows)
   if kind == "eagle":
-    record = metrics.evaluate_eagle(teacher, params, drafter.config, vocab, windows, sampling)
+    record = metrics.evaluate_eagle(teacher, params, drafter.config, vocab, windows, sampling,
+                                    taps=drafter.taps)
   else:
     record = metrics.evaluate_medusa(teacher, params, vocab, windows, sampling)
   prompt = cost_prompt(tokenizer)
@@ -332,14 +342,24 @@ def check_flags() -> None:
   if FLAGS.train_text == "own" and not 1 <= FLAGS.own_prompt_tokens < FLAGS.window:
     raise app.UsageError(f"--own_prompt_tokens={FLAGS.own_prompt_tokens} must be in [1, --window="
                          f"{FLAGS.window})")
-  try:
-    layers = [int(x) for x in FLAGS.layers]
-  except ValueError:
-    raise app.UsageError(f"--layers={','.join(FLAGS.layers)}: expected comma-separated "
-                         "integers") from None
   n = teacher_num_layers()
-  if not layers or not all(0 <= x < n for x in layers):
-    raise app.UsageError(f"--layers={','.join(FLAGS.layers)}: the teacher has layers 0..{n - 1}")
+  check_layers("layers", FLAGS.layers, n, allow_empty=False)
+  if FLAGS.taps and FLAGS.kind != "eagle":
+    raise app.UsageError(f"--taps={','.join(FLAGS.taps)} is for --kind=eagle (got --kind={FLAGS.kind})")
+  check_layers("taps", FLAGS.taps, n - 1, allow_empty=True)
+
+
+def check_layers(name: str, values, n: int, allow_empty: bool) -> None:
+  """--layers / --taps: distinct teacher layers in 0..n-1, in increasing order for taps."""
+  text = ",".join(values)
+  try:
+    layers = [int(x) for x in values]
+  except ValueError:
+    raise app.UsageError(f"--{name}={text}: expected comma-separated integers") from None
+  if (not layers and not allow_empty) or not all(0 <= x < n for x in layers):
+    raise app.UsageError(f"--{name}={text}: expected teacher layers in 0..{n - 1}")
+  if name == "taps" and layers != sorted(set(layers)):
+    raise app.UsageError(f"--taps={text}: expected distinct layers in increasing order")
 
 
 def teacher_num_layers() -> int:

@@ -1,6 +1,8 @@
 """The EAGLE feature draft on tiny random models: greedy equals ar, its rounds read the right
 features, sampling is exact, and a second generation compiles nothing."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,10 +149,10 @@ def test_sampling_is_exact(tree, mode, temperature, top_p):
                            SamplingParams.create(temperature, top_p))
 
 
-def assert_sampling_is_exact(make_draft, tree, sampling):
+def assert_sampling_is_exact(make_draft, tree, sampling, num_layers: int = 1):
   """The first 3 tokens of many rows of a 1-layer 6-token target, drafted by make_draft(params,
   config) -> (drafter, weights), follow the exactly enumerated law (chi-square)."""
-  config = SMALL.replace(num_layers=1)
+  config = SMALL.replace(num_layers=num_layers)
   params = with_decode_head(jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x,
                                          init_params(config, jax.random.key(2))), config)
   drafter, weights = make_draft(params, config)
@@ -161,6 +163,105 @@ def assert_sampling_is_exact(make_draft, tree, sampling):
   assert result.accepted_per_depth[0] > 0
   samples = np.array([t[:3] for t in result.tokens])
   assert chi_square_pvalue(samples, exact_three_token_law(params, prompt, sampling, config)) > 1e-4
+
+
+# --- EAGLE-3: the target's tapped layers beside its final states ---
+
+TAPPED = CONFIG.replace(num_layers=3)
+TAPS = (0, 1)
+
+
+def eagle3_draft(target, config, taps, mode="deterministic"):
+  """(drafter, weights): eagle_draft's layer, reading the fusion of the target's taps and final
+  states through a random map, so that what it drafts depends on every tapped layer."""
+  drafter, weights = eagle_draft(target, config, 1.0, mode=mode)
+  e, k = config.hidden_size, len(taps)
+  kernel = jax.random.normal(jax.random.key(7), ((k + 1) * e, e)) / np.sqrt(e)
+  params = dict(weights.params, fuse={"scale": jnp.ones((k, e)), "kernel": kernel})
+  return dataclasses.replace(drafter, taps=taps), DraftWeights.create(params)
+
+
+@pytest.fixture(scope="module")
+def tapped():
+  """(params, ar's tokens) of a 3-layer target."""
+  params = target_params(TAPPED, seed=1)
+  return params, engine.generate(params, TAPPED, PROMPTS, max_new_tokens=40).tokens
+
+
+def test_an_untrained_fusion_reads_the_final_states_alone():
+  config = eagle.layer_config(TAPPED, 53)
+  params = eagle.init_params(config, jax.random.key(0), taps=2)
+  features = jax.random.normal(jax.random.key(1), (2, 5, 3 * config.hidden_size))
+  np.testing.assert_array_equal(eagle.fuse(params, features), features[..., 2 * config.hidden_size:])
+  assert eagle.fuse(eagle.init_params(config, jax.random.key(0)), features) is features
+
+
+def tapped_guesses(params, draft: DraftWeights, drafter, sequence, zero_taps=False):
+  """Offline: the EAGLE-3 layer's greedy guess after each position of the sequence, reading the
+  target's tapped and final states there (llama.hidden_states with taps), fused."""
+  t, e = len(sequence), TAPPED.hidden_size
+  tokens, positions = jnp.asarray([sequence]), jnp.arange(t)[None]
+  attend = causal_attend(jnp.zeros((1,), jnp.int32), t, t)
+  true, _ = hidden_states(params, TAPPED, tokens, positions, KVCache.init(TAPPED, 1, t), attend, taps=TAPS)
+  assert true.shape == (1, t, (len(TAPS) + 1) * e)
+  if zero_taps:
+    true = true.at[..., :len(TAPS) * e].set(0.0)
+  predicted, _ = eagle.features(draft.params, drafter.config, params["embed_tokens"]["embedding"], tokens,
+                                eagle.shifted(eagle.fuse(draft.params, true)), positions,
+                                KVCache.init(drafter.config, 1, t), attend)
+  return np.asarray(jnp.argmax(eagle.logits(draft.params, predicted, False), axis=-1))[0]
+
+
+def chain1_accepted(guess, sequence, prompt_len):
+  """Tokens chain:1 rounds accept on a sequence, given the draft's guess after each position."""
+  root, accepted = prompt_len, 0
+  while root + 1 < len(sequence):
+    hit = guess[root] == sequence[root + 1]
+    accepted += int(hit)
+    root += 2 if hit else 1
+  return accepted
+
+
+def test_eagle3_rounds_read_the_targets_tapped_layers(tapped):
+  params, ar_tokens = tapped
+  drafter, weights = eagle3_draft(params, TAPPED, TAPS)
+  result = engine.generate(params, TAPPED, PROMPTS, tree=tree_lib.chain(1), drafter=drafter,
+                           draft=weights, max_new_tokens=40)
+  assert result.tokens == ar_tokens
+  sequences = [prompt + out for prompt, out in zip(PROMPTS, ar_tokens)]
+  expected = sum(chain1_accepted(tapped_guesses(params, weights, drafter, s), s, len(p))
+                 for p, s in zip(PROMPTS, sequences))
+  assert 0 < expected < 40 * len(PROMPTS) // 2
+  assert result.accepted_per_depth[0] == expected
+  # and what it reads of the tapped layers matters
+  assert any(not np.array_equal(tapped_guesses(params, weights, drafter, s),
+                                tapped_guesses(params, weights, drafter, s, zero_taps=True)) for s in sequences)
+
+
+@pytest.mark.parametrize("tree,verifiers", [
+    (tree_lib.chain(3), ()),
+    (tree_lib.DynamicTree(6, 3, 2), ()),
+    (tree_lib.chain(2), (Verifier("target", Retrieval(16, chunk=4), 3),)),
+], ids=["chain3", "dynamic6x3", "under-retrieval"])
+def test_eagle3_greedy_equals_ar(tapped, tree, verifiers):
+  params, ar_tokens = tapped
+  drafter, weights = eagle3_draft(params, TAPPED, TAPS)
+  result = engine.generate(params, TAPPED, PROMPTS, stack=Stack(drafter, tree, verifiers),
+                           draft=weights, max_new_tokens=40)
+  assert result.tokens == ar_tokens
+  assert result.levels[0]["accepted"] > 0
+
+
+def test_eagle3_refuses_a_target_without_its_layers(tapped):
+  drafter, _ = eagle3_draft(tapped[0], TAPPED, (0, 2))   # layer 2 is TAPPED's last: not a tap
+  with pytest.raises(ValueError, match=r"reads layers \[0, 2\] of its target; this target has 3"):
+    engine.check_stack(Stack(drafter, tree_lib.chain(2)), TAPPED)
+
+
+@pytest.mark.slow
+def test_eagle3_sampling_is_exact():
+  assert_sampling_is_exact(lambda params, config: eagle3_draft(params, config, (0,), mode="without_replacement"),
+                           tree_lib.kary(2, 2), SamplingParams.create(0.8, 0.95), num_layers=2)
 
 
 # --- Medusa ---

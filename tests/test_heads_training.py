@@ -16,28 +16,42 @@ from hitree_jax.tree import shapes as tree_lib
 from tests.test_distill import TEACHER, data, teacher_params  # noqa: F401 (fixtures)
 
 
-@pytest.fixture(scope="module")
-def labelled(tmp_path_factory, teacher_params, data):  # noqa: F811
+TAPS = (0, 1)  # an EAGLE-3 draft's: both of the teacher's layers before its last
+
+
+def label(tmp_path_factory, params, windows_and_vocab, taps=()):
   """Windows labelled with the teacher's top-8 and its features, in the launcher's way."""
-  windows, _, _, vocab = data
+  windows, _, _, vocab = windows_and_vocab
   path = tmp_path_factory.mktemp("labels") / "labels.npz"
-  labels = distill.label_windows(path, windows, teacher_params, TEACHER, k=8, chunk=16, features=True)
-  assert labels["features"].shape == (*windows.shape, TEACHER.hidden_size)
+  labels = distill.label_windows(path, windows, params, TEACHER, k=8, chunk=16, features=True, taps=taps)
+  assert labels["features"].shape == (*windows.shape, (len(taps) + 1) * TEACHER.hidden_size)
   return (labels["tokens"], labels["features"], *distill.sparse_targets(labels["ids"], labels["log_probs"],
                                                                         vocab)), vocab
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory, teacher_params, data):  # noqa: F811
+  return label(tmp_path_factory, teacher_params, data)
+
+
+@pytest.fixture(scope="module")
+def labelled_taps(tmp_path_factory, teacher_params, data):  # noqa: F811
+  """The same windows, with the teacher's tapped layers' states before its final ones."""
+  return label(tmp_path_factory, teacher_params, data, TAPS)
 
 
 def setup(kind, vocab):
   """(config, initial params, objective) of a draft of this kind on the tiny teacher."""
   config = eagle.layer_config(TEACHER, vocab.size)
-  if kind == "eagle":
-    return config, eagle.init_params(config, jax.random.key(0)), heads.eagle_objective(config, True)
+  if kind.startswith("eagle"):
+    taps = len(TAPS) if kind == "eagle3" else 0
+    return config, eagle.init_params(config, jax.random.key(0), taps), heads.eagle_objective(config, True)
   return config, medusa.init_params(2, TEACHER.hidden_size), heads.medusa_objective(2, True)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
-def test_training_lowers_the_loss(tmp_path, teacher_params, labelled, kind):  # noqa: F811
-  train, vocab = labelled
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+def test_training_lowers_the_loss(tmp_path, teacher_params, request, kind):  # noqa: F811
+  train, vocab = request.getfixturevalue("labelled_taps" if kind == "eagle3" else "labelled")
   config, params, objective = setup(kind, vocab)
   frozen = heads.frozen_arrays(with_decode_head(teacher_params, TEACHER), vocab)
   before, agree_before = distill.evaluate_loss(params, objective, train, 8, frozen)
@@ -50,7 +64,7 @@ def test_training_lowers_the_loss(tmp_path, teacher_params, labelled, kind):  # 
   # that must guess the teacher's next tokens without seeing the ones in between.
   probs = train[3]
   entropy = float(np.mean(-np.sum(np.where(probs > 0, probs * np.log(np.maximum(probs, 1e-30)), 0), -1)))
-  floor, fall, gain = (2.0 * entropy, 0.8, 0.1) if kind == "eagle" else (1.8 * entropy, 0.95, 0.05)
+  floor, fall, gain = (2.0 * entropy, 0.8, 0.1) if kind != "medusa" else (1.8 * entropy, 0.95, 0.05)
   assert after - floor < fall * (before - floor) and agree_after > agree_before + gain, (
       before, after, floor, agree_before, agree_after)
 
@@ -68,15 +82,19 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, teacher_para
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), straight, resumed)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 def test_a_saved_draft_loads_into_a_stack_that_decodes_like_ar(tmp_path, teacher_params, labelled, kind):  # noqa: F811
   _, vocab = labelled
   _, params, _ = setup(kind, vocab)
   params = jax.tree.map(lambda x: x + 0.01, params)  # not the initial values
-  heads.save(tmp_path / kind, kind, params, TEACHER, vocab, {"command": "test"})
+  taps = {"taps": list(TAPS)} if kind == "eagle3" else {}
+  kind = kind.rstrip("3")
+  heads.save(tmp_path / kind, kind, params, TEACHER, vocab, {"command": "test", **taps})
   target = with_decode_head(teacher_params, TEACHER)
   meta, loaded, loaded_vocab = heads.load(tmp_path / kind, target, TEACHER, kind)
   assert meta["kind"] == kind and np.array_equal(loaded_vocab.target_ids, vocab.target_ids)
+  assert getattr(heads.drafter(meta, TEACHER), "taps", ()) == tuple(taps.get("taps", ()))
+  assert set(loaded) == {*params, "head"}
   for name, value in params.items():
     jax.tree.map(np.testing.assert_array_equal, value, loaded[name])
   stack = Stack(heads.drafter(meta, TEACHER), tree_lib.chain(2))

@@ -246,17 +246,29 @@ def test_distill_trains_exports_and_evaluates_a_draft(tmp_path):
     assert line in proc.stderr, line
 
 
-@pytest.mark.parametrize("kind", ["eagle"])  # medusa: the same launcher path (test_heads_training)
+def test_distill_refuses_bad_taps(tmp_path):
+  for args, message in ((["--kind=medusa", "--taps=2"], "--taps=2 is for --kind=eagle"),
+                        (["--kind=eagle", "--taps=2,29"], "--taps=2,29: expected teacher layers in 0..28"),
+                        (["--kind=eagle", "--taps=15,2"], "expected distinct layers in increasing order")):
+    proc = launch("distill", *args, f"--workdir={tmp_path / 'work'}", timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr[-2000:])
+  assert not (tmp_path / "work").exists()
+
+
+# medusa: the same launcher path (test_heads_training); eagle without taps: the shipped draft's tests
+@pytest.mark.parametrize("kind", ["eagle"])
 def test_distill_trains_heads_that_generate_like_ar(tmp_path, kind):
-  """launch.distill --kind=eagle|medusa writes a folder that --draft=KIND:PATH decodes with."""
+  """launch.distill --kind=eagle|medusa writes a folder that --draft=KIND:PATH decodes with; an
+  EAGLE-3 one here (--taps), which reads three of the target's layers beside its final states."""
   out = tmp_path / kind
   proc = launch("distill", f"--kind={kind}", "--teacher=smollm2", f"--workdir={tmp_path / 'work'}",
                 f"--out={out}", "--vocab_size=512", "--window=32", "--train_windows=4", "--num_heads=2",
-                "--eval_windows=1", "--steps=2", "--batch=2", "--cost_context=32", "--json")
+                "--eval_windows=1", "--steps=2", "--batch=2", "--cost_context=32", "--taps=2,15,27", "--json")
   assert proc.returncode == 0, proc.stderr[-3000:]
   record = json.loads(proc.stdout.strip().splitlines()[-1])
   meta = json.loads((out / "heads.json").read_text())
   assert meta["kind"] == kind and meta["vocab_size"] == 512 and "--kind=" + kind in meta["command"]
+  assert meta["taps"] == [2, 15, 27] and "--taps=2,15,27" in meta["command"]
   assert 0 <= record["greedy_agreement"] <= 1 and 0 < record["cost_ratio"] < 1
   assert meta["evaluation"]["greedy_agreement"] == record["greedy_agreement"]
   runs = [json.loads(launch("generate", "--book=austen", "--prompt_tokens=64", "--max_new_tokens=12",

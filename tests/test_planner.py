@@ -485,7 +485,7 @@ def eagle_trio():
   eagles = {}
   for weight in (0.0, 2.0):
     drafter, weights = eagle_draft(params, CONFIG, weight)
-    eagles[weight] = types.SimpleNamespace(config=drafter.config, params=weights.params, vocab=None)
+    eagles[weight] = types.SimpleNamespace(config=drafter.config, params=weights.params, vocab=None, taps=())
   return target, draft, eagles
 
 
@@ -528,6 +528,37 @@ def test_an_eagle_drafts_acceptance_reads_its_verifiers_features(eagle_trio):
   assert got["target<-eagle"]["deeper"] == pytest.approx(ratio, rel=1e-3)
   assert copy["target<-eagle"]["deeper"] == pytest.approx(1.0, abs=1e-4)
   assert copy["target<-eagle"]["greedy_deeper"] == 1.0
+
+
+def test_an_eagle3_drafts_acceptance_reads_its_verifiers_tapped_layers():
+  """As above, for a draft that reads the fusion of the target's tapped layers and final states."""
+  import jax.numpy as jnp
+  from hitree_jax.cache.full import KVCache, causal_attend
+  from hitree_jax.decode.sampling import SamplingParams, probabilities
+  from hitree_jax.heads import eagle
+  from hitree_jax.model.llama import forward
+  from tests.test_heads import TAPPED, TAPS, eagle3_draft, target_params
+  params = target_params(TAPPED, seed=1)
+  target = types.SimpleNamespace(config=TAPPED, params=params, vocab=None)
+  drafter, weights = eagle3_draft(params, TAPPED, TAPS)
+  e = types.SimpleNamespace(config=drafter.config, params=weights.params, vocab=None, taps=TAPS)
+  prompt, continuation = [int(x) for x in np.arange(40) * 7 % 53], [int(x) for x in np.arange(20) * 5 % 53]
+  sampling = SamplingParams.create(0.8)
+  got = profile.pair_acceptance(target, None, [("target", "eagle"), ("retrieval:256", "eagle")], prompt,
+                                continuation, sampling, e)
+  sequence = jnp.asarray([prompt + continuation])
+  t, p = sequence.shape[1], len(prompt)
+  attend = causal_attend(jnp.zeros((1,), jnp.int32), t, t)
+  logits, true, _ = forward(params, TAPPED, sequence, jnp.arange(t)[None], KVCache.init(TAPPED, 1, t), attend,
+                            taps=TAPS)
+  predicted, _ = eagle.features(e.params, e.config, params["embed_tokens"]["embedding"], sequence,
+                                eagle.shifted(eagle.fuse(e.params, true)), jnp.arange(t)[None],
+                                KVCache.init(e.config, 1, t), attend)
+  q = probabilities(eagle.logits(e.params, predicted, False)[0, p:], sampling)
+  expected = float(jnp.sum(jnp.minimum(probabilities(logits[0, p:], sampling), q), axis=-1).mean())
+  assert 0.01 < expected < 0.95   # its random fusion is a poor guess, but not a null one
+  assert got["target<-eagle"]["alpha"] == pytest.approx(expected, abs=1e-5)
+  assert got["retrieval:256<-eagle"]["alpha"] == pytest.approx(expected, abs=1e-5)
 
 
 def test_measure_with_an_eagle_draft_and_its_plan_is_exact(tmp_path, eagle_trio):

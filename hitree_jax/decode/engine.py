@@ -81,6 +81,11 @@ class Layout:
     """Whether the drafter reads the features of the level above's verify forwards."""
     return isinstance(self.stack.drafter, (EagleDrafter, MedusaDrafter))
 
+  @property
+  def feature_taps(self) -> tuple[int, ...]:
+    """The target's layers whose states a feature drafter reads beside the final ones (EAGLE-3)."""
+    return getattr(self.stack.drafter, "taps", ())
+
   def weights(self, j: int) -> str | None:
     if j == self.top:
       return "target"
@@ -211,8 +216,8 @@ class _Decoder:
 
   def _level_probs(self, j: int, fed, positions, cache: LevelCache, attend, first: int):
     """Level j's forward over fed [B, T] (target ids) -> (probs [B, T - first, V_target] of the
-    positions from `first` on, hidden states [B, T, E], its recent cache with fed's keys/values
-    written)."""
+    positions from `first` on, hidden states [B, T, E] (level 1's with the drafter's taps:
+    llama.hidden_states), its recent cache with fed's keys/values written)."""
     layout = self.layout
     config = layout.config(j)
     if layout.weights(j) == "draft":
@@ -221,8 +226,9 @@ class _Decoder:
                                        attend, context=(cache.long,))
       probs = probabilities(draft.never_other(logits[:, first:]), self.sampling)
       return draft.target_probs(probs, layout.target.vocab_size), hidden, recent
+    taps = layout.feature_taps if j == 1 else ()
     logits, hidden, recent = forward(self.weights.target, config, fed, positions, cache.recent, attend,
-                                     context=(cache.long,))
+                                     context=(cache.long,), taps=taps)
     return probabilities(logits[:, first:], self.sampling), hidden, recent
 
   def _check(self, j: int, st: LoopState, prop: Proposal, mode: str, length, key, live):
@@ -524,7 +530,8 @@ def _long_caches(layout: Layout, weights: Weights, config: ModelConfig, batch: p
   params, mesh = weights.target, layout.mesh
   full = layout.place_long(layout.top, KVCache.init(config, batch.batch, slots))
   first_logits, full, *hidden = prefill_lib.prefill(params, config, full, batch, programs,
-                                                    all_hidden=layout.reads_features)
+                                                    all_hidden=layout.reads_features,
+                                                    taps=layout.feature_taps)
   draft_full = None
   if layout.stack.draft_config is not None:
     draft = weights.draft

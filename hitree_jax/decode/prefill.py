@@ -21,7 +21,7 @@ import numpy as np
 from hitree_jax.cache.full import KVCache, causal_attend
 from hitree_jax.decode.programs import CPU_COPY_FREE, Programs, shape_key
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import hidden_states, logits_from_hidden
+from hitree_jax.model.llama import final_states, hidden_states, logits_from_hidden
 
 CACHE_BUCKET = 256   # cache slots are rounded up to this, so nearby prompt lengths share programs
 MAX_PREFILL_CHUNK = 512
@@ -85,11 +85,12 @@ def cache_slots(prompt_len: int, max_new_tokens: int, extra: int = 0) -> int:
   return round_up(prompt_len + max_new_tokens + extra, CACHE_BUCKET)
 
 
-@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(1, 7), donate_argnums=(2,))
 def _prefill_chunk(params, config: ModelConfig, cache: KVCache, tokens, start, lengths,
-                   last_hidden):
+                   last_hidden, taps: tuple[int, ...] = ()):
   """Runs prompt tokens [B, C] at slots start..start+C-1; keeps each row's last-token hidden
-  and returns the chunk's hidden states [B, C, E] too (a feature draft's prefill reads them).
+  and returns the chunk's hidden states [B, C, E] too (a feature draft's prefill reads them;
+  with taps, [B, C, (len(taps)+1)E]: llama.hidden_states).
 
   The chunk attends causally to itself (a C-slot cache) and to the `start`
   slots already in `cache` (read-only context, in blocks), then is appended.
@@ -99,7 +100,7 @@ def _prefill_chunk(params, config: ModelConfig, cache: KVCache, tokens, start, l
   own = KVCache.init(config, batch, chunk)
   positions = start + jnp.broadcast_to(jnp.arange(chunk), (batch, chunk))
   attend = causal_attend(own.lengths, chunk, chunk)
-  hidden, own = hidden_states(params, config, tokens, positions, own, attend, context=(cache,))
+  hidden, own = hidden_states(params, config, tokens, positions, own, attend, context=(cache,), taps=taps)
   cache = cache.append(own.advance(chunk))
   index = lengths - 1 - start                                      # [B]
   picked = jnp.take_along_axis(hidden, jnp.clip(index, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
@@ -122,14 +123,16 @@ def chunked_tokens(batch: PromptBatch) -> tuple[np.ndarray, int]:
 
 
 def prefill(params, config: ModelConfig, cache: KVCache, batch: PromptBatch, programs: Programs,
-            all_hidden: bool = False):
+            all_hidden: bool = False, taps: tuple[int, ...] = ()):
   """Fills the cache with the prompts; returns (logits [B, V] of each last prompt token, cache),
-  and with all_hidden the hidden states of every position [B, P', E] (chunked_tokens' P') too."""
+  and with all_hidden the hidden states of every position [B, P', E] (chunked_tokens' P') too
+  (with taps, [B, P', (len(taps)+1)E], those layers' states first)."""
   tokens, chunk = chunked_tokens(batch)
   padded = tokens.shape[1]
   lengths = jnp.asarray(batch.lengths)
-  last_hidden = jnp.zeros((batch.batch, config.hidden_size), jnp.dtype(config.dtype))
-  args = (params, config, cache, tokens[:, :chunk], jnp.int32(0), lengths, last_hidden)
+  width = (len(taps) + 1) * config.hidden_size
+  last_hidden = jnp.zeros((batch.batch, width), jnp.dtype(config.dtype))
+  args = (params, config, cache, tokens[:, :chunk], jnp.int32(0), lengths, last_hidden, tuple(taps))
   step = programs.get(("prefill", config, shape_key(args)), _prefill_chunk, *args, extra_cpu_options=CPU_COPY_FREE)
   hidden = []
   for start in range(0, padded, chunk):
@@ -137,6 +140,7 @@ def prefill(params, config: ModelConfig, cache: KVCache, batch: PromptBatch, pro
                                             jnp.int32(start), lengths, last_hidden)
     if all_hidden:
       hidden.append(chunk_hidden)
+  last_hidden = final_states(last_hidden, config)
   logits_fn = programs.get(("logits", config, shape_key((params, last_hidden))), _last_logits,
                            params, config, last_hidden)
   out = logits_fn(params, last_hidden), cache.replace(lengths=lengths)

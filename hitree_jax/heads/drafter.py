@@ -56,6 +56,7 @@ class EagleDrafter:
   target_vocab_size: int | None = None  # set when its vocabulary is a subset (vocab.py)
   cache: Full = Full()
   weights: str = "eagle"
+  taps: tuple[int, ...] = ()            # the target's layers it reads beside the final states (EAGLE-3)
 
   def __str__(self) -> str:
     return "eagle"
@@ -69,6 +70,9 @@ class EagleDrafter:
       raise ValueError(f"the EAGLE draft reads features of width {self.config.hidden_size} "
                        f"({self.config.num_heads} heads); the target's are {config.hidden_size} "
                        f"({config.num_heads} heads): it was trained for another target")
+    if self.taps and max(self.taps) >= config.num_layers - 1:
+      raise ValueError(f"the EAGLE draft reads layers {list(self.taps)} of its target; this target "
+                       f"has {config.num_layers} layers: it was trained for another target")
     _check_dynamic_mode(tree, self.mode)
 
   def _reduced(self) -> bool:
@@ -80,7 +84,7 @@ class EagleDrafter:
     recent = cache.recent
     attend = round_attend(recent.lengths, recent.max_len, round_mask(lead.valid, np.ones((1, 1), bool)))
     out, recent = eagle.features(draft.params, self.config, inp.params["embed_tokens"]["embedding"],
-                                 lead.tokens, feature_at(inp.features, lead.positions - 1),
+                                 lead.tokens, eagle.fuse(draft.params, feature_at(inp.features, lead.positions - 1)),
                                  lead.positions, recent, attend, context=(cache.long,))
     batch = lead.tokens.shape[0]
     recent = commit(recent, lead, jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32),

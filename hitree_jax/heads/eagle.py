@@ -18,6 +18,15 @@ tokens and forgets the tree.
 Only the layer, `fc` and the output norm are the draft's own (about 4.2M
 parameters at SmolLM2's width); the embedding and the head are the target's
 and are never saved with the draft.
+
+EAGLE-3 (Li et al. 2025) lets the draft read more of the target than its last
+states: the outputs of a low, a middle and a high layer (`taps`) beside them.
+Such a draft's feature of a committed position is the target's tapped states
+and final states side by side, [(len(taps) + 1) E], and `fuse` maps them to
+the E-wide f_{i-1} the layer reads (each tap RMS-normalised and scaled, then a
+linear map); a tree node still reads its parent's predicted f^, E-wide. The
+map starts as the identity on the final states, so an untrained fusion is
+exactly EAGLE, and training adds what the taps say.
 """
 
 from __future__ import annotations
@@ -34,7 +43,8 @@ from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
 from hitree_jax.model.vocab import mask_other
 
-OWN = ("fc", "layer", "norm")  # the draft's trained parameters; "head" is the target's
+OWN = ("fc", "layer", "norm")  # the layer's parameters; "head" is the target's
+TRAINED = (*OWN, "fuse")       # what training changes and a saved draft holds ("fuse": with taps)
 
 
 def layer_config(target: ModelConfig, vocab_size: int) -> ModelConfig:
@@ -61,14 +71,34 @@ def _module(config: ModelConfig) -> EagleLayer:
   return EagleLayer(config)
 
 
-def init_params(config: ModelConfig, key) -> dict:
-  """Random trainable parameters (fc, layer, norm) for a layer_config."""
+def init_params(config: ModelConfig, key, taps: int = 0) -> dict:
+  """Random trainable parameters (fc, layer, norm) for a layer_config; with taps, also the
+  fusion of that many tapped layers, started as the identity on the final states (`fuse`)."""
   e, dtype = config.hidden_size, jnp.dtype(config.dtype)
   cache = KVCache.init(config, 1, 1)
   ones = jnp.ones((1, 1, e), dtype)
   zero = jnp.zeros((1, 1), jnp.int32)
-  return _module(config).init(key, ones, ones, zero, jnp.ones((1, 1, 1), bool), cache.keys[0],
-                              cache.values[0], cache.lengths)["params"]
+  params = dict(_module(config).init(key, ones, ones, zero, jnp.ones((1, 1, 1), bool), cache.keys[0],
+                                     cache.values[0], cache.lengths)["params"])
+  if taps:
+    kernel = jnp.zeros(((taps + 1) * e, e), dtype).at[taps * e:].set(jnp.eye(e, dtype=dtype))
+    params["fuse"] = {"scale": jnp.ones((taps, e), dtype), "kernel": kernel}
+  return params
+
+
+def fuse(params, features):
+  """features [..., (k+1)E], k tapped layers' states then the final ones -> [..., E] the f_{i-1}
+  the layer reads: the final states themselves for a draft without taps."""
+  if "fuse" not in params:
+    return features
+  scale, kernel = params["fuse"]["scale"], params["fuse"]["kernel"]
+  e = kernel.shape[1]
+  x = features.astype(jnp.float32)
+  parts = [x[..., i * e:(i + 1) * e] for i in range(scale.shape[0])]
+  normed = [p * jax.lax.rsqrt(jnp.mean(p * p, axis=-1, keepdims=True) + 1e-6) * s
+            for p, s in zip(parts, scale.astype(jnp.float32))]
+  fused = jnp.dot(jnp.concatenate([*normed, x[..., len(parts) * e:]], axis=-1).astype(kernel.dtype), kernel)
+  return fused.astype(features.dtype)
 
 
 def head_from_target(target_params, target_ids: np.ndarray | None) -> jax.Array:
@@ -116,9 +146,10 @@ def _prefill_chunk(params, config: ModelConfig, embedding, cache: KVCache, token
 def prefill(params, config: ModelConfig, embedding, cache: KVCache, tokens: np.ndarray, hidden,
             lengths, chunk: int, programs):
   """The draft's cache of the prompts: tokens [B, P] (P a multiple of chunk), the target's
-  features there hidden [B, P, E], lengths [B]; one compiled program per chunk shape."""
+  features there hidden [B, P, E] (with taps: [B, P, (k+1)E]), lengths [B]; one compiled
+  program per chunk shape."""
   from hitree_jax.decode.programs import shape_key
-  prev = shifted(hidden)
+  prev = shifted(fuse(params, hidden))
   args = (params, config, embedding, cache, tokens[:, :chunk], prev[:, :chunk], jnp.int32(0))
   step = programs.get(("eagle_prefill", config, shape_key(args)), _prefill_chunk, *args)
   for start in range(0, tokens.shape[1], chunk):

@@ -267,18 +267,25 @@ class Llama(nn.Module):
     if not c.tie_word_embeddings:
       self.lm_head = _dense(c.vocab_size, "lm_head", dtype)
 
-  def __call__(self, tokens, positions, attend, keys, values, write_at, context=()):
+  def __call__(self, tokens, positions, attend, keys, values, write_at, context=(), taps=()):
     """tokens, positions [B,T]; keys/values: per-layer [B,KVH,D,S] / [B,KVH,S,D], written at write_at [B];
-    context: read-only caches, each (per-layer keys, per-layer values, lengths [B]); attend [B,T,S]."""
+    context: read-only caches, each (per-layer keys, per-layer values, lengths [B]); attend [B,T,S].
+    taps: layers whose outputs (the residual stream) come before the final-normed states in the
+    returned hidden [B,T,(len(taps)+1)E] (what an EAGLE-3 draft reads: heads/eagle.py)."""
     x = self.embed_tokens(tokens)
     cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))                  # [B,T,D]
-    new_keys, new_values = [], []
+    new_keys, new_values, tapped = [], [], []
     for i, (layer, k_buf, v_buf) in enumerate(zip(self.layers, keys, values)):
       layer_context = tuple((ks[i], vs[i], lengths) for ks, vs, lengths in context)
       x, k_buf, v_buf = layer(x, cos, sin, attend, k_buf, v_buf, write_at, layer_context)
       new_keys.append(k_buf)
       new_values.append(v_buf)
-    return self.norm(x), tuple(new_keys), tuple(new_values)
+      if i in taps:
+        tapped.append(x)
+    hidden = self.norm(x)
+    if tapped:
+      hidden = jnp.concatenate([*tapped, hidden.astype(x.dtype)], axis=-1)
+    return hidden, tuple(new_keys), tuple(new_values)
 
   def logits(self, hidden):
     """hidden [..., E] -> float32 logits [..., V]."""
@@ -308,8 +315,9 @@ def init_params(config: ModelConfig, key: jax.Array) -> dict:
 
 
 def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache, attend,
-                  write_at=None, context: tuple[KVCache, ...] = ()):
-  """Runs T new tokens through the model; returns (hidden [B,T,E], cache).
+                  write_at=None, context: tuple[KVCache, ...] = (), taps: tuple[int, ...] = ()):
+  """Runs T new tokens through the model; returns (hidden [B,T,E], cache); with taps, hidden
+  [B,T,(len(taps)+1)E] holds those layers' outputs before the final-normed states (Llama).
 
   Keys/values of the new tokens are written into `cache` at slots
   write_at[b] + 0..T-1 (default: its committed length). The committed length
@@ -323,7 +331,7 @@ def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache
     write_at = cache.lengths
   hidden, keys, values = llama(config).apply(
       {"params": params}, tokens, positions, attend, cache.keys, cache.values, write_at,
-      tuple((c.keys, c.values, c.lengths) for c in context))
+      tuple((c.keys, c.values, c.lengths) for c in context), tuple(taps))
   return hidden, cache.replace(keys=keys, values=values)
 
 
@@ -353,8 +361,14 @@ def without_decode_head(params, config: ModelConfig) -> dict:
   return {name: value for name, value in params.items() if name != "lm_head"}
 
 
+def final_states(hidden, config: ModelConfig):
+  """The final-normed states [..., E] of hidden_states' output (the last E of its taps)."""
+  width = hidden.shape[-1]
+  return hidden if width == config.hidden_size else hidden[..., width - config.hidden_size:]
+
+
 def forward(params, config: ModelConfig, tokens, positions, cache: KVCache, attend,
-            write_at=None, context: tuple[KVCache, ...] = ()):
-  """(logits [B,T,V] float32, hidden [B,T,E], cache): see `hidden_states`."""
-  hidden, cache = hidden_states(params, config, tokens, positions, cache, attend, write_at, context)
-  return logits_from_hidden(params, config, hidden), hidden, cache
+            write_at=None, context: tuple[KVCache, ...] = (), taps: tuple[int, ...] = ()):
+  """(logits [B,T,V] float32, hidden [B,T,E] (or with taps: hidden_states), cache)."""
+  hidden, cache = hidden_states(params, config, tokens, positions, cache, attend, write_at, context, taps)
+  return logits_from_hidden(params, config, final_states(hidden, config)), hidden, cache

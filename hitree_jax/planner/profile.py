@@ -113,7 +113,8 @@ def load_eagle(path, target) -> types.SimpleNamespace:
   target's head on its vocabulary included), vocab (ReducedVocab or None)."""
   from hitree_jax.train import heads
   meta, params, vocab = heads.load(path, target.params, target.config, "eagle")
-  return types.SimpleNamespace(config=heads.drafter(meta, target.config).config, params=params, vocab=vocab)
+  drafter = heads.drafter(meta, target.config)
+  return types.SimpleNamespace(config=drafter.config, params=params, vocab=vocab, taps=drafter.taps)
 
 
 def _first_layers(params, cache: KVCache, k: int):
@@ -132,8 +133,9 @@ class _Levels:
     self.programs = Programs()
     c = target.config
     self.batch = prefill_lib.make_batch([self.prompt], c, 1)
+    self.taps = () if eagle is None else eagle.taps
     _, self.full, *hidden = prefill_lib.prefill(target.params, c, KVCache.init(c, 1, self.slots), self.batch,
-                                                self.programs, all_hidden=eagle is not None)
+                                                self.programs, all_hidden=eagle is not None, taps=self.taps)
     self.prompt_hidden = hidden[0] if hidden else None   # [1, P', E]: what an EAGLE draft's prefill reads
     self._draft_full = self._eagle_long = None
 
@@ -151,7 +153,8 @@ class _Levels:
     return self._eagle_long
 
   def last_prompt_feature(self) -> jax.Array:
-    """[1, E] the target's feature of the last prompt token (what an EAGLE draft reads first)."""
+    """[1, E] the target's feature of the last prompt token (what an EAGLE draft reads first;
+    with its taps, [1, (k+1)E])."""
     return self.prompt_hidden[:, len(self.prompt) - 1]
 
   def timed(self, name: str) -> tuple[Callable, Callable[[int], tuple]]:
@@ -303,16 +306,16 @@ def ar_seconds(target, prompt: Sequence[int], max_new_tokens: int = 96) -> float
   return 1.0 / max(r.decode_tokens_per_s for r in runs)
 
 
-def _continuation_probs(config, params, long, vocab, tokens, target_vocab: int, sampling):
+def _continuation_probs(config, params, long, vocab, tokens, target_vocab: int, sampling, taps=()):
   """The level's sampling distribution [N, V_target], its top-R tokens [N, R] (target ids) and
-  its features [1, N, E] at each of the N continuation tokens, teacher-forced in one chunk over
-  its long cache."""
+  its features [1, N, E] (with taps, [1, N, (k+1)E]) at each of the N continuation tokens,
+  teacher-forced in one chunk over its long cache."""
   ids = jnp.asarray(tokens if vocab is None else vocab.to_draft(np.asarray(tokens)), jnp.int32)[None]
   n = ids.shape[1]
   recent = KVCache.init(config, 1, n, **dtypes_of(long))
   positions = long.next_positions[:, None] + jnp.arange(n)[None, :]
   logits, hidden, _ = forward(params, config, ids, positions, recent, jnp.tril(jnp.ones((n, n), bool))[None],
-                              context=(long,))
+                              context=(long,), taps=taps)
   return (*_ranked_probs(logits[0], vocab, target_vocab, sampling), hidden)
 
 
@@ -327,12 +330,13 @@ def _ranked_probs(logits, vocab, target_vocab: int, sampling):
 
 
 def _eagle_continuation_probs(levels: _Levels, features, tokens, target_vocab: int, sampling):
-  """For the EAGLE draft proposing to the level whose features [1, N, E] over the continuation it
-  reads: (its distribution [N, V_target] and top-R tokens [N, R] at each continuation token, as at
-  a tree's first depth: reading that token and the feature of the one before (of the last prompt
-  token, the target's, first); its distribution [N, V_target] as at a deeper node: reading the
-  feature the first pass predicted at the token before instead (index 0: none, unused)). As
-  training's two passes (train/heads.py), over the draft's cache of the prompt."""
+  """For the EAGLE draft proposing to the level whose features [1, N, E] (with its taps,
+  [1, N, (k+1)E]) over the continuation it reads: (its distribution [N, V_target] and top-R
+  tokens [N, R] at each continuation token, as at a tree's first depth: reading that token and
+  the feature of the one before (of the last prompt token, the target's, first); its
+  distribution [N, V_target] as at a deeper node: reading the feature the first pass predicted
+  at the token before instead (index 0: none, unused)). As training's two passes
+  (train/heads.py), over the draft's cache of the prompt."""
   from hitree_jax.train.heads import two_passes
   e, long = levels.eagle, levels.eagle_long()
   ids = jnp.asarray(tokens, jnp.int32)[None]
@@ -400,8 +404,10 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Seq
     if re.fullmatch(r"ngram(:\d+)?", name):
       dists[name] = _ngram_probs(name, prompt, continuation, vocab_size)
     else:
+      config = levels[name][0]
+      taps = levels.taps if config.num_layers == target.config.num_layers else ()  # what EAGLE may read
       *dists[name], features[name] = _continuation_probs(*levels[name], list(continuation), vocab_size,
-                                                         sampling)
+                                                         sampling, taps)
   out = {}
   for verifier, proposer in pairs:
     p, _ = dists[verifier]

@@ -37,12 +37,15 @@ ProgressFn = Callable[[int, int, str], None]
 
 def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, *, window: int,
                    n_windows: int, k: int, progress: ProgressFn | None = None,
-                   features: bool = False, own_text=None) -> dict:
+                   features: bool = False, own_text=None, taps: tuple[int, ...] = ()) -> dict:
   """{'tokens' [N,T], 'ids' [N,T,k], 'log_probs' [N,T,k]} for a split, computed once per workdir;
-  with features also 'features' [N,T,E] (the teacher's hidden states, float16).
+  with features also 'features' [N,T,E] (the teacher's hidden states, float16; with taps
+  [N,T,(len(taps)+1)E], those layers' states first: heads/eagle.py).
   own_text: (prompt tokens, SamplingParams): each window keeps that many book tokens and the
   rest is the teacher's own sampled continuation (teacher.own_continuations), cached too."""
   name = f"labels_{split}_{n_windows}x{window}_top{k}" + ("_features" if features else "")
+  if taps:
+    name += "_taps" + "-".join(map(str, taps))
   if own_text is not None:
     name += f"_own{own_text[0]}_t{float(own_text[1].temperature):g}_p{float(own_text[1].top_p):g}"
   path = pathlib.Path(workdir) / f"{name}.npz"
@@ -61,11 +64,12 @@ def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, 
   logging.info("labelling %d %s windows of %d tokens with the teacher's top-%d", n_windows, split,
                window, k)
   return label_windows(path, windows, teacher_model.params, teacher_model.config, k,
-                       progress=progress, features=features)
+                       progress=progress, features=features, taps=taps)
 
 
 def label_windows(path: pathlib.Path, windows: np.ndarray, params, config: ModelConfig, k: int,
-                  chunk: int = 64, progress: ProgressFn | None = None, features: bool = False) -> dict:
+                  chunk: int = 64, progress: ProgressFn | None = None, features: bool = False,
+                  taps: tuple[int, ...] = ()) -> dict:
   """Labels windows [N, T] with the teacher's top-k (and features) and saves them at path.
 
   Labelling is the slow part of distillation (the teacher runs at ~190 tokens/s on two cores), so
@@ -80,7 +84,7 @@ def label_windows(path: pathlib.Path, windows: np.ndarray, params, config: Model
   for done, i in enumerate(todo, 1):
     start = i * chunk
     ids, log_probs, *hidden = teacher.teacher_topk(params, config, windows[start:start + chunk], k,
-                                                   features=features)
+                                                   features=features, taps=taps)
     _save_npz(parts[i], ids=ids, log_probs=log_probs.astype(np.float16),
               **({"features": hidden[0]} if features else {}))
     detail = f"labelled windows {start}-{start + len(ids)} of {len(windows)}"

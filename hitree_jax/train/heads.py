@@ -40,7 +40,7 @@ from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.vocab import ReducedVocab
 
 META = "heads.json"
-KINDS = {"eagle": eagle.OWN, "medusa": medusa.OWN}  # each kind's trained parameters
+KINDS = {"eagle": eagle.TRAINED, "medusa": medusa.OWN}  # each kind's trained parameters
 
 
 def frozen_arrays(target_params, vocab: ReducedVocab | None) -> dict:
@@ -58,21 +58,22 @@ def _cross_entropy(logits, ids, probs):
 
 def two_passes(params, config: ModelConfig, embedding, tokens, features, unroll: bool = True, *,
                before=None, positions=None, context: tuple[KVCache, ...] = ()):
-  """The draft over windows tokens [B,T] with the target's features [B,T,E] -> (f^ [B,T,E] read
-  from the true features; f^ [B,T,E] read from the first pass's predictions, or None): the
-  second pass's position i sees the first pass's keys before it and its own key.
+  """The draft over windows tokens [B,T] with the target's features [B,T,E] (with taps
+  [B,T,(k+1)E]) -> (f^ [B,T,E] read from the true features; f^ [B,T,E] read from the first pass's
+  predictions, or None): the second pass's position i sees the first pass's keys before it and
+  its own key.
 
   By default a window starts the sequence (position 0 reads a zero feature). Continuing one
-  instead (planner/profile.py): before [B,E], the feature its first token reads; positions [B,T];
-  context, the draft's caches of the tokens before it, which both passes attend to."""
+  instead (planner/profile.py): before [B,E] (or [B,(k+1)E]), the feature its first token reads;
+  positions [B,T]; context, the draft's caches of the tokens before it, which both passes attend to."""
   batch, t = tokens.shape
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(t), (batch, t))
   cache = KVCache.init(config, batch, 2 * t)                 # slots: pass 1, then pass 2
   earlier = causal_attend(cache.lengths, t, t)
-  prev = eagle.shifted(features)
+  prev = eagle.shifted(eagle.fuse(params, features))
   if before is not None:
-    prev = prev.at[:, 0].set(before.astype(prev.dtype))
+    prev = prev.at[:, 0].set(eagle.fuse(params, before).astype(prev.dtype))
   predicted, cache = eagle.features(params, config, embedding, tokens, prev, positions, cache,
                                     jnp.pad(earlier, ((0, 0), (0, 0), (0, t))), context=context)
   if not unroll:
@@ -86,15 +87,17 @@ def two_passes(params, config: ModelConfig, embedding, tokens, features, unroll:
 
 @functools.lru_cache(maxsize=None)
 def eagle_objective(config: ModelConfig, reduced: bool, feature_weight: float = 1.0, unroll: bool = True):
-  """loss(params, frozen, tokens [B,T] target ids, features [B,T,E], ids [B,T,k] draft ids,
-  probs [B,T,k]) -> (loss, first-pass top-1 agreement); one object per setting (jit-static)."""
+  """loss(params, frozen, tokens [B,T] target ids, features [B,T,E] (with taps [B,T,(k+1)E]),
+  ids [B,T,k] draft ids, probs [B,T,k]) -> (loss, first-pass top-1 agreement); one object per
+  setting (jit-static). The regression's target is the final states (a tree node reads them)."""
 
   def loss(params, frozen, tokens, features, ids, probs):
     features = features.astype(jnp.float32)
     full = dict(params, head=frozen["head"])
     predicted, again = two_passes(full, config, frozen["embedding"], tokens, features, unroll)
     ce, agree = _cross_entropy(eagle.logits(full, predicted, reduced), ids, probs)
-    total = ce + feature_weight * jnp.mean(optax.huber_loss(predicted, features))
+    final = features[..., features.shape[-1] - config.hidden_size:]
+    total = ce + feature_weight * jnp.mean(optax.huber_loss(predicted, final))
     if again is not None:
       total = total + _cross_entropy(eagle.logits(full, again, reduced), ids, probs)[0]
     return total, agree
@@ -125,7 +128,7 @@ def save(path: pathlib.Path, kind: str, params, target_config: ModelConfig, voca
   """Writes the trained parameters and the vocabulary with orbax, and heads.json."""
   path = pathlib.Path(path).absolute()
   path.mkdir(parents=True, exist_ok=True)
-  own = {name: jax.tree.map(np.asarray, params[name]) for name in KINDS[kind]}
+  own = {name: jax.tree.map(np.asarray, params[name]) for name in KINDS[kind] if name in params}
   tree = {"params": own, "target_ids": np.asarray(vocab.target_ids if vocab else [-1], np.int32)}
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(path / "checkpoint", tree, force=True)
@@ -159,7 +162,8 @@ def drafter(meta: dict, target_config: ModelConfig, mode: str = "deterministic")
   size = size or target_config.vocab_size
   if meta["kind"] == "medusa":
     return MedusaDrafter(meta["medusa_heads"], size, mode, reduced)
-  return EagleDrafter(eagle.layer_config(target_config, size), mode, reduced)
+  return EagleDrafter(eagle.layer_config(target_config, size), mode, reduced,
+                      taps=tuple(meta.get("taps", ())))
 
 
 def check_target(meta: dict, target_config: ModelConfig, path) -> None:

@@ -82,12 +82,12 @@ def evaluate_draft(target, draft, vocab: ReducedVocab | None, windows: np.ndarra
           "vocab_coverage": 1.0 if vocab is None else vocab.coverage(windows)}
 
 
-@functools.partial(jax.jit, static_argnums=(1, 3))
+@functools.partial(jax.jit, static_argnums=(1, 3, 7))
 def _eagle_window_metrics(target_params, target_config: ModelConfig, eagle_params, eagle_config: ModelConfig,
-                          tokens, target_ids, sampling):
+                          tokens, target_ids, sampling, taps: tuple[int, ...]):
   from hitree_jax.heads import eagle
   from hitree_jax.train.heads import two_passes
-  target, hidden = full_sequence(target_params, target_config, tokens)
+  target, hidden = full_sequence(target_params, target_config, tokens, taps)
   embedding = target_params["embed_tokens"]["embedding"]
   out = []
   for predicted in two_passes(eagle_params, eagle_config, embedding, tokens, hidden):
@@ -101,16 +101,17 @@ def _eagle_window_metrics(target_params, target_config: ModelConfig, eagle_param
 
 
 def evaluate_eagle(target, eagle_params, eagle_config: ModelConfig, vocab: ReducedVocab | None,
-                   windows: np.ndarray, sampling: SamplingParams, batch: int = 4) -> dict:
+                   windows: np.ndarray, sampling: SamplingParams, batch: int = 4,
+                   taps: tuple[int, ...] = ()) -> dict:
   """evaluate_draft's figures for an EAGLE feature draft reading the target's true features
-  (a depth-1 node), and its agreement and acceptance when it reads its own predicted ones
-  (a depth-2 node: `depth2_*`)."""
+  (a depth-1 node; with taps, those layers' too), and its agreement and acceptance when it reads
+  its own predicted ones (a depth-2 node: `depth2_*`)."""
   ids = None if vocab is None else jnp.asarray(vocab.target_ids)
   parts = [[], []]
   for i in range(0, len(windows), batch):
     for store, metrics in zip(parts, _eagle_window_metrics(target.params, target.config, eagle_params,
                                                             eagle_config, jnp.asarray(windows[i:i + batch]),
-                                                            ids, sampling)):
+                                                            ids, sampling, tuple(taps))):
       store.append([np.asarray(m) for m in metrics])
   (a1, e1, r1, g1), (a2, e2, _, _) = [[np.concatenate([m[k].reshape(-1, *m[k].shape[2:]) for m in store])
                                        for k in range(4)] for store in parts]

@@ -23,14 +23,15 @@ from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import forward
 
 
-def full_sequence(params, config: ModelConfig, tokens):
+def full_sequence(params, config: ModelConfig, tokens, taps: tuple[int, ...] = ()):
   """(logits [B, T, V] float32, final-normed hidden states [B, T, E]) of every position of
-  windows tokens [B, T] (causal, positions 0..T-1)."""
+  windows tokens [B, T] (causal, positions 0..T-1); with taps, those layers' states come before
+  the final ones in the hidden states [B, T, (len(taps)+1)E] (llama.Llama)."""
   batch, length = tokens.shape
   cache = KVCache.init(config, batch, length)
   positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
   logits, hidden, _ = forward(params, config, tokens, positions, cache,
-                              causal_attend(cache.lengths, length, length))
+                              causal_attend(cache.lengths, length, length), taps=taps)
   return logits, hidden
 
 
@@ -39,25 +40,25 @@ def full_sequence_logits(params, config: ModelConfig, tokens):
   return full_sequence(params, config, tokens)[0]
 
 
-@functools.partial(jax.jit, static_argnums=(1, 3))
-def _topk_log_probs(params, config: ModelConfig, tokens, k: int):
-  logits, hidden = full_sequence(params, config, tokens)
+@functools.partial(jax.jit, static_argnums=(1, 3, 4))
+def _topk_log_probs(params, config: ModelConfig, tokens, k: int, taps: tuple[int, ...]):
+  logits, hidden = full_sequence(params, config, tokens, taps)
   values, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
   return ids.astype(jnp.int32), values, hidden.astype(jnp.float16)
 
 
 def teacher_topk(params, config: ModelConfig, windows: np.ndarray, k: int, batch: int = 4,
-                 features: bool = False):
+                 features: bool = False, taps: tuple[int, ...] = ()):
   """(ids [N, T, k] int32, log_probs [N, T, k] float32): the teacher's top-k at every position;
   with features, also its final-normed hidden states [N, T, E] in float16 (a feature draft's
-  inputs and regression targets: heads/eagle.py)."""
+  inputs and regression targets: heads/eagle.py), after the taps' states if any."""
   ids, values, hidden = [], [], []
   start = time.perf_counter()
   for i in range(0, len(windows), batch):
     chunk = windows[i:i + batch]
     pad = batch - len(chunk)
     chunk = np.concatenate([chunk, np.zeros((pad, chunk.shape[1]), chunk.dtype)]) if pad else chunk
-    top_ids, top_values, chunk_hidden = _topk_log_probs(params, config, jnp.asarray(chunk), k)
+    top_ids, top_values, chunk_hidden = _topk_log_probs(params, config, jnp.asarray(chunk), k, tuple(taps))
     ids.append(np.asarray(top_ids)[:batch - pad])
     values.append(np.asarray(top_values)[:batch - pad])
     if features:
