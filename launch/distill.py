@@ -131,7 +131,7 @@ def train_heads_main():
     params = medusa.init_params(FLAGS.num_heads, config.hidden_size)
   start = time.perf_counter()
   # Labels are shared by the kinds (one workdir); each kind's checkpoints are its own.
-  run = FLAGS.kind + ("_taps" + "-".join(FLAGS.taps) if FLAGS.taps else "")
+  run = FLAGS.kind + distill.taps_suffix(taps())
   run += "" if FLAGS.train_text == "books" else "_own"
   params, history = distill.train(workdir / run, config, params,
                                   data["train"], data["eval"], steps=FLAGS.steps, batch=FLAGS.batch,

@@ -44,8 +44,7 @@ def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, 
   own_text: (prompt tokens, SamplingParams): each window keeps that many book tokens and the
   rest is the teacher's own sampled continuation (teacher.own_continuations), cached too."""
   name = f"labels_{split}_{n_windows}x{window}_top{k}" + ("_features" if features else "")
-  if taps:
-    name += "_taps" + "-".join(map(str, taps))
+  name += taps_suffix(taps)
   if own_text is not None:
     name += f"_own{own_text[0]}_t{float(own_text[1].temperature):g}_p{float(own_text[1].top_p):g}"
   path = pathlib.Path(workdir) / f"{name}.npz"
@@ -65,6 +64,11 @@ def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, 
                window, k)
   return label_windows(path, windows, teacher_model.params, teacher_model.config, k,
                        progress=progress, features=features, taps=taps)
+
+
+def taps_suffix(taps) -> str:
+  """'_taps2-15-27' for taps (2, 15, 27), '' for none: names what was labelled or trained with them."""
+  return "_taps" + "-".join(map(str, taps)) if taps else ""
 
 
 def label_windows(path: pathlib.Path, windows: np.ndarray, params, config: ModelConfig, k: int,

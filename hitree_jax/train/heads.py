@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 from hitree_jax.cache.full import KVCache, causal_attend
 from hitree_jax.heads import eagle, medusa
 from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import final_states
 from hitree_jax.model.vocab import ReducedVocab
 
 META = "heads.json"
@@ -96,8 +97,7 @@ def eagle_objective(config: ModelConfig, reduced: bool, feature_weight: float = 
     full = dict(params, head=frozen["head"])
     predicted, again = two_passes(full, config, frozen["embedding"], tokens, features, unroll)
     ce, agree = _cross_entropy(eagle.logits(full, predicted, reduced), ids, probs)
-    final = features[..., features.shape[-1] - config.hidden_size:]
-    total = ce + feature_weight * jnp.mean(optax.huber_loss(predicted, final))
+    total = ce + feature_weight * jnp.mean(optax.huber_loss(predicted, final_states(features, config)))
     if again is not None:
       total = total + _cross_entropy(eagle.logits(full, again, reduced), ids, probs)[0]
     return total, agree
