@@ -56,6 +56,14 @@ def abstract_params(config: ModelConfig, mesh, split: bool = True):
   return _abstract(shapes, axes, mesh)
 
 
+def readable(nbytes: float) -> str:
+  """'1.87 GiB', '412.0 MiB', '45.2 KiB'."""
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if nbytes >= size:
+      return f"{nbytes / size:.{2 if unit == 'GiB' else 1}f} {unit}"
+  return f"{nbytes:.0f} B"
+
+
 def per_device_bytes(tree) -> int:
   """Bytes of one device's shards of tree's (abstract or real) arrays: the largest device's."""
   totals = {}
@@ -179,3 +187,15 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
 
 # Each kind of accelerator's memory per device, in GiB (HBM as the vendors state it).
 DEVICE_MEMORY_GIB = {"v5e": 16, "v5p": 95, "v6e": 32, "h100": 80, "h200": 141, "a100": 80}
+
+# Memory bandwidth per device, GB/s, as the vendors state it, by what jax's device_kind contains
+# (the first match wins: "H100 PCIe" before "H100").
+DEVICE_BANDWIDTH_GB_S = (("H100 PCIe", 2000), ("H100 NVL", 3900), ("H100", 3350), ("H200", 4800),
+                         ("A100-SXM4-80GB", 2039), ("A100-PCIE-80GB", 1935), ("A100", 1555),
+                         ("TPU v5 lite", 819), ("TPU v5e", 819), ("TPU v5p", 2765), ("TPU v5", 2765),
+                         ("TPU v6 lite", 1640), ("TPU v6e", 1640), ("TPU v4", 1228))
+
+
+def device_bandwidth_gb_s(device_kind: str) -> float | None:
+  """A device's memory bandwidth (DEVICE_BANDWIDTH_GB_S), or None for one not listed (a CPU)."""
+  return next((float(bw) for name, bw in DEVICE_BANDWIDTH_GB_S if name.lower() in device_kind.lower()), None)

@@ -85,7 +85,7 @@ def main(argv):
 
 
 def report(plan: dict) -> str:
-  g = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+  from hitree_jax.memory_plan import readable as g
   lines = [f"per device of {plan['devices']} ({plan['mesh']}), {plan['slots']} cache slots:",
            f"  {'target weights':<32}{g(plan['params'])}"]
   if plan["draft_params"]:

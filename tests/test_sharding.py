@@ -250,6 +250,51 @@ def get_config():
 """
 
 
+def tiny_shapes_bytes(slots: int, model: int) -> tuple[int, int, int]:
+  """By hand, for TINY_SHAPES in bfloat16, the target split model-ways by head, per device: (the
+  target's weights a step reads, without its embedding table; what level_cost holds at a context
+  of `slots`: both models' weights, the target's full caches of `slots` and of the retrieval
+  budget, and the draft's full cache, the draft whole)."""
+  e, f, h, kvh, d, v = 64, 128, 8, 4, 8, 256
+  layer = lambda split: 2 * ((e * h * d * 2 + 2 * e * kvh * d + 3 * e * f) // split + 2 * e)  # + 2 norms
+  read = 2 * layer(model) + 2 * (e * v // model + e)                     # 2 layers, the head, the final norm
+  cache = lambda layers, heads, n: layers * 2 * 2 * heads * d * n + 4    # keys + values, + the lengths
+  draft = layer(1) + 2 * (2 * e * v + e)                                 # 1 layer, embedding, head, norm
+  held = (read + 2 * e * v // model + draft + cache(2, kvh // model, slots) + cache(2, kvh // model, 256)
+          + cache(1, kvh, slots))
+  return read, held, cache(2, kvh // model, slots)
+
+
+def test_level_cost_times_every_level_against_the_floor_and_skips_what_does_not_fit(tmp_path):
+  """launch.level_cost on a mesh of 4: each level's forward at two contexts, `ar`'s step against
+  the floor of the bytes it reads per device (counted here by hand), and a context whose arrays
+  need more than the memory given skipped, saying so."""
+  config = tmp_path / "tiny.py"
+  config.write_text(TINY_SHAPES)
+  weights, held_512, full_512 = tiny_shapes_bytes(512, model=4)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--config={config}", "--mesh=model:4",
+                         "--contexts=512,1024", "--widths=1,3", "--repeats=2", "--bandwidth_gb_s=10",
+                         "--memory_gib=0.00035", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  record = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert record["devices"] == 4 and record["mesh"] == "model:4" and record["weights_read_bytes"] == weights
+  fits, too_big = record["rows"]
+  assert fits["context"] == 512 and fits["floor_ms"] == pytest.approx(1e3 * (weights + full_512) / 10e9)
+  for level in ("target_ms", "retrieval_ms", "draft_ms"):
+    assert set(fits[level]) == {"1", "3"} and min(fits[level].values()) > 0
+  assert fits["ar_over_floor"] == pytest.approx(fits["target_ms"]["1"] / fits["floor_ms"])
+  assert fits["select_ms"] > 0 and set(record["baseline_ms"]) == {"1", "3"}
+  assert fits["bytes_per_device"] == held_512 and too_big["bytes_per_device"] == tiny_shapes_bytes(1024, 4)[1]
+  assert held_512 < 0.92 * 0.00035 * 2**30 < too_big["bytes_per_device"]
+  assert too_big["context"] == 1024 and "needs" in too_big["skipped"] and "target_ms" not in too_big
+  assert "| 1024 | skipped: needs" in proc.stdout
+  proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--config={config}", "--contexts=256"],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0 and "must exceed the retrieval budget (256)" in proc.stderr
+
+
 @pytest.mark.parametrize("spec, message", [
     ("model:3", "model:3 does not divide the target's 8 query heads"),
     ("data:4", "data:4 does not divide the batch of 2 prompts"),

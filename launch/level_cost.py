@@ -1,0 +1,281 @@
+"""What each level of a long-context hierarchy costs on the devices present, for a real-shaped target.
+
+  python -m launch.level_cost --config=configs/llama2_7b_128k.py --contexts=32768,65536,131072 --json
+  python -m launch.level_cost --config=configs/llama2_7b_128k.py --mesh=model:8 --contexts=131072
+
+The config is a shapes config (configs/llama*_128k.py, as for launch.plan_memory): the target,
+the draft, the retrieval budget and the StreamingLLM window. The weights are random (in the
+config's dtype) and each context's caches hold random keys and values: a forward's time does
+not depend on what the numbers are. At each context length it times, as the median of
+--repeats calls of FORWARDS_PER_CALL forwards in one program (planner/profile.py's timing):
+
+  target            w tokens over the full cache of the context (w = 1 is `ar`'s step)
+  retrieval:B       the target over the retrieval cache of B slots chosen from that cache
+                      (TriForce's middle level), and `select_ms`, what choosing them costs
+  draft@streaming   the draft over a StreamingLLM cache (sinks + window) of the context
+
+and, once, the target over a full cache of B tokens: the forward the retrieval level should
+cost, whatever the context. `ar`'s step is set against the HBM floor, the bytes a step must
+read (the weights and the cache's keys and values, per device) over the device's bandwidth
+(memory_plan.DEVICE_BANDWIDTH_GB_S, or --bandwidth_gb_s). A context whose arrays do not fit the
+device's memory is skipped, with a line saying what it needs. On a CPU it runs too (small
+configs: the tests), without a floor unless --bandwidth_gb_s is given.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import pathlib
+import time
+
+from absl import flags
+from ml_collections import config_flags
+
+from launch import common
+
+config_flags.DEFINE_config_file("config", None, "A shapes config: configs/llama2_7b_128k.py, "
+                                "configs/llama3_8b_128k.py (--config.budget=8192 overrides a field).")
+common.define_mesh_flags()
+flags.DEFINE_list("contexts", ["32768", "65536", "98304", "131072"], "Context lengths (cache slots "
+                  "filled), smallest first; each must exceed the retrieval budget.")
+flags.DEFINE_list("widths", ["1", "2", "4", "8"], "Tokens per forward.")
+flags.DEFINE_integer("repeats", 10, "Timed calls per forward (the median is reported).")
+flags.DEFINE_float("bandwidth_gb_s", None, "Memory bandwidth per device, GB/s (default: the "
+                   "accelerator's, from memory_plan.DEVICE_BANDWIDTH_GB_S; none on a CPU).")
+flags.DEFINE_float("memory_gib", None, "Memory per device to plan within, GiB (default: what the "
+                   "device reports; no limit on a CPU).")
+flags.DEFINE_string("out", None, "Also write the JSON record here, and its table to OUT.md.")
+flags.DEFINE_bool("json", False, "Print the JSON record as the last line.")
+FLAGS = flags.FLAGS
+
+HEADROOM = 0.92   # of a device's memory that the arrays may take: the rest is for temporaries
+
+
+def _placed(shapes, axes, mesh):
+  """Abstract arrays with the shardings they would have (one device without a mesh)."""
+  import jax
+  from hitree_jax import sharding
+  if mesh is None:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), shapes)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                      sharding.shardings(axes, mesh))
+
+
+def _made(make, axes, mesh, key):
+  """make(key) jitted straight into its shardings (nothing whole on the host or one device)."""
+  import jax
+  from hitree_jax import sharding
+  out = None if mesh is None else sharding.shardings(axes, mesh)
+  return jax.jit(make, out_shardings=out)(key)
+
+
+class Arrays:
+  """Random weights and caches of a config's shapes: the abstract ones (for their per-device
+  bytes, before anything is made) and the made ones."""
+
+  def __init__(self, config, mesh, split: bool):
+    import jax
+    from hitree_jax import sharding
+    from hitree_jax.model.llama import init_params
+    self.config, self.mesh, self.split = config, mesh, split
+    self._init = lambda key: init_params(config, key)
+    shapes = jax.eval_shape(self._init, jax.random.key(0))
+    self._param_axes = (sharding.param_axes(shapes) if split
+                        else jax.tree.map(lambda x: (None,) * x.ndim, shapes))
+    self.abstract_params = _placed(shapes, self._param_axes, mesh)
+
+  def params(self):
+    import jax
+    return _made(self._init, self._param_axes, self.mesh, jax.random.key(0))
+
+  def _cache_make(self, slots: int):
+    import jax
+    import jax.numpy as jnp
+    from hitree_jax import sharding
+    from hitree_jax.cache.full import KVCache
+    config = self.config
+
+    def make(key):
+      empty = KVCache.init(config, 1, slots)
+      keys = jax.random.split(key, 2 * config.num_layers)
+      fill = lambda buf, k: jax.random.normal(k, buf.shape, buf.dtype)
+      return empty.replace(keys=tuple(map(fill, empty.keys, keys[::2])),
+                           values=tuple(map(fill, empty.values, keys[1::2])),
+                           lengths=jnp.full((1,), slots, jnp.int32))
+
+    shapes = jax.eval_shape(make, jax.random.key(0))
+    return make, shapes, sharding.cache_axes(shapes, heads=self.split)
+
+  def abstract_cache(self, slots: int):
+    _, shapes, axes = self._cache_make(slots)
+    return _placed(shapes, axes, self.mesh)
+
+  def cache(self, slots: int, seed: int):
+    """A full cache of `slots` slots, all committed, of random keys and values."""
+    import jax
+    make, _, axes = self._cache_make(slots)
+    return _made(make, axes, self.mesh, jax.random.key(seed))
+
+
+def weights_read(arrays: Arrays) -> int:
+  """Per-device bytes of the weights one decoding step reads: all but the embedding table, of
+  which a lookup reads a row (unless the head is that table)."""
+  from hitree_jax import memory_plan
+  params = dict(arrays.abstract_params)
+  if not arrays.config.tie_word_embeddings:
+    params.pop("embed_tokens")
+  return memory_plan.per_device_bytes(params)
+
+
+def device_memory_bytes(device) -> float:
+  """--memory_gib, else what the device reports it may allocate, else no limit (a CPU)."""
+  if FLAGS.memory_gib is not None:
+    return FLAGS.memory_gib * 2**30
+  stats = device.memory_stats() or {}
+  return float(stats.get("bytes_limit", math.inf))
+
+
+def forward_ms(timed, params, cache, widths) -> dict[int, float]:
+  """{w: ms of one forward of w tokens over `cache`} (profile's timing: a program of
+  FORWARDS_PER_CALL forwards, the median of --repeats calls)."""
+  import jax.numpy as jnp
+  from hitree_jax.planner.profile import FORWARDS_PER_CALL, median_seconds
+  return {w: 1e3 * median_seconds(timed, params, jnp.zeros((1, w), jnp.int32), cache,
+                                  repeats=FLAGS.repeats) / FORWARDS_PER_CALL for w in widths}
+
+
+def context_row(cfg, target: Arrays, draft: Arrays, params, draft_params, context: int, widths,
+                floor_bytes, bandwidth, memory, baseline) -> dict:
+  import functools
+  import jax
+  import jax.numpy as jnp
+  from hitree_jax import memory_plan, sharding
+  from hitree_jax.decode import engine
+  from hitree_jax.planner.profile import CHUNK, _timed_forward, median_seconds
+
+  full_bytes = memory_plan.per_device_bytes(target.abstract_cache(context))
+  draft_bytes = memory_plan.per_device_bytes(draft.abstract_cache(context))
+  need = (memory_plan.per_device_bytes((target.abstract_params, draft.abstract_params)) + full_bytes
+          + draft_bytes + memory_plan.per_device_bytes(target.abstract_cache(cfg.budget)))
+  row = {"context": context, "bytes_per_device": need}
+  if need > HEADROOM * memory:
+    row["skipped"] = (f"needs {memory_plan.readable(need)} per device (weights and caches), over "
+                      f"{HEADROOM:.0%} of {memory_plan.readable(memory)}")
+    return row
+  full = target.cache(context, seed=context)
+  row["target_ms"] = forward_ms(_timed_forward(target.config), params, full, widths)
+  select = functools.partial(engine._retrieval, params, target.config, full, jnp.zeros((1,), jnp.int32),
+                             cfg.budget, CHUNK, 64, sharding.sequence_shards(target.mesh))
+  row["select_ms"] = 1e3 * median_seconds(select, repeats=FLAGS.repeats)
+  retrieval = select()
+  del full
+  gc.collect()
+  row["retrieval_ms"] = forward_ms(_timed_forward(target.config), params, retrieval, widths)
+  del retrieval
+  draft_full = draft.cache(context, seed=context + 1)
+  streaming = jax.block_until_ready(engine._streaming(draft_full, cfg.sinks, cfg.window, None))
+  del draft_full
+  gc.collect()
+  row["draft_ms"] = forward_ms(_timed_forward(draft.config), draft_params, streaming, widths)
+  row["retrieval_over_baseline"] = {w: row["retrieval_ms"][w] / baseline[w] for w in widths}
+  if bandwidth:
+    row["floor_ms"] = 1e3 * (floor_bytes + full_bytes) / (bandwidth * 1e9)
+    if 1 in widths:
+      row["ar_over_floor"] = row["target_ms"][1] / row["floor_ms"]
+  return row
+
+
+def markdown(record) -> str:
+  fmt = lambda x: "–" if x is None else f"{x:.2f}"
+  widths = [int(w) for w in record["widths"]]
+  w_top = max(widths)
+  lines = [f"{record['device_kind']} x{record['devices']} ({record['mesh']}), {record['config']}; "
+           f"retrieval budget {record['budget']}, draft over {record['sinks']}+{record['window']} slots; "
+           f"ms per forward ({w_top} tokens for the levels).", "",
+           f"| context | `ar` step ms | HBM floor ms | x floor | target, {w_top} tokens | retrieval, {w_top} "
+           f"tokens | x a {record['budget']}-token forward | selection ms | draft, {w_top} tokens |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for r in record["rows"]:
+    if "skipped" in r:
+      lines.append(f"| {r['context']} | skipped: {r['skipped']} |||||||")
+      continue
+    get = lambda name, w: r[name].get(w, r[name].get(str(w)))
+    lines.append(f"| {r['context']} | {fmt(get('target_ms', 1) if 1 in widths else None)} | "
+                 f"{fmt(r.get('floor_ms'))} | {fmt(r.get('ar_over_floor'))} | {fmt(get('target_ms', w_top))} | "
+                 f"{fmt(get('retrieval_ms', w_top))} | {fmt(get('retrieval_over_baseline', w_top))} | "
+                 f"{fmt(r['select_ms'])} | {fmt(get('draft_ms', w_top))} |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  cfg = FLAGS.config
+  if cfg is None:
+    raise ValueError("--config: name a shapes config, e.g. configs/llama2_7b_128k.py")
+  try:
+    contexts = [int(c) for c in FLAGS.contexts]
+    widths = [int(w) for w in FLAGS.widths]
+  except ValueError:
+    raise ValueError(f"--contexts={','.join(FLAGS.contexts)} and --widths={','.join(FLAGS.widths)} must be "
+                     "comma-separated integers") from None
+  if min(contexts) <= cfg.budget:
+    raise ValueError(f"--contexts={','.join(FLAGS.contexts)}: each must exceed the retrieval budget "
+                     f"({cfg.budget}), or there is nothing to retrieve from")
+  if contexts != sorted(contexts) or min(widths) < 1 or FLAGS.repeats < 1:
+    raise ValueError("--contexts must be increasing, --widths and --repeats >= 1")
+  if FLAGS.bandwidth_gb_s is not None and not FLAGS.bandwidth_gb_s > 0:
+    raise ValueError(f"--bandwidth_gb_s={FLAGS.bandwidth_gb_s} must be > 0")
+  mesh = common.mesh_from_flags(FLAGS)
+  import jax
+  from hitree_jax import memory_plan, sharding
+  from hitree_jax.model.config import ModelConfig
+  from hitree_jax.planner.profile import _timed_forward
+
+  target_config = ModelConfig.from_dict(dict(cfg.target))
+  draft_config = ModelConfig.from_dict(dict(cfg.draft))
+  if max(contexts) + 64 > target_config.max_position_embeddings:
+    raise ValueError(f"--contexts: {max(contexts)} (+64) is past the target's "
+                     f"{target_config.max_position_embeddings} positions")
+  sharding.check(target_config, mesh, 1, max(contexts))
+  device = jax.devices()[0]
+  bandwidth = FLAGS.bandwidth_gb_s or memory_plan.device_bandwidth_gb_s(device.device_kind)
+  memory = device_memory_bytes(device)
+  target, draft = Arrays(target_config, mesh, split=True), Arrays(draft_config, mesh, split=False)
+  record = {"config": config_flags.get_config_filename(FLAGS["config"]), "device_kind": device.device_kind,
+            "devices": 1 if mesh is None else mesh.size, "mesh": sharding.describe(mesh),
+            "bandwidth_gb_s": bandwidth, "memory_gib": None if math.isinf(memory) else memory / 2**30,
+            "budget": cfg.budget, "sinks": cfg.sinks, "window": cfg.window, "widths": widths,
+            "repeats": FLAGS.repeats, "weights_read_bytes": weights_read(target),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": []}
+  with sharding.use(mesh):
+    params, draft_params = target.params(), draft.params()
+    small = target.cache(cfg.budget, seed=0)
+    record["baseline_ms"] = forward_ms(_timed_forward(target_config), params, small, widths)
+    del small
+    for context in contexts:
+      row = context_row(cfg, target, draft, params, draft_params, context, widths,
+                        record["weights_read_bytes"], bandwidth, memory, record["baseline_ms"])
+      record["rows"].append(row)
+      print(f"context {context}: " + (row.get("skipped") or
+            f"ar step {row['target_ms'].get(1, float('nan')):.2f} ms, retrieval "
+            f"{row['retrieval_ms'][max(widths)]:.2f} ms"), flush=True)
+      gc.collect()
+  table = markdown(record)
+  print(table)
+  if FLAGS.out:
+    out = pathlib.Path(FLAGS.out)
+    out.write_text(json.dumps(record, indent=2))
+    out.with_suffix(".md").write_text(table + "\n")
+  if FLAGS.json:
+    print(json.dumps(record))
+
+
+def run():
+  common.run(main, config_sets_flags=False)
+
+
+if __name__ == "__main__":
+  run()
