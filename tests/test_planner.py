@@ -270,6 +270,41 @@ def test_an_eagle_draft_is_planned_only_under_the_targets_weights_and_runs_as_fl
       1 / choice.predicted_tokens_per_s)
 
 
+def test_a_retrieval_level_drafts_where_it_is_cheap_and_only_for_a_dearer_level():
+  """TriForce's two levels, the target over a retrieval cache drafting for the target, are in the
+  space: where that level costs a fraction of the target's forward over the whole context (an
+  accelerator at long context) and the small drafts are poor, the plan drafts with it, and its
+  flags build that stack. It proposes to no cheaper level, and no pair is measured twice."""
+  from hitree_jax.decode.stack import Retrieval
+  from hitree_jax.planner import auto
+  from launch.common import Knobs, parse_method
+  space = auto.Space().for_context(2048)
+  pairs = space.pairs()
+  assert ("target", "retrieval:1024") in pairs and ("retrieval:1024", "retrieval:256") in pairs
+  assert len(pairs) == len(set(pairs))
+  for verifier, proposer in pairs:
+    if proposer.startswith("retrieval:"):
+      assert verifier == "target" or int(verifier.split(":")[1]) > int(proposer.split(":")[1])
+  profile = synthetic_profile(2048)
+  profile["costs"]["target"] = {w: 8 * s for w, s in profile["costs"]["target"].items()}
+  profile["ar_seconds"] = 1.1 * profile["costs"]["target"]["1"]   # `ar` is a step of that target
+  for pair, record in profile["acceptance"].items():
+    if not pair.split("<-")[1].startswith("retrieval:"):
+      ranks = [0.05] + [0.01] * 7
+      record.update(alpha=0.05, greedy=0.05, profile=ranks, greedy_profile=ranks)
+  choice = auto.choose(profile, True)
+  best = optimize.brute_force(auto.candidates(profile, True), max_middles=2, fixed_buffers=True)
+  assert choice.best_stack.seconds_per_token <= best.seconds_per_token * (1 + 1e-9)
+  assert choice.best_stack.drafter.startswith("retrieval:"), choice.levels
+  flags = choice.flags("drafts/smollm2-draft.gguf")
+  stack = parse_method("hsd", Knobs(draft=flags["draft"], levels=flags["levels"],
+                                    acceptance=flags.get("acceptance")), True).build(
+      ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, max_position_embeddings=4096))
+  assert stack.drafter.weights == "target" and isinstance(stack.drafter.cache, Retrieval)
+  assert stack.drafter.cache.budget == int(choice.best_stack.drafter.split(":")[1])
+
+
 def test_plain_decoding_is_chosen_when_no_stack_beats_it():
   from hitree_jax.planner import auto
   profile = dict(synthetic_profile(), ar_seconds=0.005)

@@ -26,8 +26,10 @@ CONTEXTS = (512, 1024, 2048, 4096, 7680)   # a prompt is planned for the nearest
 class Space:
   """The stacks the planner chooses among. Level names as in profile.py and the --levels grammar
   ('draft' is the --draft model, 'eagle' an EAGLE draft: `with_eagle`); middles cheapest first (a
-  level verifies only those before it)."""
-  drafters: tuple[str, ...] = ("ngram:3", "self:8", "draft", "draft@streaming:16x234")
+  level verifies only those before it). The target over a retrieval cache drafts too (TriForce's
+  two levels, `retrieval/6`), for a dearer level only: the target, or a larger budget."""
+  drafters: tuple[str, ...] = ("ngram:3", "self:8", "draft", "draft@streaming:16x234", "retrieval:256",
+                               "retrieval:512", "retrieval:1024")
   middles: tuple[str, ...] = ("draft@streaming:16x234", "draft", "retrieval:256", "retrieval:512",
                               "retrieval:1024")
   chains: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
@@ -37,8 +39,8 @@ class Space:
 
   def for_context(self, context: int) -> "Space":
     """Without the retrieval budgets that would hold the whole context (the target itself)."""
-    keep = tuple(m for m in self.middles if not (m.startswith("retrieval:") and _budget(m) >= context))
-    return dataclasses.replace(self, middles=keep)
+    keep = lambda names: tuple(n for n in names if not (_is_retrieval(n) and _budget(n) >= context))
+    return dataclasses.replace(self, drafters=keep(self.drafters), middles=keep(self.middles))
 
   def with_eagle(self) -> "Space":
     """With an EAGLE draft among the drafters."""
@@ -50,11 +52,15 @@ class Space:
   def pairs(self) -> list[tuple[str, str]]:
     """(verifier, proposer): each middle and the target over each drafter and each middle before
     it (the space lists middles cheapest first); an EAGLE draft only under a level that runs the
-    target's weights (the target, or it over a retrieval cache), whose features it reads."""
+    target's weights (the target, or it over a retrieval cache), whose features it reads; a
+    retrieval level only under a level after it (it is as dear as the target's weights)."""
     out = []
     for i, verifier in enumerate([*self.middles, "target"]):
-      for proposer in [*self.drafters, *self.middles[:i]]:
+      below = self.middles[:i]
+      for proposer in dict.fromkeys([*self.drafters, *below]):
         if proposer == "eagle" and not _runs_the_targets_weights(verifier):
+          continue
+        if _is_retrieval(proposer) and proposer not in below:
           continue
         if proposer != verifier:
           out.append((verifier, proposer))
@@ -62,7 +68,11 @@ class Space:
 
 
 def _runs_the_targets_weights(level: str) -> bool:
-  return level == "target" or level.startswith("retrieval:")
+  return level == "target" or _is_retrieval(level)
+
+
+def _is_retrieval(level: str) -> bool:
+  return level.startswith("retrieval:")
 
 
 def _budget(name: str) -> int:
@@ -89,7 +99,7 @@ def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequ
   space = space.for_context(len(prompt))
   if eagle is not None:
     space = space.with_eagle()
-  budgets = [_budget(m) for m in space.middles if m.startswith("retrieval:")]
+  budgets = [_budget(m) for m in space.middles if _is_retrieval(m)]
   per_passage = [profile_lib.pair_acceptance(target, draft, space.pairs(), p, c, sampling, eagle)
                  for p, c in zip(prompts, continuations)]
   costs = profile_lib.level_costs(target, draft, _model_levels(space.levels()), prompt, space.widths, repeats,
