@@ -42,18 +42,25 @@ from hitree_jax.model.llama import init_params
 GIB = 2**30
 
 
-def _abstract(tree, axes, mesh):
+def abstract(tree, axes, mesh):
   """ShapeDtypeStructs of tree's arrays (abstract or not), each with the sharding of its logical
-  axes (axes: tree's structure, tuples of names as leaves)."""
+  axes (axes: tree's structure, tuples of names as leaves); on the first device without a mesh."""
+  if mesh is None:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
                       sharding.shardings(axes, mesh))
+
+
+def params_axes(params, split: bool = True):
+  """A model's params' logical axes: tensor-parallel (split) or replicated (None everywhere)."""
+  return sharding.param_axes(params) if split else jax.tree.map(lambda x: (None,) * x.ndim, params)
 
 
 def abstract_params(config: ModelConfig, mesh, split: bool = True):
   """A model's params as shapes only, tensor-parallel (split) or replicated."""
   shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-  axes = sharding.param_axes(shapes) if split else jax.tree.map(lambda x: (None,) * x.ndim, shapes)
-  return _abstract(shapes, axes, mesh)
+  return abstract(shapes, params_axes(shapes, split), mesh)
 
 
 def readable(nbytes: float) -> str:
@@ -132,12 +139,12 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
     draft = DraftWeights(abstract_params(draft_config, mesh, split=False))
   weights = engine.Weights(params, draft)
 
-  placed = lambda j, shape: _abstract(shape, layout.long_axes(j, shape), mesh)
+  placed = lambda j, shape: abstract(shape, layout.long_axes(j, shape), mesh)
   full = placed(layout.top, jax.eval_shape(lambda: KVCache.init(config, batch, slots)))
   draft_full = None
   if draft_config is not None:
     shape = jax.eval_shape(lambda: KVCache.init(draft_config, batch, slots))
-    draft_full = _abstract(shape, sharding.cache_axes(shape, heads=False), mesh)
+    draft_full = abstract(shape, sharding.cache_axes(shape, heads=False), mesh)
   last_tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
   longs = []
   for j in range(layout.top + 1):

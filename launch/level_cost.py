@@ -53,17 +53,6 @@ FLAGS = flags.FLAGS
 HEADROOM = 0.92   # of a device's memory that the arrays may take: the rest is for temporaries
 
 
-def _placed(shapes, axes, mesh):
-  """Abstract arrays with the shardings they would have (one device without a mesh)."""
-  import jax
-  from hitree_jax import sharding
-  if mesh is None:
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), shapes)
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
-                      sharding.shardings(axes, mesh))
-
-
 def _made(make, axes, mesh, key):
   """make(key) jitted straight into its shardings (nothing whole on the host or one device)."""
   import jax
@@ -77,15 +66,12 @@ class Arrays:
   bytes, before anything is made) and the made ones."""
 
   def __init__(self, config, mesh, split: bool):
-    import jax
-    from hitree_jax import sharding
+    from hitree_jax import memory_plan
     from hitree_jax.model.llama import init_params
     self.config, self.mesh, self.split = config, mesh, split
     self._init = lambda key: init_params(config, key)
-    shapes = jax.eval_shape(self._init, jax.random.key(0))
-    self._param_axes = (sharding.param_axes(shapes) if split
-                        else jax.tree.map(lambda x: (None,) * x.ndim, shapes))
-    self.abstract_params = _placed(shapes, self._param_axes, mesh)
+    self.abstract_params = memory_plan.abstract_params(config, mesh, split)
+    self._param_axes = memory_plan.params_axes(self.abstract_params, split)
 
   def params(self):
     import jax
@@ -110,8 +96,9 @@ class Arrays:
     return make, shapes, sharding.cache_axes(shapes, heads=self.split)
 
   def abstract_cache(self, slots: int):
+    from hitree_jax import memory_plan
     _, shapes, axes = self._cache_make(slots)
-    return _placed(shapes, axes, self.mesh)
+    return memory_plan.abstract(shapes, axes, self.mesh)
 
   def cache(self, slots: int, seed: int):
     """A full cache of `slots` slots, all committed, of random keys and values."""
