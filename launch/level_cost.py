@@ -158,7 +158,7 @@ def context_row(cfg, target: Arrays, draft: Arrays, params, draft_params, contex
                              cfg.budget, CHUNK, 64, sharding.sequence_shards(target.mesh))
   row["select_ms"] = 1e3 * median_seconds(select, repeats=FLAGS.repeats)
   retrieval = select()
-  del full
+  del select, full   # the partial holds the full cache too
   gc.collect()
   row["retrieval_ms"] = forward_ms(_timed_forward(target.config), params, retrieval, widths)
   del retrieval
