@@ -26,12 +26,14 @@ FOUR_LEVEL = f"hsd/ngram:3/chain:2+{DRAFT}/3+retrieval:1024/6"  # n-gram -> draf
 
 
 # The planner's validation (launch.benchmark --predict): stacks of 2, 3 and 4 levels, chains and
-# trees, full and StreamingLLM draft caches, retrieval budgets of 256, 512 and 1024, and `auto`.
+# trees, full and StreamingLLM draft caches, retrieval budgets of 256, 512 and 1024, the target over
+# its retrieval cache drafting for itself (TriForce's two levels), and `auto`.
 PLANNER = ",".join([
     "ar", "auto", f"sd/{DRAFT}/2", f"tree/{DRAFT}/kary:2x2", f"hsd/{STREAMING}/chain:3",
     f"hsd/{STREAMING}/chain:1+retrieval:512/6", f"hsd/{STREAMING}/chain:2+retrieval:1024/8",
     f"hsd/{STREAMING}/kary:2x2+retrieval:512/6", f"hsd/{DRAFT}/chain:2+retrieval:256/4",
-    f"hsd/ngram:3/chain:2+{DRAFT}/3+retrieval:1024/6", f"hsd/{STREAMING}/chain:1+{DRAFT}/3+retrieval:512/6"])
+    f"hsd/ngram:3/chain:2+{DRAFT}/3+retrieval:1024/6", f"hsd/{STREAMING}/chain:1+{DRAFT}/3+retrieval:512/6",
+    "hsd/retrieval:1024/chain:6"])
 
 
 # The planner with the EAGLE draft among its drafters (--feature_draft): EAGLE's stacks beside the
