@@ -17,7 +17,9 @@ middle level's gamma).
 
 --peers=hf,llamacpp adds rows for HF transformers and llama.cpp decoding the same
 prompt ids the same way (launch/peers.py; greedy rows say how many leading
-tokens equal our `ar`'s):
+tokens equal our `ar`'s). They are timed in turn with `ar`, prompt by prompt
+(`ar` on prompt i, then each peer on it), so drift over a run falls on both
+alike; each run's `order` in the JSON says when it was timed:
 
   python -m launch.convert --out=smollm2_f32.gguf
   python -m launch.benchmark --methods=ar --peers=hf,llamacpp --llamacpp_gguf=smollm2_f32.gguf
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import json
 import pathlib
 import platform
@@ -226,6 +229,7 @@ def main(argv):
   peer_engines = make_peers(model.path, max(lengths))
   rows = []
   ar_tokens = {}  # (prompt length, prompt index) -> ar's tokens: what greedy peers are compared with
+  order = itertools.count()  # each timed run's place in the benchmark (the JSON's `order`)
   progress = Progress("benchmark", len(lengths) * (len(methods) + len(peer_engines)) * (FLAGS.n_prompts + 1))
   for n_tokens in lengths:
     prompts = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts, corpus=FLAGS.book)
@@ -239,10 +243,15 @@ def main(argv):
       gc.collect()
       warm = run_one(model, method, prompts[0], sampling, programs, mesh)  # compiles; not timed
       progress.step(detail=f"{method.label} P={n_tokens} warm-up ({warm.compile_s:.1f} s compiling)")
-      runs = []
+      # Peers are timed between `ar`'s prompts, so a machine's drift over the run (its clock,
+      # a neighbour's load) falls on both engines alike rather than on whichever runs later.
+      beside = peer_engines if method.label == "ar" else []
+      for peer in beside:
+        peer_warm_up(peer, n_tokens, prompts[0], progress)
+      runs, peer_runs = [], {peer: [] for peer in beside}
       for i, ids in enumerate(prompts):
         r = run_one(model, method, ids, sampling, programs, mesh)
-        runs.append({"prompt": i, "prefill_s": r.prefill_s, "decode_s": r.decode_s,
+        runs.append({"prompt": i, "order": next(order), "prefill_s": r.prefill_s, "decode_s": r.decode_s,
                      "new_tokens": len(r.tokens[0]), "decode_tokens_per_s": r.decode_tokens_per_s,
                      "compiles": r.compiles, "cache_loads": r.cache_loads, "target_forwards": r.target_forwards,
                      "mean_accepted": r.mean_accepted, "accepted_per_depth": r.accepted_per_depth,
@@ -251,6 +260,8 @@ def main(argv):
           ar_tokens[n_tokens, i] = r.tokens[0]
         progress.step(detail=f"{method.label} P={n_tokens} prompt {i}: "
                              f"{r.decode_tokens_per_s:.2f} tok/s")
+        for peer in beside:
+          peer_runs[peer].append(peer_run(peer, n_tokens, i, ids, ar_tokens, next(order), progress))
       accepted = [x["mean_accepted"] for x in runs if x["mean_accepted"] is not None]
       rows.append({
           "method": method.label, "prompt_tokens": n_tokens, "runs": runs, "compile_s": warm.compile_s,
@@ -258,10 +269,14 @@ def main(argv):
           "median_decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in runs),
           "median_mean_accepted": statistics.median(accepted) if accepted else None,
           "median_prefill_s": statistics.median(x["prefill_s"] for x in runs)})
+      rows += [peer_row(peer, n_tokens, peer_runs[peer]) for peer in beside]
       pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))  # survives a crash
-    for peer in peer_engines:
-      rows.append(peer_row(peer, n_tokens, prompts, ar_tokens, progress))
-      pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))
+    if not any(m.label == "ar" for m in planned):  # no `ar` to time them beside: after the methods
+      for peer in peer_engines:
+        peer_warm_up(peer, n_tokens, prompts[0], progress)
+        rows.append(peer_row(peer, n_tokens, [peer_run(peer, n_tokens, i, ids, ar_tokens, next(order), progress)
+                                              for i, ids in enumerate(prompts)]))
+        pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))
   write_outputs(record(rows))
 
 
@@ -299,24 +314,32 @@ def make_peers(model_path, longest_prompt: int) -> list:
   return made
 
 
-def peer_row(peer, n_tokens: int, prompts, ar_tokens: dict, progress) -> dict:
-  """A peer's row, shaped like a method's: warmed up on the first prompt, then each timed."""
-  settings = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
-                  top_k=FLAGS.top_k, seed=FLAGS.seed)
-  peer.run(prompts[0], **settings)
+def _peer_settings() -> dict:
+  return dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
+              top_k=FLAGS.top_k, seed=FLAGS.seed)
+
+
+def peer_warm_up(peer, n_tokens: int, first_prompt, progress) -> None:
+  peer.run(first_prompt, **_peer_settings())
   progress.step(detail=f"{peer.label} P={n_tokens} warm-up")
-  runs = []
-  for i, ids in enumerate(prompts):
-    r = peer.run(ids, **settings)
-    new = len(r.tokens)
-    run = {"prompt": i, "prefill_s": r.prefill_s, "decode_s": r.decode_s, "new_tokens": new,
-           "decode_tokens_per_s": (new - 1) / r.decode_s, "mean_accepted": None}
-    ours = ar_tokens.get((n_tokens, i))
-    if FLAGS.temperature == 0 and ours is not None:  # sampled tokens differ by random numbers alone
-      run["same_tokens_as_ar"] = next((k for k, (a, b) in enumerate(zip(ours, r.tokens)) if a != b),
-                                      min(len(ours), new))
-    runs.append(run)
-    progress.step(detail=f"{peer.label} P={n_tokens} prompt {i}: {run['decode_tokens_per_s']:.2f} tok/s")
+
+
+def peer_run(peer, n_tokens: int, i: int, ids, ar_tokens: dict, order: int, progress) -> dict:
+  """One timed run of a peer on prompt i (greedy: how many leading tokens equal `ar`'s)."""
+  r = peer.run(ids, **_peer_settings())
+  new = len(r.tokens)
+  run = {"prompt": i, "order": order, "prefill_s": r.prefill_s, "decode_s": r.decode_s, "new_tokens": new,
+         "decode_tokens_per_s": (new - 1) / r.decode_s, "mean_accepted": None}
+  ours = ar_tokens.get((n_tokens, i))
+  if FLAGS.temperature == 0 and ours is not None:  # sampled tokens differ by random numbers alone
+    run["same_tokens_as_ar"] = next((k for k, (a, b) in enumerate(zip(ours, r.tokens)) if a != b),
+                                    min(len(ours), new))
+  progress.step(detail=f"{peer.label} P={n_tokens} prompt {i}: {run['decode_tokens_per_s']:.2f} tok/s")
+  return run
+
+
+def peer_row(peer, n_tokens: int, runs: list[dict]) -> dict:
+  """A peer's row, shaped like a method's."""
   return {"method": peer.label, "prompt_tokens": n_tokens, "runs": runs, "compile_s": None, "peer": True,
           "median_decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in runs),
           "median_mean_accepted": None,

@@ -322,8 +322,8 @@ def test_convert_writes_the_same_weights_as_an_f32_gguf(smollm2_f32_gguf):
 @pytest.mark.slow
 def test_benchmark_peers_decode_the_same_ids_as_ar(smollm2_f32_gguf, tmp_path):
   """HF transformers (and llama.cpp on the F32 file with its cache in f16 and in f32, where
-  llama-cpp-python is installed) decode the same prompt ids greedily: their tokens equal our ar's;
-  a missing peer and a bad cache type are named."""
+  llama-cpp-python is installed) decode the same prompt ids greedily: their tokens equal our ar's,
+  each timed right after ar on the same prompt; a missing peer and a bad cache type are named."""
   import importlib.util
   has_llamacpp = importlib.util.find_spec("llama_cpp") is not None
   out = tmp_path / "peers.json"
@@ -331,15 +331,25 @@ def test_benchmark_peers_decode_the_same_ids_as_ar(smollm2_f32_gguf, tmp_path):
   proc = launch("benchmark", "--model=smollm2", "--methods=ar", f"--peers={peer_list}",
                 f"--llamacpp_gguf={smollm2_f32_gguf}", "--llamacpp_cache=f16,f32", "--prompt_tokens=40",
                 "--max_new_tokens=8",
-                "--n_prompts=1", "--time_levels=false", f"--out={out}")
+                "--n_prompts=2", "--time_levels=false", f"--out={out}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
   assert set(rows) == {"ar", "hf"} | ({"llama.cpp F32", "llama.cpp F32, f32 cache"} if has_llamacpp else set())
+  ar_order = [run["order"] for run in rows["ar"]["runs"]]
   for name, row in rows.items():
     assert row["median_decode_tokens_per_s"] > 0 and row["median_prefill_s"] > 0
     if name != "ar":
-      assert row["peer"] and row["runs"][0]["same_tokens_as_ar"] == 8, (name, row["runs"])
+      assert row["peer"] and [run["same_tokens_as_ar"] for run in row["runs"]] == [8, 8], (name, row["runs"])
+      # timed in turn: ar on prompt 0, the peers on it, ar on prompt 1, the peers on it
+      assert ar_order[0] < row["runs"][0]["order"] < ar_order[1] < row["runs"][1]["order"], (name, row["runs"])
   assert "| hf | 40 |" in (tmp_path / "peers.md").read_text()
+  # Without ar among the methods the peers run after them, with no ar tokens to compare.
+  proc = launch("benchmark", "--model=smollm2", "--methods=sd/ngram/4", "--peers=hf", "--prompt_tokens=40",
+                "--max_new_tokens=4", "--n_prompts=1", "--time_levels=false", f"--out={tmp_path / 'w.json'}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = json.loads((tmp_path / "w.json").read_text())["results"]
+  assert [r["method"] for r in rows] == ["sd/ngram/4", "hf"]
+  assert rows[0]["runs"][0]["order"] < rows[1]["runs"][0]["order"] and "same_tokens_as_ar" not in rows[1]["runs"][0]
   if not has_llamacpp:
     proc = launch("benchmark", "--model=smollm2", "--peers=llamacpp", f"--out={tmp_path / 'x.json'}")
     assert proc.returncode == 2 and "pip install llama-cpp-python" in proc.stderr
