@@ -38,6 +38,7 @@ import time
 
 from absl import app, flags, logging
 
+from hitree_jax import huge_pages
 from launch import common
 from launch.progress import Progress
 
@@ -354,6 +355,7 @@ def record(rows) -> dict:
       "book": FLAGS.book, "temperature": FLAGS.temperature, "top_p": FLAGS.top_p,
       "top_k": FLAGS.top_k, "seed": FLAGS.seed, "backend": jax.default_backend(),
       "devices": [str(d) for d in jax.devices()], "mesh": FLAGS.mesh or None, "machine": platform.processor() or platform.machine(),
+      "memory_pages": huge_pages.describe(),
       "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": rows}
 
 

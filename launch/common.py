@@ -1,8 +1,9 @@
 """Flags and helpers shared by the launchers.
 
-`run(main)` is every launcher's entry point: it parses the flags, applies a
-`--config` file (ml_collections; see configs/), turns on the persistent
-compilation cache, and turns a user's mistake (a ValueError,
+`run(main)` is every launcher's entry point: it restarts the process once
+with glibc's malloc asking for huge pages (hitree_jax/huge_pages.py), parses
+the flags, applies a `--config` file (ml_collections; see configs/), turns on
+the persistent compilation cache, and turns a user's mistake (a ValueError,
 FileNotFoundError or flag error) into one line on stderr and exit code 2
 instead of a traceback. `HITREE_TRACEBACK=1` shows the traceback.
 """
@@ -108,7 +109,10 @@ def _quiet_orbax(record) -> bool:
 
 def run(main, config_sets_flags: bool = True) -> None:
   """app.run(main) with --config applied (unless the launcher reads its config itself), the
-  compilation cache on, and one-line usage errors."""
+  compilation cache on, and one-line usage errors. On Linux it first restarts the process once
+  so that its weights and caches can sit in 2 MB pages (hitree_jax/huge_pages.py)."""
+  from hitree_jax import huge_pages
+  huge_pages.reexec_if_needed()
 
   def checked(argv):
     logging.get_absl_handler().addFilter(_quiet_orbax)  # it logs every save and load at INFO

@@ -1,12 +1,16 @@
 """The absl launchers end to end, as a user runs them (subprocesses, real SmolLM2)."""
 
 import json
+import os
 import pathlib
+import platform
 import subprocess
 import sys
 import time
 
 import pytest
+
+from hitree_jax import huge_pages
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -36,6 +40,10 @@ def test_benchmark_writes_json_table_and_plots(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   record = json.loads(out.read_text())
   assert record["max_new_tokens"] == 4 and record["book"] == "austen"
+  # the launcher restarted itself with glibc's malloc asking for 2 MB pages, where that gets them
+  restarted = huge_pages.should_reexec(os.environ, huge_pages.thp_mode(), platform.libc_ver()[0])
+  assert record["memory_pages"] == huge_pages.describe(
+      huge_pages.environ_with_tunable(os.environ) if restarted else os.environ)
   assert "new_tokens" not in record and "corpus" not in record
   assert [(r["method"], r["prompt_tokens"]) for r in record["results"]] == [
       ("ar", 32), ("sd/ngram/2", 32), ("ar", 48), ("sd/ngram/2", 48)]
