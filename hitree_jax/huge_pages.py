@@ -68,10 +68,19 @@ def describe(environ: Mapping[str, str] = os.environ, mode: str | None = None) -
   return f"4 KB pages (THP {mode or 'not available'})"
 
 
+def launcher_environ(environ: Mapping[str, str]) -> Mapping[str, str]:
+  """The environment a launcher started with `environ` runs its work in: with the tunable when
+  it restarts for it (should_reexec on this machine), else `environ` itself."""
+  if should_reexec(environ, thp_mode(), platform.libc_ver()[0]):
+    return environ_with_tunable(environ)
+  return environ
+
+
 def reexec_if_needed() -> None:
   """Replaces this process by the same command with the tunable set, when that gives it huge
   pages (should_reexec); otherwise returns. Call it first thing, before any work."""
-  if should_reexec(os.environ, thp_mode(), platform.libc_ver()[0]):
+  environ = launcher_environ(os.environ)
+  if environ is not os.environ:
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, sys.orig_argv, environ_with_tunable(os.environ))
+    os.execve(sys.executable, sys.orig_argv, environ)

@@ -3,7 +3,6 @@
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 import time
@@ -41,9 +40,7 @@ def test_benchmark_writes_json_table_and_plots(tmp_path):
   record = json.loads(out.read_text())
   assert record["max_new_tokens"] == 4 and record["book"] == "austen"
   # the launcher restarted itself with glibc's malloc asking for 2 MB pages, where that gets them
-  restarted = huge_pages.should_reexec(os.environ, huge_pages.thp_mode(), platform.libc_ver()[0])
-  assert record["memory_pages"] == huge_pages.describe(
-      huge_pages.environ_with_tunable(os.environ) if restarted else os.environ)
+  assert record["memory_pages"] == huge_pages.describe(huge_pages.launcher_environ(os.environ))
   assert "new_tokens" not in record and "corpus" not in record
   assert [(r["method"], r["prompt_tokens"]) for r in record["results"]] == [
       ("ar", 32), ("sd/ngram/2", 32), ("ar", 48), ("sd/ngram/2", 48)]
