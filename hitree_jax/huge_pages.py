@@ -4,8 +4,8 @@ A decode step streams every weight and the whole KV cache from memory
 (SmolLM2 at 2K tokens: 633 MB a token). In 4 KB pages that touches some
 160,000 pages, each a TLB entry to walk, and a CPU's prefetchers stop at
 every page's edge; in 2 MB pages it is about 300. Measured on a 2-core AMD
-EPYC, `ar` at 2048 tokens decoded 57.4-57.6 tok/s in 2 MB pages against
-54.2-54.9 in 4 KB ones (docs/design.md).
+EPYC, `ar` at 2048 tokens decoded 2-5% faster in 2 MB pages than in 4 KB
+ones (docs/design.md).
 
 Linux backs anonymous memory with transparent huge pages only where it is
 asked to (the kernel's usual THP mode, `madvise`), and jaxlib's CPU buffers
