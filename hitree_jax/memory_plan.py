@@ -3,19 +3,23 @@
 The programs a generation runs are lowered and compiled for a mesh of devices
 with abstract arrays (shapes, dtypes and shardings; no weights): one prefill
 chunk, the retrieval level's selection, and the whole decode loop (whose
-state is what one hierarchy round touches). On CPU the mesh is simulated
-(XLA_FLAGS=--xla_force_host_platform_device_count=N); XLA's SPMD partitioner
-splits each program exactly as it would for the real devices, and the
-compiled program's memory analysis says, per device, what its arguments,
-outputs and temporaries take. The arrays' own per-device bytes are summed from
+state is what one hierarchy round touches). The devices are a TPU slice's,
+compiled for by the TPU compiler itself without a TPU (topology.py: its
+figures, `compiler: "tpu"`), or else simulated CPU devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=N: `"cpu-simulated"`, an
+estimate). XLA's SPMD partitioner splits each program as it would for the
+real devices, and the compiled program's memory analysis says, per device,
+what its arguments, outputs and temporaries take. The arrays' own per-device bytes are summed from
 their shardings: parameters, the target's full cache, the retrieval cache and
 the draft's caches.
 
 A device holds, while a program runs: its arguments, its outputs that are not
 donated arguments updated in place, and its temporaries. The plan's peak is the
 largest of those over the programs, and `fits` compares it with the device's
-memory. XLA:CPU's temporaries are an estimate of an accelerator's: its kernels
-and fusions differ (e.g. bfloat16 arithmetic widened to float32).
+memory. XLA:CPU's temporaries are only an estimate of an accelerator's: its
+kernels, fusions and layouts differ (bfloat16 arithmetic widened to float32;
+the TPU compiler once copied a whole cache into a layout of its own where
+XLA:CPU updated it in place: cache/full.py put_slots).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from hitree_jax.decode.programs import CPU_COPY_FREE
 from hitree_jax.decode.drafters import DraftWeights
 from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.decode.stack import Stack
+from hitree_jax.heads import eagle, medusa
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import init_params
 
@@ -81,6 +86,41 @@ def per_device_bytes(tree) -> int:
   return max(totals.values(), default=0)
 
 
+def compiler(mesh) -> str:
+  """Whose figures a plan over `mesh` gives: "tpu" (the TPU compiler's, for a TPU slice's
+  devices) or "cpu-simulated" (XLA:CPU's, an estimate)."""
+  return "tpu" if mesh is not None and mesh.devices.flat[0].platform == "tpu" else "cpu-simulated"
+
+
+def scalar(dtype) -> jax.ShapeDtypeStruct:
+  """An abstract scalar argument: a concrete one would be placed on the mesh's devices, which a
+  TPU slice compiled for without a TPU does not have."""
+  return jax.ShapeDtypeStruct((), jnp.dtype(dtype))
+
+
+def abstract_settings() -> tuple:
+  """(SamplingParams, PRNG key) as abstract arguments."""
+  return jax.eval_shape(SamplingParams.create), jax.eval_shape(lambda: jax.random.key(0))
+
+
+def abstract_draft_weights(stack: Stack, config: ModelConfig, draft_config, mesh) -> DraftWeights | None:
+  """The draft's weights as shapes, replicated: a draft model's, or an EAGLE layer's or Medusa's
+  heads with the target's LM head they read (train/heads.py loads the same), or None."""
+  if not stack.uses_draft_weights:
+    return None
+  drafter, dtype = stack.drafter, jnp.dtype(config.dtype)
+  if drafter.weights not in ("eagle", "medusa"):
+    return DraftWeights(abstract_params(draft_config, mesh, split=False))
+  if drafter.weights == "eagle":
+    shapes = jax.eval_shape(lambda: eagle.init_params(drafter.config, jax.random.key(0), len(drafter.taps)))
+    vocab = drafter.config.vocab_size
+  else:
+    shapes = jax.eval_shape(lambda: medusa.init_params(drafter.num_heads, config.hidden_size, dtype))
+    vocab = drafter.vocab_size
+  shapes = dict(shapes, head=jax.ShapeDtypeStruct((config.hidden_size, vocab), dtype))
+  return DraftWeights(abstract(shapes, params_axes(shapes, split=False), mesh))
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
   name: str
@@ -106,20 +146,21 @@ def plan(config: ModelConfig, draft: ModelConfig | None, stack_of, mesh, prompt_
   """Compiles a generation's programs for `mesh` with abstract weights; -> per-device bytes of
   the weights, the caches and each program's arguments, outputs and temporaries, and the peak.
 
-  stack_of(draft) -> the Stack (it is built again for float32). A bfloat16 program is compiled a
-  second time in float32: XLA:CPU widens a bfloat16 product's operands (a whole cache) to float32
+  stack_of(draft) -> the Stack (it is built again for float32). On simulated CPU devices a
+  bfloat16 program is compiled a second time in float32: XLA:CPU widens a bfloat16 product's operands (a whole cache) to float32
   where an accelerator multiplies them as they are, and no buffer of the float32 program is
   narrower than its bfloat16 twin's, so each program's temporaries are taken as the smaller of
   the two (`temporaries_cpu` keeps the bfloat16 program's own figure)."""
   with sharding.use(mesh):
     programs, arrays = _compile(config, draft, stack_of(draft), mesh, prompt_tokens, max_new_tokens, batch)
-    if config.dtype != "float32":
+    if config.dtype != "float32" and compiler(mesh) != "tpu":
       f32 = lambda c: None if c is None else c.replace(dtype="float32")
       bound, _ = _compile(f32(config), f32(draft), stack_of(f32(draft)), mesh, prompt_tokens, max_new_tokens,
                           batch)
       programs = [dataclasses.replace(p, temporaries=min(p.temporaries, b.temporaries),
                                       temporaries_cpu=p.temporaries) for p, b in zip(programs, bound)]
-  return dict(devices=mesh.devices.size, mesh=sharding.describe(mesh), **arrays,
+  return dict(devices=mesh.devices.size, mesh=sharding.describe(mesh), compiler=compiler(mesh),
+              device_kind=mesh.devices.flat[0].device_kind, **arrays,
               programs=[dataclasses.asdict(p) | dict(peak=p.peak) for p in programs],
               peak=max(p.peak for p in programs))
 
@@ -128,15 +169,14 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
              max_new_tokens: int, batch: int):
   """-> ([Program] of the prefill chunk, each retrieval selection and the decode loop, the
   arrays' per-device bytes)."""
+  draft_config = stack.draft_config  # None for a stack without a draft model (EAGLE's, say)
   layout = engine.Layout(stack, config, draft_config, mesh)
   width = layout.recent_slots
   slots = prefill_lib.cache_slots(prompt_tokens, max_new_tokens, extra=width)
   tail = prefill_lib.round_up(max_new_tokens + width, 8)
   sharding.check(config, mesh, batch, slots)
   params = abstract_params(config, mesh)
-  draft = None
-  if stack.uses_draft_weights:
-    draft = DraftWeights(abstract_params(draft_config, mesh, split=False))
+  draft = abstract_draft_weights(stack, config, draft_config, mesh)
   weights = engine.Weights(params, draft)
 
   placed = lambda j, shape: abstract(shape, layout.long_axes(j, shape), mesh)
@@ -148,8 +188,11 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
   last_tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
   longs = []
   for j in range(layout.top + 1):
-    shape = jax.eval_shape(lambda: engine.derived_long_cache(layout, j, full, draft_full, params,
-                                                             last_tokens, tail))
+    if j == 0 and layout.reads_features and layout.cache_kind(0) is not None:  # EAGLE's own cache
+      shape = jax.eval_shape(lambda: KVCache.init(layout.config(j), batch, slots))
+    else:
+      shape = jax.eval_shape(lambda: engine.derived_long_cache(layout, j, full, draft_full, params,
+                                                               last_tokens, tail))
     longs.append(None if shape is None else placed(j, shape))
   longs = tuple(longs)
 
@@ -159,8 +202,9 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
   hidden = jax.ShapeDtypeStruct((batch, config.hidden_size), jnp.dtype(config.dtype))
   tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
   lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  compiled = prefill_lib._prefill_chunk.lower(params, config, full, tokens, jnp.int32(0), lengths,
-                                              hidden).compile(CPU_COPY_FREE)
+  options = CPU_COPY_FREE if compiler(mesh) != "tpu" else None
+  compiled = prefill_lib._prefill_chunk.lower(params, config, full, tokens, scalar(jnp.int32), lengths,
+                                              hidden).compile(options)
   programs.append(Program.of("prefill chunk", compiled))
   for j, long in enumerate(longs):  # the retrieval level's selection, from the full cache
     if isinstance(long, RetrievalCache):
@@ -168,11 +212,13 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
       compiled = engine._retrieval.lower(params, config, full, last_tokens, kind.budget, kind.chunk, tail,
                                          sharding.sequence_shards(mesh)).compile()
       programs.append(Program.of(f"retrieval selection (level {j})", compiled))
-  first = (jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32), None)
+  features = (len(layout.feature_taps) + 1) * config.hidden_size   # what a feature drafter reads
+  first = (jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32),
+           jax.ShapeDtypeStruct((batch, features), jnp.dtype(config.dtype)) if layout.reads_features else None)
   history = prefill_lib.round_up(prompt_tokens + max_new_tokens + width, 128)
-  compiled = engine._decode.lower(layout, weights, longs, first, max_new_tokens, SamplingParams.create(),
-                                  jnp.int32(-1), jax.random.key(0),
-                                  jax.ShapeDtypeStruct((batch, history), jnp.int32), lengths).compile()
+  settings, key = abstract_settings()
+  compiled = engine._decode.lower(layout, weights, longs, first, max_new_tokens, settings, scalar(jnp.int32),
+                                  key, jax.ShapeDtypeStruct((batch, history), jnp.int32), lengths).compile()
   programs.append(Program.of("decode loop", compiled))
 
   caches = {}
@@ -181,7 +227,8 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
       continue
     kind = ("retrieval" if isinstance(long, RetrievalCache) else
             "full" if isinstance(long, KVCache) else "streaming")
-    who = "target" if j == layout.top else ("draft" if layout.weights(j) == "draft" else f"level {j}")
+    who = ("target" if j == layout.top else "draft" if layout.weights(j) == "draft" else
+           "EAGLE" if j == 0 and layout.reads_features else f"level {j}")
     caches[f"{who} {kind} cache"] = per_device_bytes(long)
   if draft_full is not None and not any(layout.weights(j) == "draft" and
                                         isinstance(layout.cache_kind(j), engine.Full)
@@ -192,8 +239,18 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
   return programs, arrays
 
 
-# Each kind of accelerator's memory per device, in GiB (HBM as the vendors state it).
-DEVICE_MEMORY_GIB = {"v5e": 16, "v5p": 95, "v6e": 32, "h100": 80, "h200": 141, "a100": 80}
+# Each kind of accelerator's memory per device, in GiB (HBM as the vendors state it). A v4
+# slice's devices are its TensorCores, two to a 32 GiB chip.
+DEVICE_MEMORY_GIB = {"v5e": 16, "v5p": 95, "v6e": 32, "v4": 16, "h100": 80, "h200": 141, "a100": 80}
+
+# DEVICE_MEMORY_GIB's name of a device by what jax's device_kind contains (the first match wins).
+DEVICE_NAMES = (("TPU v5 lite", "v5e"), ("TPU v6 lite", "v6e"), ("TPU v5", "v5p"), ("TPU v4", "v4"),
+                ("H100", "h100"), ("H200", "h200"), ("A100", "a100"))
+
+
+def device_name(device_kind: str) -> str | None:
+  """'v5e' for 'TPU v5 lite', 'h100' for 'NVIDIA H100 80GB HBM3'; None for a kind not listed."""
+  return next((name for kind, name in DEVICE_NAMES if kind.lower() in device_kind.lower()), None)
 
 # Memory bandwidth per device, GB/s, as the vendors state it, by what jax's device_kind contains
 # (the first match wins: "H100 PCIe" before "H100").

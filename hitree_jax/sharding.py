@@ -49,13 +49,13 @@ _PARAM_AXES = {
 }
 
 KEYS = ("batch", "kv_heads", "head_dim", "sequence")    # [B, KVH, D, S]
-VALUES = ("batch", "kv_heads", "sequence", "head_dim")  # [B, KVH, S, D]
+VALUES = KEYS                                           # [B, KVH, D, S]
 
 
 def use(mesh: Mesh | None):
   """The context to trace and compile a generation's programs in: jax.set_mesh(mesh), through
-  which the model sees how a cache's slots are split (model.llama._slot_shards); nothing
-  without a mesh."""
+  which the model and the caches see how a full cache's slots are split
+  (cache.full.slot_shards); nothing without a mesh."""
   return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 

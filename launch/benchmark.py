@@ -222,7 +222,7 @@ def main(argv):
   from hitree_jax.loading import load_model
   from hitree_jax.tokenizer import load_tokenizer
 
-  model = load_model(FLAGS.model, FLAGS.dtype, FLAGS.key_dtype)
+  model = load_model(FLAGS.model, common.model_dtype(), FLAGS.key_dtype)
   sharding.check(model.config, mesh, 1, 256)
   model = dataclasses.replace(model, params=sharding.place_params(model.params, mesh))
   tokenizer = load_tokenizer(model.path)
@@ -351,7 +351,7 @@ def record(rows) -> dict:
   """The JSON record: the settings, the machine and one row per (method, prompt length)."""
   import jax
   return {
-      "model": FLAGS.model, "dtype": FLAGS.dtype, "key_dtype": FLAGS.key_dtype, "max_new_tokens": FLAGS.max_new_tokens,
+      "model": FLAGS.model, "dtype": common.model_dtype(), "key_dtype": FLAGS.key_dtype, "max_new_tokens": FLAGS.max_new_tokens,
       "book": FLAGS.book, "temperature": FLAGS.temperature, "top_p": FLAGS.top_p,
       "top_k": FLAGS.top_k, "seed": FLAGS.seed, "backend": jax.default_backend(),
       "devices": [str(d) for d in jax.devices()], "mesh": FLAGS.mesh or None, "machine": platform.processor() or platform.machine(),

@@ -136,12 +136,22 @@ def run(main, config_sets_flags: bool = True) -> None:
 def define_model_flags(key_dtype: bool = True):
   """--model and --dtype; --key_dtype where the launcher decodes with the model's caches."""
   flags.DEFINE_string("model", "smollm2", "smollm2, a .gguf file, an HF folder or a launch.convert checkpoint.")
-  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter/activation dtype (float32 on CPU).")
+  flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Parameter/activation dtype (default: "
+                    "bfloat16 on a GPU or TPU, float32 on a CPU, where 16-bit products are slower).")
   if key_dtype:
     flags.DEFINE_enum("key_dtype", None, ["float32", "bfloat16"], "What the target's caches store keys "
                       "in (default: --dtype). bfloat16 halves the bytes attention over a long cache "
                       "reads, at the cost of the target's exact float32 numbers (like llama.cpp's "
                       "16-bit cache): every method stays exact against `ar` with the same setting.")
+
+
+def model_dtype() -> str:
+  """--dtype, or the default of the devices present: bfloat16 on an accelerator, float32 on a CPU
+  (XLA:CPU has no fast 16-bit products)."""
+  if flags.FLAGS.dtype is not None:
+    return flags.FLAGS.dtype
+  import jax
+  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
 def define_mesh_flags():

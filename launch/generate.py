@@ -102,7 +102,7 @@ def main(argv):
   from hitree_jax.tokenizer import load_tokenizer
 
   # Everything a user can get wrong is checked from metadata, before the slow weight load.
-  config = load_config(FLAGS.model, FLAGS.dtype, FLAGS.key_dtype)
+  config = load_config(FLAGS.model, common.model_dtype(), FLAGS.key_dtype)
   tokenizer = load_tokenizer(resolve(FLAGS.model))
   ids = prompt_ids(tokenizer)
   if planned:  # any stack with the draft: its checks (tokenizer, vocabulary) before the slow loads
@@ -114,7 +114,7 @@ def main(argv):
                      "it can run --method=ar, or serve as --draft of its target")
   check_prompt(ids, config, draft_config, is_draft_alone)
 
-  model = load_model(FLAGS.model, FLAGS.dtype, FLAGS.key_dtype)
+  model = load_model(FLAGS.model, common.model_dtype(), FLAGS.key_dtype)
   sharding.check(model.config, mesh, 1, 256)  # before the draft loads; generate checks the cache's slots
   if planned:
     method = common.auto_method(FLAGS.model, FLAGS.draft, len(ids), sampling, loaded=(model, None),

@@ -95,14 +95,14 @@ def main(argv):
   eagle = common.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   choice, profile, path = auto.plan_for(FLAGS.model, FLAGS.draft, FLAGS.prompt_tokens, sampling,
                                         FLAGS.profile_dir, FLAGS.book, log=logging.info,
-                                        min_gain=FLAGS.min_gain, eagle=eagle, dtype=FLAGS.dtype,
+                                        min_gain=FLAGS.min_gain, eagle=eagle, dtype=common.model_dtype(),
                                         key_dtype=FLAGS.key_dtype)
   greedy = float(sampling.temperature) == 0
   setting = "greedy" if greedy else f"T {FLAGS.temperature:g}, top-p {FLAGS.top_p:g}"
   models = " + ".join([FLAGS.model, FLAGS.draft, *([FLAGS.feature_draft] if eagle else [])])
-  target_precision = auto.precision(FLAGS.dtype, FLAGS.key_dtype)
+  target_precision = auto.precision(common.model_dtype(), FLAGS.key_dtype)
   if target_precision:
-    setting += f", the target in {FLAGS.dtype}" + (f" with keys in {target_precision['key_dtype']}"
+    setting += f", the target in {common.model_dtype()}" + (f" with keys in {target_precision['key_dtype']}"
                                                    if target_precision["key_dtype"] else "")
   title = (f"The stack launch.plan chose for {models} at {profile['context']} "
            f"tokens, {setting}: {choice.predicted_tokens_per_s:.1f} tok/s predicted.")

@@ -211,7 +211,7 @@ def main(argv):
   from hitree_jax.tokenizer import load_tokenizer
   from launch.progress import Progress
 
-  model = load_model(FLAGS.model, FLAGS.dtype, FLAGS.key_dtype)
+  model = load_model(FLAGS.model, common.model_dtype(), FLAGS.key_dtype)
   tokenizer = load_tokenizer(model.path)
   peer = (peers.make_peer("llamacpp", model.path, FLAGS.llamacpp_gguf,
                           max(lengths) + max(widths) + 16, FLAGS.llamacpp_cache) if FLAGS.peers else None)
@@ -222,7 +222,7 @@ def main(argv):
     rows.append(context_row(model, ids, widths, sampling, Programs(), peer, progress))
     jax.clear_caches()
   out = pathlib.Path(FLAGS.out)
-  record = {"model": FLAGS.model, "dtype": FLAGS.dtype, "key_dtype": FLAGS.key_dtype, "temperature": FLAGS.temperature,
+  record = {"model": FLAGS.model, "dtype": common.model_dtype(), "key_dtype": FLAGS.key_dtype, "temperature": FLAGS.temperature,
             "top_p": FLAGS.top_p, "top_k": FLAGS.top_k, "repeats": FLAGS.repeats,
             "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "llamacpp": None if peer is None else peer.label, "rows": rows}

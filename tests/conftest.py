@@ -3,6 +3,11 @@ devices, so that sharded decoding is tested on a mesh (tests/test_sharding.py). 
 given a mesh run on the first device, as on a machine with one."""
 
 import gc
+import os
+
+# The suite runs on the CPU: jax[tpu] is a test package (tests/test_tpu_compile.py compiles for a
+# TPU slice without one), and without this every process would look for a TPU first.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import pytest

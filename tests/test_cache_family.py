@@ -98,7 +98,7 @@ def decode(context, sequences, steps):
 
 
 def by_slot(keys):
-  """Keys as [..., S, D] (the caches store them [B, KVH, D, S], slots last)."""
+  """Keys or values as [..., S, D] (the caches store them [B, KVH, D, S], slots last)."""
   return np.swapaxes(np.asarray(keys), -1, -2)
 
 
@@ -134,8 +134,8 @@ def assert_selection_matches(ret, full, queries, budget):
   queries = np.asarray(queries)
   lengths = np.asarray(full.lengths)
   for layer in range(CONFIG.num_layers):
-    k_full, v_full = by_slot(full.keys[layer]), np.asarray(full.values[layer])
-    k_ret, v_ret = by_slot(ret.keys[layer]), np.asarray(ret.values[layer])
+    k_full, v_full = by_slot(full.keys[layer]), by_slot(full.values[layer])
+    k_ret, v_ret = by_slot(ret.keys[layer]), by_slot(ret.values[layer])
     for b, length in enumerate(lengths):
       _, chunks, kept = reference_selection(queries[layer, b], k_full[b], length, CHUNK, budget)
       np.testing.assert_array_equal(np.asarray(ret.chunks[layer, b]), chunks, err_msg=f"L{layer} b{b}")
@@ -157,7 +157,8 @@ def test_selection_matches_numpy_reference(budget):
     shape = (batch, CONFIG.num_kv_heads, MAX_LEN, CONFIG.head_dim)
     full = KVCache(keys=tuple(jnp.swapaxes(jnp.asarray(rng.standard_normal(shape), jnp.float32), -1, -2)
                               for _ in range(2)),
-                   values=tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2)),
+                   values=tuple(jnp.swapaxes(jnp.asarray(rng.standard_normal(shape), jnp.float32), -1, -2)
+                                for _ in range(2)),
                    lengths=jnp.asarray(lengths, jnp.int32))
     queries = jnp.asarray(2 * rng.standard_normal((2, batch, CONFIG.num_heads, CONFIG.head_dim)),
                           jnp.float32)
@@ -285,7 +286,8 @@ def synthetic_cache(shape, position_of_slot, batch_tag):
     k[..., 2] = np.arange(kvh)[None, :, None]
     k[..., 3] = layer
     keys.append(jnp.asarray(k))
-  return tuple(jnp.swapaxes(k, -1, -2) for k in keys), tuple(-k for k in keys)  # keys stored [.., D, S]
+  stored = tuple(jnp.swapaxes(k, -1, -2) for k in keys)  # stored [.., D, S]
+  return stored, tuple(-k for k in stored)
 
 
 def assert_stream_holds(stream, reference_seen):
@@ -300,7 +302,7 @@ def assert_stream_holds(stream, reference_seen):
       np.testing.assert_array_equal(k[..., 0], np.broadcast_to(held[b, :len(want)], k.shape[:2]))
       assert (k[..., 1] == b).all() and (k[..., 3] == layer).all()
       assert (k[..., 2] == np.arange(CONFIG.num_kv_heads)[:, None]).all()
-      np.testing.assert_array_equal(np.asarray(stream.values[layer][b, :, :len(want)]), -k)
+      np.testing.assert_array_equal(by_slot(stream.values[layer])[b, :, :len(want)], -k)
 
 
 def test_streaming_retains_sinks_and_last_window_across_wrapping_appends():

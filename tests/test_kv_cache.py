@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hitree_jax.cache.full import KVCache, causal_attend, dtypes_of, write_key_slots, write_slots
+from hitree_jax import sharding
+from hitree_jax.cache.full import KVCache, causal_attend, dtypes_of, put_slots, write_slots
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.programs import Programs
 from hitree_jax.model import llama as model_lib
@@ -70,8 +71,9 @@ def reference(tokens):
 
 
 def by_slot(name, x):
-  """A cache array as [B, KVH, S, D] (keys are stored [B, KVH, D, S])."""
-  return np.swapaxes(np.asarray(x), -1, -2) if name == "keys" else np.asarray(x)
+  """A cache array (keys or values, stored [B, KVH, D, S]) as [B, KVH, S, D]."""
+  del name  # both are stored alike
+  return np.swapaxes(np.asarray(x), -1, -2)
 
 
 def assert_cache_rows_equal(cache, row, ref_cache, n):
@@ -273,13 +275,42 @@ def test_forward_writes_past_the_end_are_dropped():
       assert np.abs(got[0, :, max_len - 1] - clamp).max() > 1e-3
 
 
+def reference_put(buffer, block, start):
+  """put_slots in numpy, slot by slot: block slot i goes to start[b] + i where that is a slot."""
+  out = buffer.copy()
+  for b in range(buffer.shape[0]):
+    for i in range(block.shape[3]):
+      if 0 <= start[b] + i < buffer.shape[3]:
+        out[b, :, :, start[b] + i] = block[b, :, :, i]
+  return out
+
+
+@pytest.mark.parametrize("width", [4, 16, 40])   # a block narrower than a shard, than the buffer, wider
+def test_put_slots_writes_in_place_what_a_dropping_scatter_writes(width):
+  """One dynamic_update_slice per row (what a TPU updates in place), at any start -- inside, past
+  the end, before the first slot -- and, on a cache split by slot over 2 devices, each device
+  writing its own slots: the same as slot-by-slot writes that drop what falls outside."""
+  rng = np.random.default_rng(width)
+  buffer = rng.standard_normal((2, 4, 3, 32)).astype(np.float32)   # [B, KVH, D, S]
+  block = rng.standard_normal((2, 4, 3, width)).astype(np.float32)
+  mesh = sharding.make_mesh("sequence:2,model:2")
+  split = jax.device_put(buffer, sharding.named(mesh, sharding.KEYS))
+  for start in ([0, 5], [14, 30], [28, 31], [-3, 40], [-width - 1, 16]):
+    want = reference_put(buffer, block, start)
+    got = put_slots(jnp.asarray(buffer), jnp.asarray(block), jnp.asarray(start, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    with sharding.use(mesh):
+      on_shards = jax.jit(functools.partial(put_slots, shards=2))(split, jnp.asarray(block),
+                                                                  jnp.asarray(start, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(on_shards), want)
+
+
 def test_write_slots_and_commit_drop_out_of_range():
   rng = np.random.default_rng(0)
   buf = jnp.asarray(rng.standard_normal((2, 2, 8, 4)), jnp.float32)
   new = jnp.asarray(rng.standard_normal((2, 3, 2, 4)), jnp.float32)
-  out = np.asarray(write_slots(buf, new, jnp.asarray([7, 2], jnp.int32)))
-  keys_out = write_key_slots(jnp.swapaxes(buf, -1, -2), new, jnp.asarray([7, 2], jnp.int32))
-  np.testing.assert_array_equal(by_slot("keys", keys_out), out)  # keys: the same slots, stored [.., D, S]
+  # buf [B, KVH, S, D] here, the cache's [B, KVH, D, S] by slot
+  out = by_slot("keys", write_slots(jnp.swapaxes(buf, -1, -2), new, jnp.asarray([7, 2], jnp.int32)))
   np.testing.assert_array_equal(out[0, :, :7], np.asarray(buf)[0, :, :7])
   np.testing.assert_array_equal(out[0, :, 7], np.asarray(new)[0, 0])
   np.testing.assert_array_equal(out[1, :, 2:5], np.asarray(new)[1].transpose(1, 0, 2))
@@ -287,12 +318,13 @@ def test_write_slots_and_commit_drop_out_of_range():
                                 np.delete(np.asarray(buf)[1], [2, 3, 4], axis=1))
 
   # commit: row 0 has room for 2 of its 3 gathered slots; the 3rd must not clamp onto slot 7.
-  cache = KVCache(keys=(jnp.swapaxes(buf, -1, -2),), values=(buf * 2,), lengths=jnp.asarray([6, 1], jnp.int32))
+  cache = KVCache(keys=(jnp.swapaxes(buf, -1, -2),), values=(jnp.swapaxes(buf * 2, -1, -2),),
+                  lengths=jnp.asarray([6, 1], jnp.int32))
   slots = jnp.asarray([[0, 1, 2], [5, 6, 7]], jnp.int32)
   done = cache.commit(slots, jnp.asarray([2, 3], jnp.int32))
   np.testing.assert_array_equal(np.asarray(done.lengths), [8, 4])
   b = np.asarray(buf)
-  for got, scale in ((by_slot("keys", done.keys[0]), 1), (np.asarray(done.values[0]), 2)):
+  for got, scale in ((by_slot("keys", done.keys[0]), 1), (by_slot("values", done.values[0]), 2)):
     np.testing.assert_array_equal(got[0, :, :6], scale * b[0, :, :6])
     np.testing.assert_array_equal(got[0, :, 6:8], scale * b[0, :, 0:2])
     np.testing.assert_array_equal(got[1, :, :1], scale * b[1, :, :1])

@@ -30,11 +30,15 @@ from hitree_jax.model.config import ModelConfig
 class KVCache:
   # Heads before slots: attention is then a batched matmul over (B, KVH) with
   # no per-step transpose of the whole cache (a [B, S, KVH, D] layout cost XLA:CPU
-  # a full copy of every layer's cache per decoded token). Keys keep their slots
-  # last, so queries . keys is a plain [R, D] x [D, S] product: over 7.9K slots a
-  # 1-token SmolLM2 forward took 31 ms instead of 37 with keys [B, KVH, S, D].
+  # a full copy of every layer's cache per decoded token). Slots last: queries .
+  # keys is a plain [R, D] x [D, S] product (over 7.9K slots a 1-token SmolLM2
+  # forward took 31 ms instead of 37 with keys [B, KVH, S, D] on XLA:CPU), and
+  # values are stored the same way: a TPU lays a [.., S, 64] array out slots-minor
+  # anyway (no padding of 64 to its 128 lanes), and with values [B, KVH, S, D] its
+  # 1-token decode copied the whole value cache into a head_dim-minor layout for
+  # the probabilities x values reduction, every call.
   keys: tuple[jax.Array, ...]    # per layer [B, KVH, D, S]
-  values: tuple[jax.Array, ...]  # per layer [B, KVH, S, D]
+  values: tuple[jax.Array, ...]  # per layer [B, KVH, D, S]
   lengths: jax.Array             # [B] int32: committed slots per row
 
   @classmethod
@@ -46,7 +50,7 @@ class KVCache:
     kvh, d = config.num_kv_heads, config.head_dim
     zeros = lambda shape, dt: tuple(jnp.zeros(shape, dt) for _ in range(config.num_layers))
     return cls(keys=zeros((batch, kvh, d, max_len), key_dtype),
-               values=zeros((batch, kvh, max_len, d), dtype),
+               values=zeros((batch, kvh, d, max_len), dtype),
                lengths=jnp.zeros((batch,), jnp.int32))
 
   @property
@@ -55,7 +59,7 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
-    return self.values[0].shape[2]
+    return self.values[0].shape[3]
 
   @property
   def next_positions(self) -> jax.Array:
@@ -76,18 +80,20 @@ class KVCache:
     batch, width = slots.shape
     rows = jnp.arange(batch)[:, None]
     dest = self.lengths[:, None] + jnp.arange(width)[None, :]
-    move_key = lambda buf: buf.at[rows, :, :, dest].set(buf[rows, :, :, slots], mode="drop")
-    move_value = lambda buf: buf.at[rows, :, dest].set(buf[rows, :, slots], mode="drop")
-    return self.replace(keys=tuple(map(move_key, self.keys)),
-                        values=tuple(map(move_value, self.values)),
+    move = lambda buf: buf.at[rows, :, :, dest].set(buf[rows, :, :, slots], mode="drop")
+    return self.replace(keys=tuple(map(move, self.keys)), values=tuple(map(move, self.values)),
                         lengths=self.lengths + n_accepted)
+
+  def slot_shards(self) -> int:
+    """The devices this cache's slots are split over: a full cache's are, over the mesh's
+    `sequence` axis (sharding.cache_axes)."""
+    return slot_shards()
 
   def append(self, other: "KVCache") -> "KVCache":
     """Appends the committed slots of `other` (a short cache) after this cache's committed slots."""
-    keys = tuple(write_key_slots(buf, new.transpose(0, 3, 1, 2), self.lengths)
-                 for buf, new in zip(self.keys, other.keys))
-    values = tuple(write_slots(buf, new.transpose(0, 2, 1, 3), self.lengths)
-                   for buf, new in zip(self.values, other.values))
+    shards = self.slot_shards()
+    keys = tuple(put_slots(buf, new, self.lengths, shards) for buf, new in zip(self.keys, other.keys))
+    values = tuple(put_slots(buf, new, self.lengths, shards) for buf, new in zip(self.values, other.values))
     return self.replace(keys=keys, values=values, lengths=self.lengths + other.lengths)
 
 
@@ -97,21 +103,72 @@ def dtypes_of(cache) -> dict:
   return dict(dtype=cache.values[0].dtype, key_dtype=cache.keys[0].dtype)
 
 
-def _slots(new: jax.Array, start: jax.Array):
-  batch, t = new.shape[:2]
-  return jnp.arange(batch)[:, None], start[:, None] + jnp.arange(t)[None, :]
+SLOT_AXIS = "sequence"  # the mesh axis a full cache's slots are split over (sharding.RULES)
+
+
+def slot_shards() -> int:
+  """How many devices a full cache's slots are split over: the `sequence` axis of the mesh that
+  programs are being traced under (jax.set_mesh; sharding.use), 1 without one."""
+  return dict(jax.sharding.get_abstract_mesh().shape).get(SLOT_AXIS, 1)
+
+
+def put_slots(buffer: jax.Array, block: jax.Array, start: jax.Array, shards: int = 1) -> jax.Array:
+  """Writes block's slots into buffer's at start[b] + 0..W-1, row by row; slots outside the
+  buffer are dropped, as a scatter with mode="drop" would.
+
+  buffer [B, KVH, D, S]; block [B, KVH, D, W]; start [B]. Each row is one dynamic_update_slice,
+  which every backend updates in place. A scatter made the TPU compiler give the whole cache a
+  layout of its own, slots major, so the decode loop copied every layer's long cache into it
+  and back each block (SmolLM2 at 7.5K on a v5e: 0.66 GiB of temporaries for a 0.18 GiB cache;
+  Llama-2-7B at 128K: 19.5 GB, over a v5e's HBM). shards: the devices buffer's slots are split
+  over (slot_shards()); each writes the part of the block that falls in its own slots (a
+  dynamic_update_slice at a dynamic offset of a split axis would gather the whole buffer).
+  """
+  if shards == 1:
+    return _put_rows(buffer, block, start)
+  spec = jax.sharding.PartitionSpec
+  split = spec(None, None, None, SLOT_AXIS)
+  first = jnp.arange(shards) * (buffer.shape[3] // shards)               # each shard's first slot
+  local = lambda buffer, block, start, first: _put_rows(buffer, block, start - first[0])
+  return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), in_specs=(split, spec(), spec(), spec(SLOT_AXIS)),
+                       out_specs=split, axis_names={SLOT_AXIS}, check_vma=False)(buffer, block, start, first)
+
+
+UNROLLED_ROWS = 8  # put_slots writes up to this many rows one by one, more in a loop over rows
+
+
+def _put_rows(buffer: jax.Array, block: jax.Array, start: jax.Array) -> jax.Array:
+  """put_slots on one device: start may lie anywhere, before the buffer's first slot too.
+
+  A few rows (decoding) are written one by one at static row indices, which a mesh splitting rows
+  partitions; many (a sampling test's thousands) in a fori_loop, or the program would grow with
+  the batch (it compiled out of memory)."""
+  size, width = buffer.shape[3], block.shape[3]
+  window = min(width, size)                                   # slots of buffer a row can touch
+
+  def put_row(row, buffer):
+    at = jnp.clip(start[row], 0, size - window)
+    index = at - start[row] + jnp.arange(window)              # the block's slot for each one written
+    inside = (index >= 0) & (index < width)
+    new = jax.lax.dynamic_index_in_dim(block, row, keepdims=False)
+    moved = jnp.take(new, jnp.clip(index, 0, width - 1), axis=2).astype(buffer.dtype)
+    old = jax.lax.dynamic_slice(buffer, (row, 0, 0, at), (1, *buffer.shape[1:3], window))[0]
+    return jax.lax.dynamic_update_slice(buffer, jnp.where(inside, moved, old)[None], (row, 0, 0, at))
+
+  if buffer.shape[0] > UNROLLED_ROWS:
+    return jax.lax.fori_loop(0, buffer.shape[0], put_row, buffer)
+  for row in range(buffer.shape[0]):
+    buffer = put_row(row, buffer)
+  return buffer
 
 
 def write_slots(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-  """Writes values new [B, T, KVH, D] into buffer [B, KVH, S, D] at slots start[b] + 0..T-1."""
-  rows, cols = _slots(new, start)
+  """Writes keys or values new [B, T, KVH, D] into buffer [B, KVH, D, S] at slots start[b] + 0..T-1
+  (past-the-end slots dropped). A scatter: what a forward writes to is a short cache (a level's
+  recent one, a prefill chunk's own), which a copy costs little; put_slots writes long caches."""
+  rows = jnp.arange(new.shape[0])[:, None]
+  cols = start[:, None] + jnp.arange(new.shape[1])[None, :]
   # Advanced indices split by a slice index as [B, T, KVH, D]: no transpose of `new`.
-  return buffer.at[rows, :, cols].set(new.astype(buffer.dtype), mode="drop")
-
-
-def write_key_slots(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-  """Writes keys new [B, T, KVH, D] into buffer [B, KVH, D, S] at slots start[b] + 0..T-1."""
-  rows, cols = _slots(new, start)
   return buffer.at[rows, :, :, cols].set(new.astype(buffer.dtype), mode="drop")
 
 

@@ -65,6 +65,10 @@ class RetrievalCache(KVCache):
     """[B] original position of the next token written at slot `lengths`."""
     return self.lengths + self.dropped
 
+  def slot_shards(self) -> int:
+    """1: a retrieval cache is split by KV head only (its chunks differ per head)."""
+    return 1
+
 
 def chunk_scores(query: jax.Array, keys: jax.Array, lengths: jax.Array, chunk: int) -> jax.Array:
   """Scores [B, KVH, C] float32 of each chunk: (sum of the group's queries) . (mean committed key).
@@ -133,17 +137,14 @@ def kept_lengths(lengths: jax.Array, chunk: int, budget: int) -> jax.Array:
   return lengths - jnp.maximum(n_chunks - budget // chunk, 0) * chunk
 
 
-def _gather_chunks(buf: jax.Array, chunks: jax.Array, chunk: int, tail: int, axis: int) -> jax.Array:
-  """The chosen chunks' slots of buf (values [B, KVH, S, D]: axis 2; keys [B, KVH, D, S]: axis 3),
-  chunks [B, KVH, N] -> N * chunk + tail slots on that axis (tail zeroed)."""
-  batch, kvh, slots = buf.shape[0], buf.shape[1], buf.shape[axis]
+def _gather_chunks(buf: jax.Array, chunks: jax.Array, chunk: int, tail: int) -> jax.Array:
+  """The chosen chunks' slots of buf (keys or values [B, KVH, D, S]), chunks [B, KVH, N] ->
+  [B, KVH, D, N * chunk + tail] (tail zeroed)."""
+  batch, kvh, slots = buf.shape[0], buf.shape[1], buf.shape[3]
   index = chunks[..., None] * chunk + jnp.arange(chunk)                  # [B, KVH, N, chunk]
   index = jnp.minimum(index.reshape(batch, kvh, -1), slots - 1)          # past-the-end: hidden by lengths
-  index = index[..., None] if axis == 2 else index[:, :, None, :]
-  kept = jnp.take_along_axis(buf, index, axis=axis)
-  pad = [(0, 0)] * 4
-  pad[axis] = (0, tail)
-  return jnp.pad(kept, pad)
+  kept = jnp.take_along_axis(buf, index[:, :, None, :], axis=3)
+  return jnp.pad(kept, ((0, 0), (0, 0), (0, 0), (0, tail)))
 
 
 def select(full: KVCache, queries: jax.Array, budget: int, chunk: int = 8,
@@ -164,8 +165,8 @@ def select(full: KVCache, queries: jax.Array, budget: int, chunk: int = 8,
     chosen = choose_chunks(chunk_scores(query, k_buf, full.lengths, chunk), full.lengths, chunk, budget,
                            shards)
     chunks.append(chosen)
-    keys.append(_gather_chunks(k_buf, chosen, chunk, tail, axis=3))
-    values.append(_gather_chunks(v_buf, chosen, chunk, tail, axis=2))
+    keys.append(_gather_chunks(k_buf, chosen, chunk, tail))
+    values.append(_gather_chunks(v_buf, chosen, chunk, tail))
   kept = kept_lengths(full.lengths, chunk, budget)
   return RetrievalCache(keys=tuple(keys), values=tuple(values), lengths=kept,
                         chunks=jnp.stack(chunks), dropped=full.lengths - kept,

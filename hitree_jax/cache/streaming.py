@@ -57,7 +57,7 @@ def _ring_slots(positions: jax.Array, sinks: int, window: int) -> jax.Array:
 @flax.struct.dataclass
 class StreamingCache:
   keys: tuple[jax.Array, ...]    # per layer [B, KVH, D, sinks + window]
-  values: tuple[jax.Array, ...]  # per layer [B, KVH, sinks + window, D]
+  values: tuple[jax.Array, ...]  # per layer [B, KVH, D, sinks + window]
   lengths: jax.Array             # [B] int32: valid slots, min(seen, sinks + window)
   seen: jax.Array                # [B] int32: tokens committed so far = position of the next token
   sinks: int = flax.struct.field(pytree_node=False)
@@ -85,9 +85,8 @@ class StreamingCache:
     _check(sinks, window)
     held = held_positions(full.lengths, sinks, window)
     index = jnp.maximum(held, 0)  # empty slots read slot 0, hidden by lengths
-    gather_keys = lambda buf: jnp.take_along_axis(buf, index[:, None, None, :], axis=3)
-    gather_values = lambda buf: jnp.take_along_axis(buf, index[:, None, :, None], axis=2)
-    cache = cls(keys=tuple(map(gather_keys, full.keys)), values=tuple(map(gather_values, full.values)),
+    gather = lambda buf: jnp.take_along_axis(buf, index[:, None, None, :], axis=3)
+    cache = cls(keys=tuple(map(gather, full.keys)), values=tuple(map(gather, full.values)),
                 lengths=jnp.minimum(full.lengths, sinks + window), seen=full.lengths,
                 sinks=sinks, window=window, shift_freq=shift_freq,
                 sink_shift=None if shift_freq is None else jnp.zeros_like(full.lengths))
@@ -139,14 +138,12 @@ class StreamingCache:
         (positions < self.sinks) | (positions >= (self.seen + count)[:, None] - self.window))
     slots = jnp.where(survives, _ring_slots(positions, self.sinks, self.window), self.max_len)
     rows = jnp.arange(batch)[:, None]
-    # Advanced indices split by a slice: new is [B, T, KVH, D]; past-the-end slots are dropped.
-    write_key = lambda buf, new: buf.at[rows, :, :, slots].set(
+    # Advanced indices split by a slice index as [B, T, KVH, D]; past-the-end slots are dropped.
+    write = lambda buf, new: buf.at[rows, :, :, slots].set(
         new.transpose(0, 3, 1, 2).astype(buf.dtype), mode="drop")                 # new [B, KVH, D, T]
-    write_value = lambda buf, new: buf.at[rows, :, slots].set(
-        new.transpose(0, 2, 1, 3).astype(buf.dtype), mode="drop")                 # new [B, KVH, T, D]
     seen = self.seen + count
-    return self.replace(keys=tuple(map(write_key, self.keys, recent.keys)),
-                        values=tuple(map(write_value, self.values, recent.values)),
+    return self.replace(keys=tuple(map(write, self.keys, recent.keys)),
+                        values=tuple(map(write, self.values, recent.values)),
                         lengths=jnp.minimum(seen, self.max_len), seen=seen)._shift_sinks()
 
 

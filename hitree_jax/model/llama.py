@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hitree_jax.cache.full import KVCache, write_key_slots, write_slots
+from hitree_jax.cache.full import SLOT_AXIS, KVCache, slot_shards, write_slots
 from hitree_jax.model.config import ModelConfig
 
 _MASKED = -1e30
@@ -66,7 +66,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # the whole buffer in one product, which measured faster than a block loop.
 CONTEXT_BLOCK = 256
 BLOCKWISE_MIN_ROWS = 64
-SLOT_AXIS = "sequence"  # the mesh axis a cache's slots are split over (sharding.RULES)
 
 
 def _scores(rows, k, scale):
@@ -76,13 +75,15 @@ def _scores(rows, k, scale):
 
 
 def _merge(stats, scores, v):
-  """Folds one block of scores [B,KVH,R,S] (values v [B,KVH,S,D]) into running softmax stats."""
+  """Folds one block of scores [B,KVH,R,S] (values v [B,KVH,D,S]) into running softmax stats."""
   m, l, acc = stats
   m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
   p = jnp.exp(scores - m_new[..., None])
   decay = jnp.exp(m - m_new)
-  acc = acc * decay[..., None] + jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), v,
-                                            preferred_element_type=jnp.float32)
+  # Values [D, S] (KVCache says why) on the left: XLA:CPU decodes SmolLM2 at 2K tokens as fast as
+  # it did with values [S, D] (31 tok/s), where "bkrs,bkds->bkrd" ran at 26 (docs/accelerators.md).
+  pv = jnp.einsum("bkds,bkrs->bkdr", v, p.astype(v.dtype), preferred_element_type=jnp.float32)
+  acc = acc * decay[..., None] + jnp.swapaxes(pv, -1, -2)
   return m_new, l * decay + jnp.sum(p, axis=-1), acc
 
 
@@ -100,12 +101,6 @@ def _empty_stats(rows):
           jnp.zeros(rows.shape, jnp.float32))
 
 
-def _slot_shards() -> int:
-  """How many devices a cache's slots are split over: the `sequence` axis of the mesh that
-  programs are being traced under (jax.set_mesh; sharding.use), 1 without one."""
-  return dict(jax.sharding.get_abstract_mesh().shape).get(SLOT_AXIS, 1)
-
-
 def _context_blocks(rows, k_buf, v_buf, lengths, stats, scale):
   """Attends rows [B,KVH,R,D] to the committed slots [0, lengths[b]) of a read-only cache.
 
@@ -120,7 +115,7 @@ def _context_blocks(rows, k_buf, v_buf, lengths, stats, scale):
     scores = _scores(rows, k_buf, scale)
     visible = jnp.arange(size)[None, :] < lengths[:, None]
     return _merge(stats, jnp.where(visible[:, None, None, :], scores, _MASKED), v_buf)
-  shards = _slot_shards()
+  shards = slot_shards()
   if shards > 1 and size % shards == 0:
     return merge_stats(stats, _per_slot_shard(rows, k_buf, v_buf, lengths, scale))
   return _block_loop(rows, k_buf, v_buf, lengths, stats, scale, CONTEXT_BLOCK)
@@ -141,10 +136,10 @@ def _per_slot_shard(rows, k_buf, v_buf, lengths, scale):
     w = jnp.exp(m - top)
     return top, jax.lax.psum(l * w, SLOT_AXIS), jax.lax.psum(acc * w[..., None], SLOT_AXIS)
 
-  shards = _slot_shards()
+  shards = slot_shards()
   first_slots = jnp.arange(shards) * (k_buf.shape[3] // shards)  # [shards]: each shard's first slot
   return jax.shard_map(per_shard, mesh=jax.sharding.get_abstract_mesh(),
-                       in_specs=(spec(), spec(None, None, None, SLOT_AXIS), spec(None, None, SLOT_AXIS, None),
+                       in_specs=(spec(), spec(None, None, None, SLOT_AXIS), spec(None, None, None, SLOT_AXIS),
                                  spec(), spec(SLOT_AXIS)),
                        out_specs=spec(), axis_names={SLOT_AXIS}, check_vma=False)(
                            rows, k_buf, v_buf, lengths, first_slots)
@@ -157,7 +152,7 @@ def _block_loop(rows, k_buf, v_buf, lengths, stats, scale, block: int):
 
   def body(i, stats):
     k = jax.lax.dynamic_slice_in_dim(k_buf, i * block, block, axis=3)
-    v = jax.lax.dynamic_slice_in_dim(v_buf, i * block, block, axis=2)
+    v = jax.lax.dynamic_slice_in_dim(v_buf, i * block, block, axis=3)
     scores = _scores(rows, k, scale)
     visible = (i * block + jnp.arange(block))[None, :] < lengths[:, None]  # [B, block]
     return _merge(stats, jnp.where(visible[:, None, None, :], scores, _MASKED), v)
@@ -169,7 +164,7 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, attend: jax.Arra
               context=()) -> jax.Array:
   """Grouped-query attention over a cache under an explicit mask, plus read-only context caches.
 
-  q [B,T,H,D]; k_buf [B,KVH,D,S], v_buf [B,KVH,S,D] with attend [B,T,S] bool; context:
+  q [B,T,H,D]; k_buf, v_buf [B,KVH,D,S] with attend [B,T,S] bool; context:
   (k_buf, v_buf, lengths [B]) caches whose committed slots every query sees.
   One online softmax spans all of them, so splitting a cache is exact.
   The query heads sharing a KV head and the T new tokens are folded into one
@@ -213,7 +208,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, cos, sin, attend, k_buf, v_buf, write_at, context=()):
-    """x [B,T,E]; k_buf [B,KVH,D,S], v_buf [B,KVH,S,D] (written at write_at [B]);
+    """x [B,T,E]; k_buf, v_buf [B,KVH,D,S] (written at write_at [B]);
     context: read-only (k, v, lengths) caches whose committed slots all queries see; attend [B,T,S]."""
     c = self.config
     dtype = jnp.dtype(c.dtype)
@@ -222,7 +217,7 @@ class Attention(nn.Module):
     k = _dense(c.num_kv_heads * c.head_dim, "k_proj", dtype)(x).reshape(b, t, c.num_kv_heads, c.head_dim)
     v = _dense(c.num_kv_heads * c.head_dim, "v_proj", dtype)(x).reshape(b, t, c.num_kv_heads, c.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_buf = write_key_slots(k_buf, k, write_at)
+    k_buf = write_slots(k_buf, k, write_at)
     v_buf = write_slots(v_buf, v, write_at)
 
     out = attention(q, k_buf, v_buf, attend, context).reshape(b, t, c.num_heads * c.head_dim)
@@ -268,7 +263,7 @@ class Llama(nn.Module):
       self.lm_head = _dense(c.vocab_size, "lm_head", dtype)
 
   def __call__(self, tokens, positions, attend, keys, values, write_at, context=(), taps=()):
-    """tokens, positions [B,T]; keys/values: per-layer [B,KVH,D,S] / [B,KVH,S,D], written at write_at [B];
+    """tokens, positions [B,T]; keys/values: per-layer [B,KVH,D,S], written at write_at [B];
     context: read-only caches, each (per-layer keys, per-layer values, lengths [B]); attend [B,T,S].
     taps: layers whose outputs (the residual stream) come before the final-normed states in the
     returned hidden [B,T,(len(taps)+1)E] (what an EAGLE-3 draft reads: heads/eagle.py)."""

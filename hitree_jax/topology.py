@@ -1,0 +1,56 @@
+"""TPU slices to compile for without a TPU: the TPU compiler, from `libtpu`, behind jax's topologies.
+
+`pip install "jax[tpu]"` (./setup.sh --tpu) brings libtpu, and with it the compiler a TPU runs.
+`jax.experimental.topologies` then describes a slice by name ("v5e:2x4": eight v5e chips) as
+compile-only devices: programs lowered with abstract arrays sharded over a mesh of them compile
+with the TPU compiler's own fusions, layouts and buffer assignment, so `memory_analysis()` and
+`cost_analysis()` are its figures, not XLA:CPU's. Nothing runs: a concrete array placed on those
+devices fails, so everything handed to such a program must be abstract (jax.ShapeDtypeStruct).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+EXAMPLES = "v5e:1x1, v5e:2x2, v5e:2x4, v6e:2x4, v5p:2x2x1, v4:2x2x1"
+
+
+def tpu_compiler_installed() -> bool:
+  """Whether libtpu (the TPU compiler) is importable: `pip install "jax[tpu]"`."""
+  return importlib.util.find_spec("libtpu") is not None
+
+
+def devices(name: str) -> list:
+  """The compile-only devices of a TPU slice named as jax names them ("v5e:2x4"), in jax's order.
+
+  A slice smaller than one host's chips ("v5e:1x1", one chip) is described as one host of that
+  size. Raises ValueError naming the topology where libtpu is absent or does not know it.
+  """
+  check_name(name)
+  if not tpu_compiler_installed():
+    raise ValueError(f"--topology={name}: the TPU compiler is not installed (pip install \"jax[tpu]\", "
+                     "or ./setup.sh --tpu)")
+  # Without a TPU VM's metadata, libtpu logs an error looking for its peers; there are none. Nor is
+  # there a TPU to guard: processes compiling at once need not take turns at libtpu's lockfile.
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies
+  chips = [int(n) for n in name.split(":")[1].split("x")]
+  bounds = {"chips_per_host_bounds": tuple(chips + [1] * (3 - len(chips)))} if _single_host(chips) else {}
+  try:
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **bounds).devices)
+  except Exception as error:  # the plugin's own error names what it did not accept
+    raise ValueError(f"--topology={name}: {error}") from None
+
+
+def check_name(name: str) -> None:
+  """Refuses a name that is not a TPU slice's ("v5e:2x4"), naming it."""
+  if not re.fullmatch(r"v\d+[a-z]*:\d+(x\d+)+", name):
+    raise ValueError(f"--topology={name!r}: expected a TPU slice such as {EXAMPLES}")
+
+
+def _single_host(chips: list[int]) -> bool:
+  """Slices below a host's 2x2 chips (one chip, 1x2) need their host bounds said."""
+  return chips[0] * chips[1] < 4

@@ -1,0 +1,116 @@
+"""Every preset compiled by the TPU compiler for a v5e slice, without a TPU (hitree_jax/topology.py).
+
+libtpu is a test package (requirements-test.txt: jax[tpu]), so the TPU compiler's own memory
+analysis checks what the CPU simulation cannot: that the decode loop updates the long caches in
+place on a TPU (it once copied each layer's full cache into a layout of its own: cache/full.py
+put_slots; and, for head_dim 64, into another layout: KVCache), on one chip and on a 4-chip mesh
+that splits heads and slots. Nothing is allocated: the arrays are shapes. The model is tiny but
+its full cache is long (100,000 prompt tokens, 4 layers of 16 KV heads of 64: 1.6 GB), so that it
+outweighs what a round computes and the few MiB a TPU program keeps for itself, as a
+long-context cache does.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hitree_jax import memory_plan, sharding, topology
+from hitree_jax.decode.drafters import ModelDrafter
+from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
+from hitree_jax.heads import eagle
+from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.tree import shapes as tree_lib
+from tests.test_sharding import TINY_SHAPES
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+TARGET = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=16,
+                     num_kv_heads=16, head_dim=64, max_position_embeddings=131072, dtype="bfloat16")
+DRAFT = TARGET.replace(num_layers=1, num_heads=2, num_kv_heads=1)
+PROMPT, NEW = 100_000, 32
+RETRIEVAL = Retrieval(256, 8)
+STREAMING = Streaming(4, 60)
+PRESETS = {
+    "ar": Stack(),
+    "sd": Stack(ModelDrafter(DRAFT), tree_lib.chain(4)),
+    "tree": Stack(ModelDrafter(DRAFT), tree_lib.kary(2, 2)),
+    "eagle": Stack(EagleDrafter(eagle.layer_config(TARGET, TARGET.vocab_size)), tree_lib.chain(4)),
+    "eagle-2": Stack(EagleDrafter(eagle.layer_config(TARGET, TARGET.vocab_size)), tree_lib.DynamicTree(8, 4, 4)),
+    "medusa": Stack(MedusaDrafter(3, TARGET.vocab_size), tree_lib.kary(2, 3)),
+    "retrieval": Stack(ModelDrafter(TARGET, mode="iid", cache=RETRIEVAL, weights="target"), tree_lib.chain(4)),
+    "triforce": Stack(ModelDrafter(DRAFT, cache=STREAMING), tree_lib.chain(1),
+                      (Verifier("target", RETRIEVAL, 6),)),
+    "hitree": Stack(ModelDrafter(DRAFT, cache=STREAMING), tree_lib.kary(2, 2),
+                    (Verifier("target", RETRIEVAL, 6),)),
+    "hsd": Stack(ModelDrafter(DRAFT, cache=STREAMING), tree_lib.chain(2),
+                 (Verifier("draft", Full(), 3), Verifier("target", RETRIEVAL, 5))),
+}
+MESHES = ("model:1", "sequence:2,model:2")
+
+
+@pytest.fixture(scope="module")
+def devices():
+  return topology.devices("v5e:2x2")
+
+
+def kv_bytes(config: ModelConfig, slots: int, heads_split: int = 1, slots_split: int = 1) -> int:
+  """Keys and values of a cache, by hand: layers x 2 x KV heads x head_dim x slots x bytes."""
+  return (config.num_layers * 2 * (config.num_kv_heads // heads_split) * config.head_dim
+          * (slots // slots_split) * 2)
+
+
+def weight_bytes(config: ModelConfig, split: int) -> int:
+  """A Llama's weights per device, by hand, with heads, MLP and vocabulary split `split` ways."""
+  e, f, h, kvh, d, v = (config.hidden_size, config.intermediate_size, config.num_heads,
+                        config.num_kv_heads, config.head_dim, config.vocab_size)
+  layer = (e * h * d * 2 + 2 * e * kvh * d + 3 * e * f) // split + 2 * e   # + its 2 norms
+  return 2 * (config.num_layers * layer + 2 * e * v // split + e)          # + embedding, head, norm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_spec", MESHES)
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_compiles_for_a_tpu_and_updates_its_caches_in_place(devices, name, mesh_spec):
+  mesh = sharding.make_mesh(mesh_spec, devices)
+  plan = memory_plan.plan(TARGET, DRAFT, lambda _: PRESETS[name], mesh, PROMPT, NEW)
+  assert plan["compiler"] == "tpu" and plan["device_kind"] == "TPU v5 lite"
+  model, sequence = mesh.shape["model"], mesh.shape["sequence"]
+  full = kv_bytes(TARGET, plan["slots"], model, sequence)
+  assert plan["params"] == weight_bytes(TARGET, model)               # the arrays, counted by hand
+  assert plan["caches"]["target full cache"] == full + 4               # + the lengths
+  decode = {p["name"]: p for p in plan["programs"]}["decode loop"]
+  held = plan["params"] + plan["draft_params"] + sum(
+      size for cache, size in plan["caches"].items() if "prefill only" not in cache)
+  # Its arguments are the weights and the long caches, and what the loop starts from (the first
+  # logits, the token buffer, the settings), each padded to the TPU's tiles: a few % here.
+  assert held <= decode["arguments"] <= 1.05 * held
+  assert decode["aliased"] >= held - plan["params"] - plan["draft_params"]  # every cache in place
+  # No copy of the long cache: what a round computes is small beside it.
+  assert decode["temporaries"] < 0.1 * full, (decode, full)
+
+
+@pytest.mark.slow
+def test_plan_memory_for_a_tpu_slice_says_whose_figures_they_are(tmp_path):
+  """The launcher compiles for --topology with the TPU compiler and says so in its record."""
+  config = tmp_path / "tiny.py"
+  config.write_text(TINY_SHAPES)
+  proc = subprocess.run([sys.executable, "-m", "launch.plan_memory", f"--config={config}",
+                         "--topology=v5e:2x2", "--json"], cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  record = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert record["compiler"] == "tpu" and record["devices"] == 4 and record["mesh"] == "model:4"
+  assert record["device"] == "v5e" and record["device_gib"] == 16 and record["fits"] is True
+  assert "TPU v5 lite x 4 (the TPU compiler's figures)" in proc.stdout
+  assert np.isclose(record["spare"], 1 - record["peak"] / (16 * 2**30))
+
+
+def test_bad_topologies_are_named():
+  for name in ("v5e", "tpu:2x2", "v5e:2by2"):
+    with pytest.raises(ValueError, match=f"--topology='{name}'"):
+      topology.devices(name)
+  with pytest.raises(ValueError, match="--topology=v5e:3x3"):
+    topology.devices("v5e:3x3")
