@@ -5,7 +5,7 @@ analysis checks what the CPU simulation cannot: that the decode loop updates the
 place on a TPU (it once copied each layer's full cache into a layout of its own: cache/full.py
 put_slots; and, for head_dim 64, into another layout: KVCache), on one chip and on a 4-chip mesh
 that splits heads and slots. Nothing is allocated: the arrays are shapes. The model is tiny but
-its full cache is long (100,000 prompt tokens, 4 layers of 16 KV heads of 64: 1.6 GB), so that it
+its full cache is long (120,000 prompt tokens, 4 layers of 16 KV heads of 64: 2 GB), so that it
 outweighs what a round computes and the few MiB a TPU program keeps for itself, as a
 long-context cache does.
 """
@@ -31,7 +31,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 TARGET = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=16,
                      num_kv_heads=16, head_dim=64, max_position_embeddings=131072, dtype="bfloat16")
 DRAFT = TARGET.replace(num_layers=1, num_heads=2, num_kv_heads=1)
-PROMPT, NEW = 100_000, 32
+PROMPT, NEW = 120_000, 32
 RETRIEVAL = Retrieval(256, 8)
 STREAMING = Streaming(4, 60)
 PRESETS = {
