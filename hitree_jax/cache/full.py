@@ -130,8 +130,9 @@ def put_slots(buffer: jax.Array, block: jax.Array, start: jax.Array, shards: int
   split = spec(None, None, None, SLOT_AXIS)
   first = jnp.arange(shards) * (buffer.shape[3] // shards)               # each shard's first slot
   local = lambda buffer, block, start, first: _put_rows(buffer, block, start - first[0])
-  return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), in_specs=(split, spec(), spec(), spec(SLOT_AXIS)),
-                       out_specs=split, axis_names={SLOT_AXIS}, check_vma=False)(buffer, block, start, first)
+  return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
+                       in_specs=(split, spec(), spec(), spec(SLOT_AXIS)), out_specs=split,
+                       axis_names={SLOT_AXIS}, check_vma=False)(buffer, block, start, first)
 
 
 UNROLLED_ROWS = 8  # put_slots writes up to this many rows one by one, more in a loop over rows
