@@ -11,6 +11,7 @@ devices fails, so everything handed to such a program must be abstract (jax.Shap
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 
@@ -54,3 +55,28 @@ def check_name(name: str) -> None:
 def _single_host(chips: list[int]) -> bool:
   """Slices below a host's 2x2 chips (one chip, 1x2) need their host bounds said."""
   return chips[0] * chips[1] < 4
+
+
+def compile_only() -> None:
+  """Sets jax up to compile for a slice it does not have: on the CPU unless JAX_PLATFORMS says
+  otherwise (no TPU is looked for), and without the persistent compilation cache, which cannot
+  load back a program compiled for devices that are not there."""
+  import jax
+  if not os.environ.get("JAX_PLATFORMS"):
+    jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_enable_compilation_cache", False)
+
+
+def mesh(name: str, spec: str | None = None):
+  """A mesh over a TPU slice's compile-only devices: `spec` (AXIS:N,...; default model:N over
+  all of them). Compiling for it needs no TPU, so jax is kept to the CPU unless JAX_PLATFORMS
+  says otherwise. Raises ValueError naming the slice or the mesh that is wrong."""
+  from hitree_jax import sharding
+  compile_only()
+  found = devices(name)
+  axes = sharding.parse_mesh(spec or f"model:{len(found)}")
+  if not axes:
+    raise ValueError(f"--mesh={spec!r}: name the mesh, e.g. model:{len(found)}")
+  if math.prod(axes.values()) > len(found):
+    raise ValueError(f"--mesh={spec} needs {needed} devices; --topology={name} has {len(found)}")
+  return sharding.make_mesh(axes, found)

@@ -20,10 +20,21 @@ read (the weights and the cache's keys and values, per device) over the device's
 (memory_plan.DEVICE_BANDWIDTH_GB_S, or --bandwidth_gb_s). A context whose arrays do not fit the
 device's memory is skipped, with a line saying what it needs. On a CPU it runs too (small
 configs: the tests), without a floor unless --bandwidth_gb_s is given.
+
+On paper, for a TPU you do not have (libtpu installed: ./setup.sh --tpu, or the test packages):
+
+  python -m launch.level_cost --config=configs/llama2_7b_128k.py --topology=v5e:2x4 --json
+
+compiles one forward of each level with the TPU compiler for that slice (hitree_jax/roofline.py)
+and reports, per device, its flops, the bytes it moves to and from HBM, the bytes it must read
+(weights and its cache), and the roofline time: the larger of bytes / the chip's bandwidth and
+flops / its peak. Besides the levels above, it costs an EAGLE layer over its own cache of the
+context. These figures are a roofline from the TPU compiler's program, not a measurement.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import math
@@ -46,6 +57,9 @@ flags.DEFINE_float("bandwidth_gb_s", None, "Memory bandwidth per device, GB/s (d
                    "accelerator's, from memory_plan.DEVICE_BANDWIDTH_GB_S; none on a CPU).")
 flags.DEFINE_float("memory_gib", None, "Memory per device to plan within, GiB (default: what the "
                    "device reports; no limit on a CPU).")
+flags.DEFINE_string("topology", None, "A TPU slice (v5e:2x4, v6e:2x4, v5p:2x2x1, ...): cost each "
+                    "level on paper, compiled by the TPU compiler without a TPU (a roofline, not "
+                    "measured). Needs libtpu (pip install \"jax[tpu]\", ./setup.sh --tpu).")
 flags.DEFINE_string("out", None, "Also write the JSON record here, and its table to OUT.md.")
 flags.DEFINE_bool("json", False, "Print the JSON record as the last line.")
 FLAGS = flags.FLAGS
@@ -215,6 +229,8 @@ def main(argv):
     raise ValueError("--contexts must be increasing, --widths and --repeats >= 1")
   if FLAGS.bandwidth_gb_s is not None and not FLAGS.bandwidth_gb_s > 0:
     raise ValueError(f"--bandwidth_gb_s={FLAGS.bandwidth_gb_s} must be > 0")
+  if FLAGS.topology is not None:
+    return write(on_paper(cfg, contexts, widths), paper_markdown)
   mesh = common.mesh_from_flags(FLAGS)
   import jax
   from hitree_jax import memory_plan, sharding
@@ -250,7 +266,12 @@ def main(argv):
             f"ar step {row['target_ms'].get(1, float('nan')):.2f} ms, retrieval "
             f"{row['retrieval_ms'][max(widths)]:.2f} ms"), flush=True)
       gc.collect()
-  table = markdown(record)
+  write(record, markdown)
+
+
+def write(record: dict, table_of) -> None:
+  """Prints the record's table (and with --json the record), and writes both under --out."""
+  table = table_of(record)
   print(table)
   if FLAGS.out:
     out = pathlib.Path(FLAGS.out)
@@ -258,6 +279,50 @@ def main(argv):
     out.with_suffix(".md").write_text(table + "\n")
   if FLAGS.json:
     print(json.dumps(record))
+
+
+ROOFLINE = "roofline from the TPU compiler's cost analysis, not measured"
+
+
+def on_paper(cfg, contexts: list[int], widths: list[int]) -> dict:
+  """Each level's forward compiled for --topology: its flops, HBM bytes and roofline time."""
+  from hitree_jax import roofline, sharding, topology
+  from hitree_jax.decode.prefill import round_up
+  from hitree_jax.model.config import ModelConfig
+  mesh = topology.mesh(FLAGS.topology, FLAGS.mesh or None)
+  target, draft = ModelConfig.from_dict(dict(cfg.target)), ModelConfig.from_dict(dict(cfg.draft))
+  sharding.check(target, mesh, 1, max(contexts))
+  chip = roofline.Chip.of(mesh.devices.flat[0])
+  levels = roofline.Levels(target, draft, mesh, chip)
+  tail = round_up(cfg.max_new_tokens + max(widths), 8)
+  as_dicts = lambda costs: [dict(dataclasses.asdict(c), seconds=c.seconds, over_ideal=c.over_ideal,
+                                 bound=c.bound) for c in costs]
+  rows = [{"level": "target", "context": c, "costs": as_dicts(levels.target_full(c, widths))} for c in contexts]
+  rows.append({"level": f"retrieval:{cfg.budget}", "context": contexts[0],
+               "costs": as_dicts(levels.retrieval(contexts[0], cfg.budget, 8, tail, widths))})
+  rows.append({"level": f"draft@streaming:{cfg.sinks}x{cfg.window}", "context": contexts[0],
+               "costs": as_dicts(levels.draft_streaming(contexts[0], cfg.sinks, cfg.window, widths))})
+  rows += [{"level": "eagle", "context": c, "costs": as_dicts(levels.eagle(c, widths))} for c in contexts]
+  return {"source": ROOFLINE, "compiler": "tpu", "topology": FLAGS.topology, "device_kind": chip.kind,
+          "devices": mesh.size, "mesh": sharding.describe(mesh), "bandwidth_gb_s": chip.bandwidth_gb_s,
+          "peak_tflops": chip.peak_tflops, "config": config_flags.get_config_filename(FLAGS["config"]),
+          "budget": cfg.budget, "sinks": cfg.sinks, "window": cfg.window, "widths": widths,
+          "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
+
+
+def paper_markdown(record) -> str:
+  lines = [f"{record['device_kind']} x{record['devices']} ({record['mesh']}, {record['topology']}), "
+           f"{record['config']}: {record['source']}; per device, at {record['bandwidth_gb_s']:g} GB/s and "
+           f"{record['peak_tflops']:g} TFLOP/s.", "",
+           "| level | context | tokens | roofline ms | bound | HBM GB | must read GB | x that | GFLOP |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for row in record["rows"]:
+    context = row["context"] if row["level"] in ("target", "eagle") else "any"
+    for c in row["costs"]:
+      lines.append(f"| {row['level']} | {context} | {c['width']} | {1e3 * c['seconds']:.3f} | {c['bound']} | "
+                   f"{c['hbm_bytes'] / 1e9:.3f} | {c['ideal_bytes'] / 1e9:.3f} | {c['over_ideal']:.2f} | "
+                   f"{c['flops'] / 1e9:.1f} |")
+  return "\n".join(lines)
 
 
 def run():

@@ -18,6 +18,16 @@ retrieval level, whose features it reads).
 
 --predict=LEVELS,... also prints the model's prediction for stacks given in the --levels
 grammar (e.g. draft/chain:2 or draft@streaming:16x234/chain:1+retrieval:512/6).
+
+On paper, for a TPU slice you do not have (libtpu installed; no weights, no TPU):
+
+  python -m launch.plan --topology=v5e:2x4 --shapes=configs/llama2_7b_128k.py \
+      --acceptance=configs/acceptance/triforce_llama2_7b_128k.json
+
+costs each level the acceptance file names by the TPU compiler's roofline of its forward
+(hitree_jax/roofline.py), takes acceptance from the file (a paper's figures, or a profile measured
+here: hitree_jax/planner/on_paper.py), and predicts every stack with the same model and search.
+It prints `ar`, the stacks named by --predict and the fastest one: a prediction, not a measurement.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import json
 import pathlib
 
 from absl import flags, logging
+from ml_collections import config_flags
 
 from launch import common
 
@@ -43,7 +54,16 @@ flags.DEFINE_multi_string("predict", [], "Also print the prediction for this sta
 flags.DEFINE_float("min_gain", 0.10, "Choose a stack only if it is predicted this much faster than ar "
                    "(the model's error here is about 10%; 0: the fastest prediction wins).")
 flags.DEFINE_string("out", None, "Write the chosen stack here as a config (.py) for launch.generate "
-                    "and launch.benchmark, with the plan and its prediction in a .json beside it.")
+                    "and launch.benchmark, with the plan and its prediction in a .json beside it. "
+                    "On paper (--topology): the predictions as FILE.json and a table as FILE.md.")
+flags.DEFINE_string("topology", None, "Plan on paper for a TPU slice (v5e:2x4, v6e:2x4, ...): levels "
+                    "costed by the TPU compiler's roofline, acceptance from --acceptance; needs "
+                    "--shapes and libtpu (./setup.sh --tpu).")
+config_flags.DEFINE_config_file("shapes", None, "On paper: the model shapes and stack sizes, e.g. "
+                                "configs/llama2_7b_128k.py.")
+flags.DEFINE_string("acceptance", None, "On paper: a JSON file of per-pair acceptance with its source, "
+                    "e.g. configs/acceptance/triforce_llama2_7b_128k.json, or a profile measured here.")
+flags.DEFINE_string("mesh", None, "On paper: the mesh over the slice's devices (default model:N).")
 FLAGS = flags.FLAGS
 
 CONFIG = '''"""{title}
@@ -80,8 +100,89 @@ def write_config(out: str, choice, draft: str, title: str, context: int,
   return [path, record]
 
 
+PAPER_WIDTHS = (1, 8, 16)   # a level's roofline is affine in its width (planner.latency.affine)
+
+
+def cost_of(levels, name: str, context: int, tail: int) -> dict[int, float]:
+  """{width: roofline seconds} of a level, by its profile name."""
+  import re
+  if name == "target":
+    costs = levels.target_full(context, PAPER_WIDTHS)
+  elif name == "eagle":
+    costs = levels.eagle(context, PAPER_WIDTHS)
+  elif match := re.fullmatch(r"retrieval:(\d+)", name):
+    costs = levels.retrieval(context, int(match.group(1)), 8, tail, PAPER_WIDTHS)
+  elif match := re.fullmatch(r"draft@streaming:(\d+)x(\d+)", name):
+    costs = levels.draft_streaming(context, int(match.group(1)), int(match.group(2)), PAPER_WIDTHS)
+  else:
+    raise ValueError(f"--acceptance: level {name!r} cannot be costed on paper (target, retrieval:B, "
+                     "draft@streaming:SxW and eagle can)")
+  return {c.width: c.seconds for c in costs}
+
+
+def plan_on_paper() -> None:
+  cfg = FLAGS.shapes
+  if cfg is None or FLAGS.acceptance is None:
+    raise ValueError(f"--topology={FLAGS.topology} plans on paper: give --shapes (e.g. "
+                     "configs/llama2_7b_128k.py) and --acceptance (e.g. "
+                     "configs/acceptance/triforce_llama2_7b_128k.json)")
+  if FLAGS.out is not None and not FLAGS.out.endswith(".json"):
+    raise ValueError(f"--out={FLAGS.out}: on paper the plan is written as a .json record")
+  from hitree_jax import roofline, sharding, topology
+  from hitree_jax.decode.prefill import cache_slots, round_up
+  from hitree_jax.model.config import ModelConfig
+  from hitree_jax.planner import auto, on_paper
+  acceptance = on_paper.load_acceptance(FLAGS.acceptance)
+  context = FLAGS.prompt_tokens if FLAGS["prompt_tokens"].present else cfg.prompt_tokens
+  mesh = topology.mesh(FLAGS.topology, FLAGS.mesh)
+  target, draft = ModelConfig.from_dict(dict(cfg.target)), ModelConfig.from_dict(dict(cfg.draft))
+  slots = cache_slots(context, cfg.max_new_tokens, extra=max(PAPER_WIDTHS))   # the engine's full cache
+  sharding.check(target, mesh, 1, slots)
+  chip = roofline.Chip.of(mesh.devices.flat[0])
+  levels = roofline.Levels(target, draft, mesh, chip)
+  tail = round_up(cfg.max_new_tokens + max(PAPER_WIDTHS), 8)
+  names = on_paper.levels_of(acceptance["acceptance"])
+  costs = {name: cost_of(levels, name, slots, tail) for name in names}
+  profile = on_paper.profile(costs, acceptance["acceptance"], context)
+  greedy = float(common.sampling_from_flags(FLAGS).temperature) == 0
+  space = on_paper.space_for(acceptance["acceptance"])
+  choice = auto.choose(profile, greedy, space, min_gain=FLAGS.min_gain)
+  rows = [("ar", 1 / profile["ar_seconds"], 1.0)]
+  for levels_spec in [*FLAGS.predict, auto.levels_spec(choice.best_stack)]:
+    got = auto.predict(profile, greedy, levels_spec, space=space)
+    rows.append((levels_spec, 1 / got.seconds_per_token, got.tokens_per_target_forward))
+  record = {"source": "prediction: levels by the roofline of the TPU compiler's programs, not measured; "
+                      "no per-round overheads", "acceptance_source": acceptance["source"],
+            "topology": FLAGS.topology, "device_kind": chip.kind, "mesh": sharding.describe(mesh),
+            "shapes": config_flags.get_config_filename(FLAGS["shapes"]), "context": context,
+            "greedy": greedy, "costs_ms": {n: {w: 1e3 * s for w, s in c.items()} for n, c in costs.items()},
+            "stacks": [{"levels": n, "tokens_per_s": t, "speedup": t * profile["ar_seconds"],
+                        "tokens_per_target_forward": f} for n, t, f in rows],
+            "chosen": choice.levels or "ar"}
+  table = paper_table(record)
+  print(table)
+  if FLAGS.out:
+    pathlib.Path(FLAGS.out).write_text(json.dumps(record, indent=1))
+    pathlib.Path(FLAGS.out).with_suffix(".md").write_text(table + "\n")
+  print(json.dumps(record))
+
+
+def paper_table(record: dict) -> str:
+  lines = [f"Predicted for {record['shapes']} at {record['context']} tokens on {record['device_kind']} "
+           f"({record['topology']}, {record['mesh']}), {'greedy' if record['greedy'] else 'sampled'}: "
+           f"{record['source']}.", f"Acceptance: {record['acceptance_source']}", "",
+           "| stack | tok/s | x `ar` | tokens per target forward |", "|---|---|---|---|"]
+  for s in record["stacks"]:
+    lines.append(f"| `{s['levels']}` | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | "
+                 f"{s['tokens_per_target_forward']:.2f} |")
+  lines.append(f"\nchosen: `{record['chosen']}`")
+  return "\n".join(lines)
+
+
 def main(argv):
   del argv
+  if FLAGS.topology is not None:
+    return plan_on_paper()
   if FLAGS.draft is None:
     raise ValueError("--draft: give the draft model's path (e.g. drafts/smollm2-draft.gguf)")
   if FLAGS.prompt_tokens < 1:

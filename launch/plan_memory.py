@@ -70,9 +70,8 @@ def main(argv):
     raise ValueError("--config: name a shapes config, e.g. configs/llama2_7b_128k.py")
   from hitree_jax import sharding, topology
   tpu = FLAGS.topology is not None and topology.tpu_compiler_installed()
-  if FLAGS.topology is not None and not os.environ.get("JAX_PLATFORMS"):
-    import jax
-    jax.config.update("jax_platforms", "cpu")  # the TPU compiler needs no TPU here: do not look for one
+  if FLAGS.topology is not None:
+    topology.compile_only()  # the TPU compiler needs no TPU here: do not look for one
   devices = topology.devices(FLAGS.topology) if tpu else None
   slice_size = len(devices) if tpu else _slice_size(FLAGS.topology)
   axes = sharding.parse_mesh(FLAGS.mesh if FLAGS.mesh is not None else f"model:{slice_size or 8}")

@@ -41,15 +41,14 @@ import numpy as np
 from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.decode import engine
 from hitree_jax.decode import prefill as prefill_lib
-from hitree_jax.decode.drafters import round_attend
 from hitree_jax.decode.programs import Programs, ahead_of_time
 from hitree_jax.decode.sampling import probabilities
 from hitree_jax.heads import eagle as eagle_lib
 from hitree_jax.model.llama import forward
 from hitree_jax.model.vocab import spread_probs
+from hitree_jax.roofline import RECENT_SLOTS, forward_inputs
 from hitree_jax.train.metrics import PROFILE_RANKS
 
-RECENT_SLOTS = 32   # a level's recent cache in decoding (engine.MIN_RECENT_SLOTS)
 CHUNK = 8           # retrieval chunk (the launchers')
 
 
@@ -73,10 +72,7 @@ def _timed_forward(config):
   fifth of a 2 ms draft forward's time when it is called alone."""
   @jax.jit
   def run(params, tokens, long):
-    w = tokens.shape[1]
-    recent = KVCache.init(config, tokens.shape[0], RECENT_SLOTS, **dtypes_of(long))
-    positions = long.next_positions[:, None] + jnp.arange(w)[None, :]
-    attend = round_attend(recent.lengths, RECENT_SLOTS, jnp.tril(jnp.ones((w, w), bool)))
+    positions, recent, attend = forward_inputs(config, tokens, long)
 
     def one(_, carry):
       fed = tokens + (carry > jnp.inf).astype(tokens.dtype)    # always tokens, but after `carry`
@@ -92,10 +88,7 @@ def _timed_eagle_forward(config, reduced: bool):
   long cache and a recent one, then its head: what a round runs per depth of its tree."""
   @jax.jit
   def run(params, embedding, tokens, long):
-    w = tokens.shape[1]
-    recent = KVCache.init(config, tokens.shape[0], RECENT_SLOTS, **dtypes_of(long))
-    positions = long.next_positions[:, None] + jnp.arange(w)[None, :]
-    attend = round_attend(recent.lengths, RECENT_SLOTS, jnp.tril(jnp.ones((w, w), bool)))
+    positions, recent, attend = forward_inputs(config, tokens, long)
     prev = jnp.zeros((*tokens.shape, config.hidden_size), long.values[0].dtype)
 
     def one(_, carry):
