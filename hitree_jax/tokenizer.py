@@ -129,8 +129,21 @@ def same_tokenizer(a, b) -> bool:
 
 def chat_prompt(tokenizer, user_text: str) -> list[int]:
   """Token ids of one user turn in the model's chat template, ready for the reply."""
+  return conversation_prompt(tokenizer, [user_text], [])
+
+
+def conversation_prompt(tokenizer, user_turns, answers) -> list[int]:
+  """Token ids of a conversation in the model's chat template, ready for the next reply:
+  user_turns[i] then answers[i] (the model's own, as text), ending on the last user turn."""
   if not tokenizer.chat_template:
     raise ValueError("this tokenizer has no chat template; drop --chat")
-  ids = tokenizer.apply_chat_template([{"role": "user", "content": user_text}],
-                                      add_generation_prompt=True, tokenize=True)
+  if len(answers) != len(user_turns) - 1:
+    raise ValueError(f"a conversation ready for a reply has one answer fewer than user turns, "
+                     f"not {len(answers)} for {len(user_turns)}")
+  messages = []
+  for i, text in enumerate(user_turns):
+    messages.append({"role": "user", "content": text})
+    if i < len(answers):
+      messages.append({"role": "assistant", "content": answers[i]})
+  ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
   return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -23,6 +23,17 @@ alike; each run's `order` in the JSON says when it was timed:
 
   python -m launch.convert --out=smollm2_f32.gguf
   python -m launch.benchmark --methods=ar --peers=hf,llamacpp --llamacpp_gguf=smollm2_f32.gguf
+
+--prompts=specbench runs Spec-Bench's protocol instead of book passages: its 480 chat questions
+in six tasks (data/spec_bench/), in the model's chat template, EOS honoured, 256 new tokens at
+most, MT-bench's second turn after the model's own first answer. It reports the speedup over
+`ar` per task, τ (tokens per target forward) and tok/s, as OUT.json, OUT.md and
+OUT_specbench.png. Under greedy decoding it checks that every method's tokens equal `ar`'s on
+every turn, and names any question that differs. --prompts=PATH.jsonl reads your own questions
+in the same format:
+
+  python -m launch.benchmark --prompts=specbench --per_category=10 \
+      --methods=ar,sd/ngram/4,sd/drafts/smollm2-draft.gguf/3 --out=specbench.json
 """
 
 from __future__ import annotations
@@ -66,6 +77,11 @@ flags.DEFINE_list("llamacpp_gguf", [], "GGUF files llama.cpp runs, a row each (d
 flags.DEFINE_bool("predict", False, "Also record the planner's prediction for each stack (from the "
                   "profile of --draft at each prompt length, measured on first use; launch/plan.py) "
                   "and plot predicted against measured (OUT_predicted.png).")
+flags.DEFINE_string("prompts", "books", "books (passages of --book, --prompt_tokens long), specbench "
+                    "(Spec-Bench's chat questions) or a .jsonl of question_id, category, turns.")
+flags.DEFINE_list("categories", [], "With --prompts: only these tasks (mt_bench, translation, "
+                  "summarization, qa, math_reasoning, rag) or categories (e.g. coding).")
+flags.DEFINE_integer("per_category", None, "With --prompts: at most this many questions per task.")
 flags.DEFINE_string("out", "results.json", "Where to write the JSON results (the table and plots "
                     "go beside it: OUT.md, OUT_speed.png, OUT_acceptance.png).")
 FLAGS = flags.FLAGS
@@ -202,9 +218,81 @@ def write_outputs(record: dict) -> None:
   logging.info("wrote %s", ", ".join(map(str, written)))
 
 
+def questions():
+  """--prompts' questions (Spec-Bench's, or a file's), --categories and --per_category applied;
+  None for book passages. Checked before any weights load."""
+  if FLAGS.prompts == "books":
+    if FLAGS.categories or FLAGS.per_category is not None:
+      raise app.UsageError("--categories and --per_category apply to --prompts=specbench or a .jsonl")
+    return None
+  from hitree_jax import spec_bench
+  for name in ("prompt_tokens", "n_prompts", "book", "peers", "predict"):
+    if FLAGS[name].present:
+      raise app.UsageError(f"--{name} applies to book passages, not --prompts={FLAGS.prompts}")
+  return spec_bench.select(spec_bench.read(None if FLAGS.prompts == "specbench" else FLAGS.prompts),
+                           FLAGS.categories, FLAGS.per_category)
+
+
+def run_questions(chosen, methods, sampling, mesh) -> None:
+  """Spec-Bench's protocol over `chosen` (launch/spec_bench_run.py): every method on every
+  question, then the report."""
+  import jax
+  from hitree_jax import sharding
+  from hitree_jax.decode.programs import Programs
+  from hitree_jax.loading import load_model
+  from hitree_jax.tokenizer import load_tokenizer
+  from launch import spec_bench_run
+  max_new = FLAGS.max_new_tokens if FLAGS["max_new_tokens"].present else 256
+  model = load_model(FLAGS.model, common.model_dtype(), FLAGS.key_dtype)
+  sharding.check(model.config, mesh, 1, 256)
+  model = dataclasses.replace(model, params=sharding.place_params(model.params, mesh))
+  tokenizer = load_tokenizer(model.path)
+  methods = [m.load_draft(model.config, model.params) for m in methods]
+  progress = Progress("spec-bench", len(methods) * (len(chosen) + 1))
+  by_method = {}
+  for method in methods:
+    programs = Programs()
+    jax.clear_caches()
+    gc.collect()
+    ask = lambda q: spec_bench_run.answer(model, tokenizer, method, q, sampling, programs, mesh, max_new, FLAGS.seed)
+    ask(chosen[0])   # warm-up: compiles; not counted
+    progress.step(detail=f"{method.label} warm-up")
+    runs = []
+    for q in chosen:
+      runs.append({"question_id": q.question_id, "task": q.task, "category": q.category, "turns": ask(q)})
+      progress.step(detail=f"{method.label} question {q.question_id}")
+    by_method[method.label] = runs
+  greedy = FLAGS.temperature == 0
+  results = spec_bench_run.rows(by_method, greedy)
+  out = pathlib.Path(FLAGS.out)
+  runs = {m: [{**r, "turns": [{k: v for k, v in t.items() if k != "tokens"} for t in r["turns"]]}
+              for r in rs] for m, rs in by_method.items()}
+  out.write_text(json.dumps({**record([]), "prompts": FLAGS.prompts, "max_new_tokens": max_new,
+                             "tasks": spec_bench_run.tasks_count(chosen), "results": results, "runs": runs},
+                            indent=2))
+  table = spec_bench_run.markdown(results)
+  out.with_suffix(".md").write_text(table + "\n")
+  written = [out, out.with_suffix(".md")]
+  if spec_bench_run.figure(results, out.with_name(out.stem + "_specbench.png")):
+    written.append(out.with_name(out.stem + "_specbench.png"))
+  print(table)
+  for r in results:
+    for d in r.get("differs_from_ar", []):
+      print(f"{r['method']}: question {d['question_id']} turn {d['turn']} differs from ar at token {d['at']}")
+  logging.info("wrote %s", ", ".join(map(str, written)))
+
+
 def main(argv):
   del argv
   mesh = common.mesh_from_flags(FLAGS)  # first: a multi-host run joins before jax starts
+  chosen = questions()
+  if chosen is not None:
+    specs = common.join_method_specs(FLAGS.methods)
+    if "auto" in specs:
+      raise app.UsageError("--methods=auto plans per prompt length; it does not run with --prompts yet")
+    greedy = FLAGS.temperature == 0
+    methods = [common.parse_method(spec, common.Knobs.from_flags(FLAGS), greedy) for spec in specs]
+    return run_questions(chosen, methods, common.sampling_from_flags(FLAGS), mesh)
   lengths = check_flags()
   greedy = FLAGS.temperature == 0
   specs = common.join_method_specs(FLAGS.methods)

@@ -415,3 +415,38 @@ def test_step_cost_splits_a_step_into_its_parts(tmp_path):
   assert "By XLA's profiler" in table
   proc = launch("step_cost", "--model=smollm2", "--widths=0", f"--out={out}")
   assert proc.returncode == 2 and "--widths" in proc.stderr
+
+
+@pytest.mark.slow
+def test_benchmark_runs_spec_bench_and_checks_every_turn_against_ar(tmp_path):
+  """Spec-Bench's protocol on SmolLM2-Instruct: chat template, EOS honoured, MT-bench's second
+  turn after the model's own first answer, per-task speedup and τ, and exactness per turn."""
+  out = tmp_path / "sb.json"
+  proc = launch("benchmark", "--prompts=specbench", "--categories=mt_bench,qa", "--per_category=1",
+                "--methods=ar,sd/ngram/4", "--max_new_tokens=16", f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  record = json.loads(out.read_text())
+  assert record["prompts"] == "specbench" and record["tasks"] == {"mt_bench": 1, "qa": 1}
+  results = {r["method"]: r for r in record["results"]}
+  assert set(results) == {"ar", "sd/ngram/4"} and results["sd/ngram/4"]["differs_from_ar"] == []
+  for r in results.values():
+    assert set(r["tasks"]) == {"mt_bench", "qa"} and r["overall"]["turns"] == 3
+    assert r["overall"]["tau"] >= 1 and r["tasks"]["qa"]["speedup"] > 0
+  assert results["ar"]["overall"]["speedup"] == 1.0 and results["ar"]["overall"]["tau"] == 1.0
+  first, second = record["runs"]["ar"][0]["turns"]   # MT-bench question 81: two turns
+  assert record["runs"]["ar"][0]["question_id"] == 81
+  # the second turn's prompt holds the first turn's prompt and the model's answer to it
+  assert second["prompt_tokens"] > first["prompt_tokens"] + first["new_tokens"]
+  assert all(t["new_tokens"] <= 16 for run in record["runs"]["ar"] for t in run["turns"])
+  table = (tmp_path / "sb.md").read_text()
+  assert "| sd/ngram/4 |" in table and "| yes |" in table and (tmp_path / "sb_specbench.png").exists()
+
+  mine = tmp_path / "mine.jsonl"
+  mine.write_text(json.dumps({"question_id": 7, "category": "chat", "turns": ["Name a colour."]}) + "\n")
+  proc = launch("benchmark", f"--prompts={mine}", "--methods=ar", "--max_new_tokens=4", f"--out={tmp_path / 'm.json'}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads((tmp_path / "m.json").read_text())["tasks"] == {"chat": 1}
+  proc = launch("benchmark", "--prompts=specbench", "--prompt_tokens=512", f"--out={tmp_path / 'x.json'}")
+  assert proc.returncode == 2 and "--prompt_tokens applies to book passages" in proc.stderr
+  proc = launch("benchmark", "--prompts=specbench", "--categories=poetry", f"--out={tmp_path / 'y.json'}")
+  assert proc.returncode == 2 and "--categories: poetry not among" in proc.stderr
