@@ -203,22 +203,23 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
   tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
   lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
   options = CPU_COPY_FREE if compiler(mesh) != "tpu" else None
-  compiled = prefill_lib._prefill_chunk.lower(params, config, full, tokens, scalar(jnp.int32), lengths,
+  compiled = prefill_lib.prefill_chunk.lower(params, config, full, tokens, scalar(jnp.int32), lengths,
                                               hidden).compile(options)
   programs.append(Program.of("prefill chunk", compiled))
   for j, long in enumerate(longs):  # the retrieval level's selection, from the full cache
     if isinstance(long, RetrievalCache):
       kind = layout.cache_kind(j)
-      compiled = engine._retrieval.lower(params, config, full, last_tokens, kind.budget, kind.chunk, tail,
-                                         sharding.sequence_shards(mesh)).compile()
+      compiled = engine.select_retrieval.lower(params, config, full, last_tokens, kind.budget, kind.chunk,
+                                               tail, sharding.sequence_shards(mesh)).compile()
       programs.append(Program.of(f"retrieval selection (level {j})", compiled))
   features = (len(layout.feature_taps) + 1) * config.hidden_size   # what a feature drafter reads
   first = (jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32),
            jax.ShapeDtypeStruct((batch, features), jnp.dtype(config.dtype)) if layout.reads_features else None)
-  history = prefill_lib.round_up(prompt_tokens + max_new_tokens + width, 128)
+  history = slots   # the engine's token history is as wide as its caches
   settings, key = abstract_settings()
-  compiled = engine._decode.lower(layout, weights, longs, first, max_new_tokens, settings, scalar(jnp.int32),
-                                  key, jax.ShapeDtypeStruct((batch, history), jnp.int32), lengths).compile()
+  start = engine.DecodeStart(first, settings, scalar(jnp.int32), key, jax.ShapeDtypeStruct((batch, history), jnp.int32),
+                             lengths)
+  compiled = engine.decode_loop.lower(layout, weights, longs, start, max_new_tokens).compile()
   programs.append(Program.of("decode loop", compiled))
 
   caches = {}

@@ -168,7 +168,7 @@ def context_row(cfg, target: Arrays, draft: Arrays, params, draft_params, contex
     return row
   full = target.cache(context, seed=context)
   row["target_ms"] = forward_ms(_timed_forward(target.config), params, full, widths)
-  select = functools.partial(engine._retrieval, params, target.config, full, jnp.zeros((1,), jnp.int32),
+  select = functools.partial(engine.select_retrieval, params, target.config, full, jnp.zeros((1,), jnp.int32),
                              cfg.budget, CHUNK, 64, sharding.sequence_shards(target.mesh))
   row["select_ms"] = 1e3 * median_seconds(select, repeats=FLAGS.repeats)
   retrieval = select()
@@ -177,7 +177,7 @@ def context_row(cfg, target: Arrays, draft: Arrays, params, draft_params, contex
   row["retrieval_ms"] = forward_ms(_timed_forward(target.config), params, retrieval, widths)
   del retrieval
   draft_full = draft.cache(context, seed=context + 1)
-  streaming = jax.block_until_ready(engine._streaming(draft_full, cfg.sinks, cfg.window, None))
+  streaming = jax.block_until_ready(engine.streaming_cache(draft_full, cfg.sinks, cfg.window, None))
   del draft_full
   gc.collect()
   row["draft_ms"] = forward_ms(_timed_forward(draft.config), draft_params, streaming, widths)

@@ -113,10 +113,10 @@ def test_prefill_time_waits_for_every_levels_cache(params, monkeypatch):
   monkeypatch.setattr(engine.jax, "block_until_ready", lambda x: blocked.append(x) or wait(x))
   small = CONFIG.replace(hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8)
   drafter, weights = model_draft(init_params(small, jax.random.key(5)), small)
-  args, _ = engine._prefilled_args(params, CONFIG, PROMPTS, 8, Stack(drafter, tree_lib.chain(2)),
-                                   None, 0, True, weights, Programs(), None)
+  ready, _ = engine.prefill(params, CONFIG, PROMPTS, 8, Stack(drafter, tree_lib.chain(2)), draft=weights,
+                            programs=Programs())
   waited = {id(leaf) for x in blocked for leaf in jax.tree.leaves(x)}
-  long_caches = [leaf for leaf in jax.tree.leaves(args[2]) if isinstance(leaf, jax.Array)]
+  long_caches = [leaf for leaf in jax.tree.leaves(ready.long_caches) if isinstance(leaf, jax.Array)]
   assert len(long_caches) >= 2 * (CONFIG.num_layers + small.num_layers)  # keys and values of both
   assert all(id(leaf) in waited for leaf in long_caches)
 

@@ -243,7 +243,9 @@ def test_biased_middle_level_is_caught(monkeypatch):
   monkeypatch.setattr(engine, "verify", _verify_middle_resampling_from_p(stack.tree))
   # A function of its own, so jit traces it afresh with the biased rule, in any test order
   # (the engine's own program may already be traced with the exact one).
-  decode = engine._decode.__wrapped__
-  monkeypatch.setattr(engine, "_decode", jax.jit(lambda *args: decode(*args), static_argnums=(0, 4)))
+  decode = engine.decode_loop.__wrapped__
+  monkeypatch.setattr(engine, "decode_loop", jax.jit(lambda layout, weights, long_caches, start, max_new_tokens:
+                                                     decode(layout, weights, long_caches, start, max_new_tokens),
+                                                     static_argnames=("layout", "max_new_tokens")))
   samples, _, law = sample_stack(monkeypatch, stack, temperature, top_k, n)
   assert chi_square_pvalue(samples, law) < 1e-6

@@ -142,13 +142,12 @@ def test_every_array_is_where_it_was_declared(params, draft):
   _, prefilled = prefill_lib.prefill(weights.target, CONFIG, full, batch, programs)
   expect(prefilled.keys[0], mesh, ("data", "model", None, "sequence"))  # the prefill program kept it
 
-  first, longs = engine._long_caches(layout, weights, CONFIG, batch, 512, 64, programs)
-  seq = np.zeros((batch.batch, 640), np.int32)
+  first, longs = engine.prefill_levels(layout, weights, CONFIG, batch, 512, 64, programs)
+  seq = np.zeros((batch.batch, 512), np.int32)
   seq[:, :batch.tokens.shape[1]] = batch.tokens
-  args = (layout, weights, longs, first, 30, SamplingParams.create(), jnp.int32(-1), jax.random.key(0),
-          jnp.asarray(seq), jnp.asarray(batch.lengths))
-  loop = programs.get("decode", engine._decode, *args)
-  out, _, _, after = loop(*[a for i, a in enumerate(args) if i not in (0, 4)])
+  start = engine.DecodeStart(first, SamplingParams.create(), jnp.int32(-1), jax.random.key(0), jnp.asarray(seq),
+                             jnp.asarray(batch.lengths))
+  out, _, _, after = engine.decode(engine.Prefilled(layout, weights, longs, start, 30), programs)
   declared = {1: ("data", None, None, "sequence"), 2: ("data", "model", None, None),
               3: ("data", "model", None, "sequence")}               # keys, values [B, KVH, D, S]
   for caches in (longs, after):
@@ -207,8 +206,8 @@ def test_memory_plan_counts_what_the_arrays_hold(params, draft):
   batch = prefill_lib.make_batch(PROMPTS, CONFIG, 8)
   weights = engine.Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
   slots = prefill_lib.cache_slots(60, 8, extra=layout.recent_slots)
-  first, longs = engine._long_caches(layout, weights, CONFIG, batch, slots,
-                                     prefill_lib.round_up(8 + layout.recent_slots, 8), Programs())
+  first, longs = engine.prefill_levels(layout, weights, CONFIG, batch, slots,
+                                       prefill_lib.round_up(8 + layout.recent_slots, 8), Programs())
   assert plan["slots"] == slots
   assert plan["params"] == bytes_per_device(weights.target) > 0
   assert plan["draft_params"] == bytes_per_device(weights.draft.params)

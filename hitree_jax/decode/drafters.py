@@ -113,7 +113,7 @@ def _static_proposal(tree: TokenTree, tokens, q, inp: DraftInputs, cache=None) -
                   cached_depth=tree.max_depth - 1)
 
 
-def _round_positions(inp: DraftInputs, depth) -> jax.Array:
+def _roundtree_positions(inp: DraftInputs, depth) -> jax.Array:
   """[B, P+N]: the lead's positions, then each node's (the root's position + its depth)."""
   depth = jnp.broadcast_to(depth, (inp.end.shape[0], depth.shape[-1]))
   return jnp.concatenate([inp.lead.positions, inp.end[:, None] - 1 + depth], axis=1)
@@ -130,7 +130,7 @@ class SelfDrafter:
   def check(self, tree: TokenTree, config: ModelConfig) -> None:
     if not 1 <= self.num_layers < config.num_layers:
       raise ValueError(f"self-draft layers={self.num_layers} must be in [1, {config.num_layers})")
-    _check_dynamic_mode(tree, self.mode)
+    check_dynamic_mode(tree, self.mode)
 
   def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
     """One forward of the first k layers per depth, on a scratch cache of (lead, nodes) that
@@ -138,7 +138,7 @@ class SelfDrafter:
     k, lead, config = self.num_layers, inp.lead, inp.config
     batch, p = lead.tokens.shape
     mask = round_mask(lead.valid, tree_attend_mask(tree))                         # [B, P+N, P+N]
-    positions = _round_positions(inp, jnp.asarray(tree.depth))
+    positions = _roundtree_positions(inp, jnp.asarray(tree.depth))
     context = (_first_layers(inp.cache.long, k), _first_layers(inp.cache.recent, k))
 
     def step(scratch, fed, idx):
@@ -158,7 +158,7 @@ class SelfDrafter:
 
     def run(scratch, fed, depth, first, attend, parents):
       del parents
-      logits, _, scratch = forward(inp.params, config, fed, _positions(base, depth, fed), scratch, attend,
+      logits, _, scratch = forward(inp.params, config, fed, tree_positions(base, depth, fed), scratch, attend,
                                    write_at=jnp.full_like(base, first), context=context)
       return logits, scratch
 
@@ -178,11 +178,13 @@ def _first_layers(cache: KVCache, k: int) -> KVCache:
   return cache.replace(keys=cache.keys[:k], values=cache.values[:k])
 
 
-def _positions(base, depth: int, fed):
+def tree_positions(base, depth: int, fed):
+  """[B, N] positions of the nodes `fed` at one depth of a tree: each row's base + depth."""
   return jnp.broadcast_to(base[:, None] + depth, fed.shape)
 
 
-def _check_dynamic_mode(tree, mode: str) -> None:
+def check_dynamic_mode(tree, mode: str) -> None:
+  """Refuses a draw mode that a dynamic tree (the draft's top-k at each node) cannot use."""
   if isinstance(tree, DynamicTree) and mode != "deterministic":
     raise ValueError(f"a dynamic tree proposes the draft's top-{tree.width} tokens at each node: "
                      f"draw mode {mode!r} does not apply (use deterministic)")
@@ -279,7 +281,7 @@ class ModelDrafter:
     if (self.weights == "draft") == isinstance(self.cache, Retrieval):
       raise ValueError("a retrieval cache is the target's (built from its full cache); a draft "
                        "model's cache is full or streaming")
-    _check_dynamic_mode(tree, self.mode)
+    check_dynamic_mode(tree, self.mode)
 
   def _weights(self, inp: DraftInputs) -> "DraftWeights":
     return DraftWeights(inp.params) if self.weights == "target" else inp.draft
@@ -291,7 +293,7 @@ class ModelDrafter:
     recent = cache.recent
     mask = round_mask(lead.valid, tree_attend_mask(tree))
     attend_all = round_attend(recent.lengths, recent.max_len, mask)                 # [B, P+N, W]
-    positions = _round_positions(inp, jnp.asarray(tree.depth))
+    positions = _roundtree_positions(inp, jnp.asarray(tree.depth))
     base = recent.lengths
 
     def step(recent, fed, idx):
@@ -312,7 +314,7 @@ class ModelDrafter:
 
     def run(scratch, fed, depth, first, attend, parents):
       del parents
-      logits, _, scratch = forward(draft.params, config, fed, _positions(base, depth, fed), scratch,
+      logits, _, scratch = forward(draft.params, config, fed, tree_positions(base, depth, fed), scratch,
                                    attend, write_at=jnp.full_like(base, first), context=context)
       return draft.never_other(logits), scratch
 

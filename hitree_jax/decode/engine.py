@@ -191,6 +191,29 @@ class Weights:
   draft: DraftWeights | None
 
 
+@flax.struct.dataclass
+class DecodeStart:
+  """What the decode loop starts from beside the long caches (all traced: a new prompt, key or
+  setting of the same shapes reuses the program)."""
+  first: tuple               # (the last prompt tokens' logits [B, V], their features [B, F] or None)
+  sampling: SamplingParams
+  eos_id: jax.Array          # int32 scalar; -1: none
+  key: jax.Array
+  seq: jax.Array             # [B, S] the token history: each row's prompt, then room for its output
+  end: jax.Array             # [B] each row's prompt length
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+  """A generation after prefill, ready for `decode`: the stack's layout, the placed weights,
+  every level's long cache (donated to the decode loop: used once), and the loop's start."""
+  layout: Layout
+  weights: Weights
+  long_caches: tuple
+  start: DecodeStart
+  max_new_tokens: int
+
+
 def _chain_proposal(seq, start, count, buffer_q, size: int) -> Proposal:
   """An intermediate level's buffer seq[start : start + count] as a chain the level above verifies."""
   index = start[:, None] + jnp.arange(size)[None, :]
@@ -428,11 +451,10 @@ class _Decoder:
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), block, st)
 
 
-def _initial_state(layout: Layout, long_caches, prefilled, max_new_tokens: int,
-                   sampling: SamplingParams, eos_id, key, seq, end) -> LoopState:
-  """The loop's state after prefill: the first token sampled, an empty recent cache per level.
-  prefilled: (the last prompt tokens' logits [B, V], their hidden states [B, E] or None)."""
-  first_logits, last_hidden = prefilled
+def _initial_state(layout: Layout, long_caches, start: DecodeStart, max_new_tokens: int) -> LoopState:
+  """The loop's state after prefill: the first token sampled, an empty recent cache per level."""
+  (first_logits, last_hidden), sampling, eos_id, key = start.first, start.sampling, start.eos_id, start.key
+  seq, end = start.seq, start.end
   batch = first_logits.shape[0]
   key, sub = jax.random.split(key)
   first = sample(sub, first_logits, sampling)
@@ -462,28 +484,27 @@ def _initial_state(layout: Layout, long_caches, prefilled, max_new_tokens: int,
       features=features)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
-def _decode(layout: Layout, weights: Weights, long_caches, prefilled, max_new_tokens: int,
-            sampling: SamplingParams, eos_id, key, seq, end):
-  """The whole generation after prefill. Returns (tokens [B, N + slack], n_tokens [B], Stats,
-  the long caches: returned so that the donated ones are updated in place, not copied)."""
-  state = _initial_state(layout, long_caches, prefilled, max_new_tokens, sampling, eos_id, key,
-                         seq, end)
-  decoder = _Decoder(layout, weights, sampling, eos_id, max_new_tokens)
+@functools.partial(jax.jit, static_argnames=("layout", "max_new_tokens"), donate_argnames=("long_caches",))
+def decode_loop(layout: Layout, weights: Weights, long_caches, start: DecodeStart, max_new_tokens: int):
+  """The whole generation after prefill, one program. Returns (tokens [B, N + slack], n_tokens
+  [B], Stats, the long caches: returned so that the donated ones are updated in place, not
+  copied)."""
+  state = _initial_state(layout, long_caches, start, max_new_tokens)
+  decoder = _Decoder(layout, weights, start.sampling, start.eos_id, max_new_tokens)
   state = decoder.run(state)
   longs = tuple(None if c is None else c.long for c in state.caches)
   return state.out, jnp.minimum(state.n_out, max_new_tokens), state.stats, longs
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 10))
-def _level_round(layout: Layout, weights: Weights, long_caches, prefilled, max_new_tokens: int,
-                 sampling: SamplingParams, eos_id, key, seq, end, j: int, below: Proposal | None):
+@functools.partial(jax.jit, static_argnames=("layout", "max_new_tokens", "j"))
+def _level_round(layout: Layout, weights: Weights, long_caches, start: DecodeStart, max_new_tokens: int,
+                 j: int, below: Proposal | None):
   """One round of level j alone, from the state after prefill (to time it): the drafter (j = 0)
   proposes; a level j >= 1 verifies a proposal of the level below (the drafter's, `below`, or a
   full buffer) with its forward, and commits. Returns small outputs that depend on all of it."""
-  st = _initial_state(layout, long_caches, prefilled, max_new_tokens, sampling, eos_id, key,
-                      seq, end)
-  decoder = _Decoder(layout, weights, sampling, eos_id, max_new_tokens)
+  st = _initial_state(layout, long_caches, start, max_new_tokens)
+  key = start.key
+  decoder = _Decoder(layout, weights, start.sampling, start.eos_id, max_new_tokens)
   if j == 0:
     _, prop, _, _ = decoder._propose(0, st, key)
     return prop
@@ -501,17 +522,17 @@ def _level_round(layout: Layout, weights: Weights, long_caches, prefilled, max_n
   return emitted, n_acc, tuple(c.recent for c in st.caches if c is not None)
 
 
-def _time_levels(programs: programs_lib.Programs, args: tuple, repeats: int = 5) -> list[float]:
+def _time_levels(programs: programs_lib.Programs, ready: Prefilled, repeats: int = 5) -> list[float]:
   """Seconds of one round of each level (index 0: the drafter's proposal), run alone on the
-  state after prefill, the median of `repeats` runs. args: _decode's arguments."""
-  layout = args[0]
+  state after prefill, the median of `repeats` runs."""
+  layout = ready.layout
   below = None
   times = []
   for j in range(layout.top + 1):
-    full = (*args, j, below if j == 1 else None)
-    program = programs.get(("level", layout, j, args[4], programs_lib.shape_key(full[1:])),
-                           _level_round, *full)
-    inputs = [a for i, a in enumerate(full) if i not in (0, 4, 10)]
+    inputs = (ready.weights, ready.long_caches, ready.start, below if j == 1 else None)
+    program = programs.get(("level", layout, j, ready.max_new_tokens, programs_lib.shape_key(inputs)),
+                           _level_round, layout, inputs[0], inputs[1], inputs[2], ready.max_new_tokens, j,
+                           inputs[3])
     runs = []
     for _ in range(repeats + 1):  # the first run warms up
       start = time.perf_counter()
@@ -523,7 +544,7 @@ def _time_levels(programs: programs_lib.Programs, args: tuple, repeats: int = 5)
   return times
 
 
-def _long_caches(layout: Layout, weights: Weights, config: ModelConfig, batch: prefill_lib.PromptBatch,
+def prefill_levels(layout: Layout, weights: Weights, config: ModelConfig, batch: prefill_lib.PromptBatch,
                  slots: int, tail: int, programs: programs_lib.Programs):
   """Prefills what each level keeps: -> ((first logits [B, V], the last prompt tokens' hidden
   states [B, E] for a feature drafter, else None), long caches per level)."""
@@ -566,18 +587,21 @@ def derived_long_cache(layout: Layout, j: int, full: KVCache, draft_full: KVCach
     return source
   if isinstance(kind, Streaming):
     shift_freq = jnp.asarray(rope_inv_freq(layout.config(j))) if kind.reindex else None
-    return _streaming(source, kind.sinks, kind.window, shift_freq)
-  return _retrieval(params, layout.target, full, last_tokens, kind.budget, kind.chunk, tail,
+    return streaming_cache(source, kind.sinks, kind.window, shift_freq)
+  return select_retrieval(params, layout.target, full, last_tokens, kind.budget, kind.chunk, tail,
                     sharding.sequence_shards(layout.mesh))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _streaming(full: KVCache, sinks: int, window: int, shift_freq) -> StreamingCache:
+def streaming_cache(full: KVCache, sinks: int, window: int, shift_freq) -> StreamingCache:
+  """A StreamingLLM cache of `sinks` + `window` slots kept from a prefilled full cache (jitted)."""
   return StreamingCache.from_prefill(full, sinks, window, shift_freq)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 4, 5, 6, 7))
-def _retrieval(params, config, full, last_tokens, budget: int, chunk: int, tail: int, shards: int):
+def select_retrieval(params, config, full, last_tokens, budget: int, chunk: int, tail: int, shards: int):
+  """A retrieval cache of `budget` slots (+ `tail`) chosen from a prefilled full cache by its last
+  tokens' queries (jitted; shards: the full cache's slot shards, sharding.sequence_shards)."""
   return retrieval.from_full(params, config, full, last_tokens, budget, chunk, tail, shards)
 
 
@@ -594,11 +618,13 @@ def check_stack(stack: Stack, config: ModelConfig) -> None:
                      "must have the target's weights (e.g. the retrieval level)")
 
 
-def _prefilled_args(params, config: ModelConfig, prompts, max_new_tokens: int, stack: Stack,
-                    sampling: SamplingParams | None, seed: int, stop_at_eos: bool,
-                    draft: DraftWeights | None, programs: programs_lib.Programs, mesh: Mesh | None):
-  """Checks the stack and prefills every level's long cache: (_decode's arguments, prefill
-  seconds, compilation included)."""
+def prefill(params, config: ModelConfig, prompts, max_new_tokens: int, stack: Stack,
+            sampling: SamplingParams | None = None, seed: int = 0, stop_at_eos: bool = True,
+            draft: DraftWeights | None = None, programs: programs_lib.Programs | None = None,
+            mesh: Mesh | None = None) -> tuple[Prefilled, float]:
+  """Checks the stack and prefills every level's long cache from the prompts: (the generation
+  ready for `decode`, prefill seconds, compilation included)."""
+  programs = programs or programs_lib.shared()
   sampling = sampling or SamplingParams.create()
   check_stack(stack, config)
   if stack.uses_draft_weights and draft is None:
@@ -617,19 +643,34 @@ def _prefilled_args(params, config: ModelConfig, prompts, max_new_tokens: int, s
   sharding.check(config, mesh, batch.batch, slots)
   weights = Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
   start = time.perf_counter()
-  prefilled, longs = _long_caches(layout, weights, config, batch, slots,
+  prefilled, longs = prefill_levels(layout, weights, config, batch, slots,
                                   prefill_lib.round_up(max_new_tokens + width, 8), programs)
   # Every level's cache, not only the target's first logits: a draft's prefill still running
   # when the decode clock starts was counted as decoding (a draft stack at 7.5K: 28 tok/s, not 40).
   jax.block_until_ready((prefilled, longs))
   prefill_s = time.perf_counter() - start
-  history_width = prefill_lib.round_up(batch.tokens.shape[1] + max_new_tokens + width, 128)
-  seq = np.zeros((batch.batch, history_width), np.int32)
+  # The token history is as wide as the caches, so that prompts sharing a cache bucket share
+  # the decode program too (a width of its own, rounded to 128, doubled the programs compiled).
+  seq = np.zeros((batch.batch, slots), np.int32)
   seq[:, :batch.tokens.shape[1]] = batch.tokens
   eos = jnp.int32(config.eos_token_id if stop_at_eos and config.eos_token_id is not None else -1)
-  args = (layout, weights, longs, prefilled, max_new_tokens, sampling, eos, jax.random.key(seed),
-          jnp.asarray(seq), jnp.asarray(batch.lengths))
-  return args, prefill_s
+  start = DecodeStart(prefilled, sampling, eos, jax.random.key(seed), jnp.asarray(seq), jnp.asarray(batch.lengths))
+  return Prefilled(layout, weights, longs, start, max_new_tokens), prefill_s
+
+
+def decode(ready: Prefilled, programs: programs_lib.Programs | None = None):
+  """Runs the decode loop of a prefilled generation: (tokens [B, N + slack], n_tokens [B],
+  Stats, the long caches after it). Its caches are donated: a Prefilled decodes once."""
+  return decode_program(ready, programs)(ready.weights, ready.long_caches, ready.start)
+
+
+def decode_program(ready: Prefilled, programs: programs_lib.Programs | None = None):
+  """The compiled decode loop for a prefilled generation's layout and shapes (compiled once,
+  kept in `programs`), called as program(weights, long_caches, start)."""
+  programs = programs or programs_lib.shared()
+  inputs = (ready.weights, ready.long_caches, ready.start)
+  return programs.get(("engine", ready.layout, ready.max_new_tokens, programs_lib.shape_key(inputs)),
+                      decode_loop, ready.layout, *inputs, ready.max_new_tokens)
 
 
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -649,15 +690,14 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
   programs = programs or programs_lib.shared()
   counts_before = programs.counts()
   with sharding.use(mesh):  # traced under the mesh: attention over a cache split by slot reads it per shard
-    args, prefill_s = _prefilled_args(params, config, prompts, max_new_tokens, stack, sampling, seed,
-                                      stop_at_eos, draft, programs, mesh)
-    layout = args[0]
+    ready, prefill_s = prefill(params, config, prompts, max_new_tokens, stack, sampling, seed,
+                               stop_at_eos, draft, programs, mesh)
+    layout = ready.layout
     prefill_s -= programs.compile_s - counts_before[0]
-    round_s = _time_levels(programs, args) if time_levels and layout.top > 0 else None
-    loop = programs.get(("engine", layout, max_new_tokens, programs_lib.shape_key(args[1:])),
-                        _decode, *args)
+    round_s = _time_levels(programs, ready) if time_levels and layout.top > 0 else None
+    loop = decode_program(ready, programs)   # compiled before the clock starts
     start = time.perf_counter()
-    out, n_tokens, stats, _ = loop(*[a for i, a in enumerate(args) if i not in (0, 4)])
+    out, n_tokens, stats, _ = loop(ready.weights, ready.long_caches, ready.start)
     out, n_tokens = sharding.fetch(out), sharding.fetch(n_tokens)
     decode_s = time.perf_counter() - start
     stats = jax.tree.map(sharding.fetch, stats)

@@ -86,7 +86,7 @@ def cache_slots(prompt_len: int, max_new_tokens: int, extra: int = 0) -> int:
 
 
 @functools.partial(jax.jit, static_argnums=(1, 7), donate_argnums=(2,))
-def _prefill_chunk(params, config: ModelConfig, cache: KVCache, tokens, start, lengths,
+def prefill_chunk(params, config: ModelConfig, cache: KVCache, tokens, start, lengths,
                    last_hidden, taps: tuple[int, ...] = ()):
   """Runs prompt tokens [B, C] at slots start..start+C-1; keeps each row's last-token hidden
   and returns the chunk's hidden states [B, C, E] too (a feature draft's prefill reads them;
@@ -133,7 +133,7 @@ def prefill(params, config: ModelConfig, cache: KVCache, batch: PromptBatch, pro
   width = (len(taps) + 1) * config.hidden_size
   last_hidden = jnp.zeros((batch.batch, width), jnp.dtype(config.dtype))
   args = (params, config, cache, tokens[:, :chunk], jnp.int32(0), lengths, last_hidden, tuple(taps))
-  step = programs.get(("prefill", config, shape_key(args)), _prefill_chunk, *args, extra_cpu_options=CPU_COPY_FREE)
+  step = programs.get(("prefill", config, shape_key(args)), prefill_chunk, *args, extra_cpu_options=CPU_COPY_FREE)
   hidden = []
   for start in range(0, padded, chunk):
     cache, last_hidden, chunk_hidden = step(params, cache, tokens[:, start:start + chunk],

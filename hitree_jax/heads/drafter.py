@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hitree_jax.cache.full import KVCache
-from hitree_jax.decode.drafters import (DraftInputs, Proposal, _check_dynamic_mode, _positions,
+from hitree_jax.decode.drafters import (DraftInputs, Proposal, check_dynamic_mode, tree_positions,
                                         fill_tree, round_attend, tree_attend_mask)
 from hitree_jax.decode.levels import commit, round_mask
 from hitree_jax.decode.stack import Full
@@ -73,7 +73,7 @@ class EagleDrafter:
     if self.taps and max(self.taps) >= config.num_layers - 1:
       raise ValueError(f"the EAGLE draft reads layers {list(self.taps)} of its target; this target "
                        f"has {config.num_layers} layers: it was trained for another target")
-    _check_dynamic_mode(tree, self.mode)
+    check_dynamic_mode(tree, self.mode)
 
   def _reduced(self) -> bool:
     return self.target_vocab_size is not None
@@ -140,7 +140,7 @@ class EagleDrafter:
         return eagle.logits(inp.draft.params, root_feature[:, None], self._reduced()), state
       prev = jnp.take_along_axis(predicted, parent_slots[:, :, None], axis=1)
       out, logits, scratch = self._node_features(inp, cache, scratch, fed, prev,
-                                                 _positions(base, depth, fed), attend, first)
+                                                 tree_positions(base, depth, fed), attend, first)
       return logits, (scratch, jax.lax.dynamic_update_slice_in_dim(predicted, out, first, axis=1))
 
     predicted = jnp.zeros((batch, slots, self.config.hidden_size), root_feature.dtype)
@@ -171,7 +171,7 @@ class MedusaDrafter:
     if tree.max_depth > self.num_heads:
       raise ValueError(f"a tree of depth {tree.max_depth} needs as many Medusa heads; these "
                        f"have {self.num_heads}")
-    _check_dynamic_mode(tree, self.mode)
+    check_dynamic_mode(tree, self.mode)
 
   def _head_logits(self, inp: DraftInputs):
     """[B, K, V'] every head's logits from the feature of the token before the root."""

@@ -176,14 +176,14 @@ class _Levels:
       return t.config, t.params, self.full, None
     if m := re.fullmatch(r"retrieval:(\d+)", name):
       last = jnp.asarray([self.prompt[-1]], jnp.int32)
-      return t.config, t.params, engine._retrieval(t.params, t.config, self.full, last, int(m.group(1)), CHUNK,
+      return t.config, t.params, engine.select_retrieval(t.params, t.config, self.full, last, int(m.group(1)), CHUNK,
                                                    self.slots - len(self.prompt), 1), None
     if m := re.fullmatch(r"self:(\d+)", name):
       k = int(m.group(1))
       return (t.config.replace(num_layers=k), *_first_layers(t.params, self.full, k), None)
     if m := re.fullmatch(r"draft(?:@streaming:(\d+)x(\d+))?", name):
       full = self.draft_full(name)
-      long = full if m.group(1) is None else engine._streaming(full, int(m.group(1)), int(m.group(2)), None)
+      long = full if m.group(1) is None else engine.streaming_cache(full, int(m.group(1)), int(m.group(2)), None)
       return self.draft.config, self.draft.params, long, self.draft.vocab
     raise ValueError(f"unknown level {name!r}: expected target, retrieval:B, self:K, draft, "
                      "draft@streaming:SxW or eagle")
@@ -440,7 +440,7 @@ def _deeper(p, accept, hits, q_deep) -> dict:
 
 
 # Bumped when what a profile holds is measured differently, so stored ones are measured again.
-# 2: generations are timed from when every level's cache is built (engine._prefilled_args); the
+# 2: generations are timed from when every level's cache is built (engine.prefill); the
 # overheads fitted before counted a draft's prefill as decoding. 3: CPU programs are compiled
 # with 512-bit vectors (programs.CPU_DEFAULTS). 4: overheads fitted with a fifth reference stack
 # (round_overheads). 5: an EAGLE draft's deeper-node acceptance (pair_acceptance's `deeper`).
