@@ -422,13 +422,6 @@ def _split_level(who: str):
   return name, Streaming(int(sinks), int(window), reindex), mode
 
 
-def _int(text: str, prefix: str) -> int:
-  value = text.removeprefix(prefix)
-  if not value.isdigit():
-    raise ValueError(f"{text!r}: expected {prefix}N with N a positive integer")
-  return int(value)
-
-
 def _split_draft_and_shape(rest: str) -> tuple[str, str | None]:
   """'DRAFT[/SHAPE]' where DRAFT may be a path with slashes: SHAPE is a number or a tree spec."""
   head, _, tail = rest.rpartition("/")

@@ -27,7 +27,7 @@ ATOL = 1e-5
 _forward = jax.jit(forward, static_argnums=1)
 _select = jax.jit(retrieval.select, static_argnames=("budget", "chunk", "tail"))
 _from_full = jax.jit(retrieval.from_full, static_argnums=(1,), static_argnames=("budget", "chunk", "tail"))
-_reselect = jax.jit(retrieval.reselect, static_argnums=(1,), static_argnames=("budget", "chunk", "tail"))
+_reselect = jax.jit(retrieval.from_full, static_argnums=(1,), static_argnames=("budget", "chunk", "tail"))
 _projections = jax.jit(retrieval.last_token_projections, static_argnums=(1, 4))
 _from_prefill = jax.jit(StreamingCache.from_prefill, static_argnums=(1, 2))
 _stream_append = jax.jit(StreamingCache.append)

@@ -222,13 +222,3 @@ def from_full(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array
   return select(full, last_token_queries(params, config, full, last_tokens), budget, chunk, tail, shards)
 
 
-def reselect(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array, budget: int,
-             chunk: int = 8, tail: int = 0, shards: int = 1) -> RetrievalCache:
-  """Rebuilds the selection with a newer query (TriForce describes this, does not do it).
-
-  `full` must hold every committed token (append the decoder's recent cache
-  first); last_tokens [B] are the tokens at its slots lengths-1. The old
-  retrieval cache, tail included, is superseded: its tokens are in `full`.
-  Costs one single-token forward over `full` plus the gathers.
-  """
-  return from_full(params, config, full, last_tokens, budget, chunk, tail, shards)

@@ -1,6 +1,6 @@
 """One level's cache in the decode loop, and the arithmetic of a level's round.
 
-A level's cache is two parts (see kv_cache.py for why): a `long` cache that
+A level's cache is two parts (model/llama.py's `hidden_states` says why): a `long` cache that
 is read-only inside a block of rounds -- the full KVCache, a RetrievalCache or
 a StreamingCache: all hold keys at their sequence positions, expose the
 position of the next token (`next_positions`) and show every query their

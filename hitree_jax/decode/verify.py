@@ -1,7 +1,7 @@
 """Verification of drafted token trees against the target: exact, greedy and sampling.
 
-One rule covers chains and trees and every way of drawing children (DESIGN.md,
-"Tree verification"). At a node with target distribution p, the children are
+One rule covers chains and trees and every way of drawing children (docs/design.md
+says why it is exact). At a node with target distribution p, the children are
 tried in order; child x, proposed from distribution q_x, is accepted with
 probability min(1, p(x) / q_x(x)); on rejection p <- norm(max(p - q_x, 0)).
 If no child is accepted (or the node is a leaf) one token is drawn from the
@@ -57,7 +57,7 @@ def verify(key: jax.Array, tree: TokenTree, draft_tokens: jax.Array, target_prob
     and after each node (index i+1), i.e. what it would emit next there.
   draft_probs [B, N+1, V]: the distribution the children of each position were
     drawn from (unused, may be None, in "deterministic" mode).
-  children [B, N+1, K]: each row's own tree (a DynamicTree's, see dynamic_tree.py);
+  children [B, N+1, K]: each row's own tree (a DynamicTree's, see tree/dynamic.py);
     default: `tree.children`, the same for every row.
   """
   if mode not in MODES:

@@ -63,10 +63,6 @@ class ModelConfig:
   def cache_key_dtype(self) -> str:
     return self.key_dtype or self.dtype
 
-  @property
-  def queries_per_kv(self) -> int:
-    return self.num_heads // self.num_kv_heads
-
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
 

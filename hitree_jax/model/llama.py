@@ -6,7 +6,7 @@ and attends under an explicit boolean mask over all cache slots, so a token
 tree is just another mask. Parameter names mirror Hugging Face's
 (`embed_tokens`, `layers_i/self_attn/q_proj`, ...) to keep loaders trivial;
 layers are separate submodules in a Python loop, not a scan over stacked
-weights, which decodes ~1.7x faster on XLA:CPU (ASSETS.md).
+weights, which decodes ~1.7x faster on XLA:CPU.
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache
   `attend` [B, T, S] is the explicit mask over the slots of `cache`. Each
   `context` cache is read-only and every new token sees exactly its committed
   slots. Keeping a long cache read-only while new tokens go to a short one
-  spares XLA:CPU a copy of every layer's long cache per step (decoding.py).
+  spares XLA:CPU a copy of every layer's long cache per step (decode/levels.py).
   """
   if write_at is None:
     write_at = cache.lengths

@@ -1,6 +1,6 @@
 """EAGLE-2's dynamic token tree at run time: grow candidates with the draft, keep the best.
 
-`grow` fills a DynamicTree (tree.py) for every row: one draft forward per
+`grow` fills a DynamicTree (shapes.py) for every row: one draft forward per
 depth over the `width` best candidates of the depth before, writing their
 keys/values into a scratch cache whose slots hold, in order, the root and the
 expanded candidates of depths 1 .. D-1 (`width` each). The `budget` most

@@ -161,7 +161,7 @@ def kary(k: int, depth: int) -> TokenTree:
 
 @dataclasses.dataclass(frozen=True)
 class DynamicTree:
-  """EAGLE-2's tree, chosen at run time per row (dynamic_tree.py): `budget` nodes.
+  """EAGLE-2's tree, chosen at run time per row (dynamic.py): `budget` nodes.
 
   The draft grows candidates one depth per forward: the `width` best tokens
   after the root, then, at each further depth, the `width` best children of
