@@ -18,6 +18,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from hitree_jax.decode import spec as spec_lib
+
 METHODS = ("ar", "sd", "tree", "retrieval", "triforce", "hitree", "hsd")
 USAGE_ERROR = 2  # exit code of a user's mistake (as argparse uses)
 
@@ -278,10 +280,9 @@ class Method:
     from hitree_jax.decode.stack import Stack
     if self.levels is None:
       return Stack()
-    bottom, *middle = self.levels.split("+")
-    who, _, _ = bottom.rpartition("/")
-    drafter = _drafter(who, target_config, draft_config, vocab)
-    verifiers = tuple(_verifier(piece) for piece in middle)
+    levels = spec_lib.parse(self.levels)
+    drafter = _drafter(levels.drafter, target_config, draft_config, vocab)
+    verifiers = tuple(_verifier(level, gamma) for level, gamma in levels.middles)
     stack = Stack(drafter, self.tree, verifiers, draft=draft_config)
     from hitree_jax.decode.engine import check_stack
     check_stack(stack, target_config)
@@ -292,7 +293,7 @@ class Method:
     vocabulary, tokenizer, tree and levels. Returns the draft's config, or None."""
     if self.heads is not None:
       from hitree_jax.train import heads
-      kind, path = _heads_spec(self.heads)
+      kind, path = spec_lib.parse_level(self.heads).feature_draft
       heads.check_target(heads.read_meta(path, kind), target_config, path)
     if self.draft_path is None:
       self.build(target_config)
@@ -317,7 +318,7 @@ class Method:
     from hitree_jax.decode.drafters import DraftWeights
     if self.heads is not None:
       from hitree_jax.train import heads
-      kind, path = _heads_spec(self.heads)
+      kind, path = spec_lib.parse_level(self.heads).feature_draft
       _, params, vocab = heads.load(path, target_params, target_config, kind)
       return dataclasses.replace(self, stack=self.build(target_config),
                                  draft=DraftWeights.create(params, vocab))
@@ -338,88 +339,35 @@ class Method:
     return engine.generate(params, config, prompts, stack=stack, draft=self.draft, **kwargs)
 
 
-DRAW_MODES = ("deterministic", "iid", "without_replacement")
+DRAW_MODES = spec_lib.DRAW_MODES
 TREE_KINDS = ("chain", "kary", "sequoia", "dynamic")
 HIERARCHY_DEFAULTS = {"triforce": dict(gamma1=1, gamma2=6), "hitree": dict(tree="kary:2x4", gamma2=12)}
 
 
-HEADS = ("eagle:", "medusa:")  # drafts on the target's features (hitree_jax/heads)
-
-
-def _heads_spec(name: str) -> tuple[str, str]:
-  """'eagle:PATH' | 'medusa:PATH' -> (kind, PATH)."""
-  kind, _, path = name.partition(":")
-  return kind, path
-
-
-def _drafter(who: str, target_config, draft_config, vocab):
-  """The bottom level of a --levels spec: NAME[@streaming:SxW][,MODE] with NAME ngram[:N],
-  self:K, retrieval:B, eagle:PATH, medusa:PATH, draft or a draft model's path (the last two:
-  the --draft model)."""
+def _drafter(level: spec_lib.Level, target_config, draft_config, vocab):
+  """The bottom level of a stack: ngram[:N], self:K, retrieval:B, eagle:PATH, medusa:PATH, or
+  a draft model (`draft`, the --draft model, or its path) over its cache."""
   from hitree_jax.decode.drafters import ModelDrafter, parse_draft_spec
   from hitree_jax.decode.stack import Full
-  name, cache, mode = _split_level(who)
-  if name.startswith(HEADS):
+  if level.feature_draft is not None:
     from hitree_jax.train import heads
-    if cache is not None:
-      raise ValueError(f"level {who!r}: a draft on the target's features has no cache to choose")
-    kind, path = _heads_spec(name)
-    return heads.drafter(heads.read_meta(path, kind), target_config, mode)
-  if name.startswith("retrieval:"):
-    return ModelDrafter(target_config, mode, cache=_retrieval(name), weights="target")
-  if name.startswith(("ngram", "self:")):
-    if cache is not None:
-      raise ValueError(f"level {who!r}: {name} keeps no cache of its own")
-    return parse_draft_spec(name if mode == "deterministic" else f"{name},{mode}")
+    kind, path = level.feature_draft
+    return heads.drafter(heads.read_meta(path, kind), target_config, level.mode)
+  if level.kind == "retrieval":
+    return ModelDrafter(target_config, level.mode, cache=level.retrieval, weights="target")
+  if level.kind in ("ngram", "self"):
+    return parse_draft_spec(level.name if level.mode == "deterministic" else f"{level.name},{level.mode}")
   if draft_config is None:
-    raise ValueError(f"level {who!r} names a draft model: give its path (--draft=PATH)")
-  return ModelDrafter(draft_config, mode, vocab and vocab.target_vocab_size, cache=cache or Full())
+    raise ValueError(f"level {str(level)!r} names a draft model: give its path (--draft=PATH)")
+  return ModelDrafter(draft_config, level.mode, vocab and vocab.target_vocab_size, cache=level.cache or Full())
 
 
-def _verifier(piece: str):
-  """An intermediate level of a --levels spec: retrieval:B/GAMMA or draft[@streaming:SxW]/GAMMA."""
+def _verifier(level: spec_lib.Level, gamma: int):
+  """A middle level: the target over a retrieval cache, or the draft model over its cache."""
   from hitree_jax.decode.stack import Full, Verifier
-  who, _, gamma = piece.rpartition("/")
-  if not who or not gamma.isdigit():
-    raise ValueError(f"level {piece!r}: expected retrieval:BUDGET/GAMMA or draft[@streaming:SxW]/GAMMA")
-  name, cache, mode = _split_level(who)
-  if mode != "deterministic":
-    raise ValueError(f"level {piece!r}: a middle level hands up its own samples; no draw mode")
-  if name.startswith("retrieval:"):
-    return Verifier("target", _retrieval(name), int(gamma))
-  if name.startswith(("ngram", "self:") + HEADS):
-    raise ValueError(f"level {piece!r}: {name} only proposes (it must be the bottom level)")
-  return Verifier("draft", cache or Full(), int(gamma))
-
-
-def _retrieval(name: str):
-  """retrieval:BUDGET[:RESELECT] -> stack.Retrieval."""
-  from hitree_jax.decode.stack import Retrieval
-  budget, _, every = name.removeprefix("retrieval:").partition(":")
-  if not budget.isdigit() or not (every.isdigit() or not every):
-    raise ValueError(f"{name!r}: expected retrieval:BUDGET or retrieval:BUDGET:RESELECT "
-                     "(positive integers: slots, and tokens between re-selections)")
-  return Retrieval(int(budget), reselect=int(every or 0))
-
-
-def _split_level(who: str):
-  """'NAME[@streaming:SxW[:reindex]|@full][,MODE]' -> (NAME, cache kind or None, mode)."""
-  from hitree_jax.decode.stack import Full, Streaming
-  mode = "deterministic"
-  head, _, tail = who.rpartition(",")
-  if head and tail in DRAW_MODES:
-    who, mode = head, tail
-  name, at, cache_text = who.rpartition("@")
-  if not at:
-    return who, None, mode
-  if cache_text == "full":
-    return name, Full(), mode
-  reindex = cache_text.endswith(":reindex")
-  sinks, _, window = cache_text.removesuffix(":reindex").removeprefix("streaming:").partition("x")
-  if not cache_text.startswith("streaming:") or not (sinks.isdigit() and window.isdigit()):
-    raise ValueError(f"cache {cache_text!r}: expected full or streaming:SINKSxWINDOW[:reindex] "
-                     "(e.g. streaming:16x234)")
-  return name, Streaming(int(sinks), int(window), reindex), mode
+  if level.kind == "retrieval":
+    return Verifier("target", level.retrieval, gamma)
+  return Verifier("draft", level.cache or Full(), gamma)
 
 
 def _split_draft_and_shape(rest: str) -> tuple[str, str | None]:
@@ -480,7 +428,7 @@ def _levels_of(name: str, rest: str, knobs: Knobs) -> str:
     who = f"{_retrieval_name(knobs)},iid" if name == "retrieval" else draft
     return f"{who}/chain:{n}"
   defaults = HIERARCHY_DEFAULTS[name]
-  if _split_level(draft)[0].startswith(("ngram", "self:")):
+  if spec_lib.parse_level(draft).kind in ("ngram", "self"):
     raise ValueError(f"--method={name} drafts with a draft model over a StreamingLLM cache: give "
                      f"--draft=PATH (e.g. drafts/smollm2-draft.gguf), not {draft}; other stacks: "
                      "--method=hsd --levels=...")
@@ -521,17 +469,14 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
                        "(e.g. ngram:3/chain:2+draft/4+retrieval:1024/6)")
   else:
     levels = _levels_of(name, rest, knobs)
-  bottom = levels.split("+")[0]
-  who, _, shape = bottom.rpartition("/")
-  if not who:
-    raise ValueError(f"level {bottom!r}: expected DRAFTER/TREE (e.g. ngram:3/chain:2)")
-  mode = _split_level(who)[2]
-  names = [_split_level(piece.rpartition("/")[0])[0] for piece in levels.split("+")]
-  model_named = [n for n in names if not n.startswith(("ngram", "self:", "retrieval:") + HEADS)]
-  heads = names[0] if names[0].startswith(HEADS) else None
+  parsed = spec_lib.parse(levels)
+  shape, mode = parsed.tree, parsed.drafter.mode
+  model_named = [level.name for level in parsed.levels if level.kind == "draft"]
+  heads = parsed.drafter.name if parsed.drafter.feature_draft is not None else None
   if heads is not None:
     from hitree_jax.train.heads import read_meta
-    read_meta(*reversed(_heads_spec(heads)))  # FileNotFoundError naming it, before any load
+    kind, path = parsed.drafter.feature_draft
+    read_meta(path, kind)  # FileNotFoundError naming it, before any load
   for n in model_named:
     if n != "draft" and "/" not in n and "." not in n:  # not a path: a misspelt drafter
       from hitree_jax.decode.drafters import parse_draft_spec
@@ -539,7 +484,7 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
   draft_path = None
   if model_named:
     paths = [n for n in model_named if n != "draft"]
-    path = paths[0] if paths else _split_level(knobs.draft)[0]
+    path = paths[0] if paths else spec_lib.parse_level(knobs.draft).name
     if len(set(paths)) > 1:
       raise ValueError(f"{levels!r} names two draft models ({', '.join(sorted(set(paths)))}); a "
                        "stack has one")
@@ -557,7 +502,7 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
 
 def check_auto_draft(draft: str, feature_draft: str | None = None) -> str | None:
   """Refuses what the planner cannot plan around; -> the EAGLE draft's folder, or None."""
-  if _split_level(draft)[0].startswith(("ngram", "self:") + HEADS):
+  if spec_lib.parse_level(draft).kind != "draft":
     hint = (f" (an EAGLE draft joins with --feature_draft={draft})" if draft.startswith("eagle:") else "")
     raise ValueError(f"--method=auto plans stacks around a draft model: give --draft=PATH (e.g. "
                      f"drafts/smollm2-draft.gguf), not {draft}{hint}")

@@ -105,15 +105,17 @@ PAPER_WIDTHS = (1, 8, 16)   # a level's roofline is affine in its width (planner
 
 def cost_of(levels, name: str, context: int, tail: int) -> dict[int, float]:
   """{width: roofline seconds} of a level, by its profile name."""
-  import re
+  from hitree_jax.decode import spec
+  from hitree_jax.decode.stack import Streaming
+  level = spec.parse_level(name)
   if name == "target":
     costs = levels.target_full(context, PAPER_WIDTHS)
   elif name == "eagle":
     costs = levels.eagle(context, PAPER_WIDTHS)
-  elif match := re.fullmatch(r"retrieval:(\d+)", name):
-    costs = levels.retrieval(context, int(match.group(1)), 8, tail, PAPER_WIDTHS)
-  elif match := re.fullmatch(r"draft@streaming:(\d+)x(\d+)", name):
-    costs = levels.draft_streaming(context, int(match.group(1)), int(match.group(2)), PAPER_WIDTHS)
+  elif level.kind == "retrieval":
+    costs = levels.retrieval(context, level.budget, 8, tail, PAPER_WIDTHS)
+  elif level.name == "draft" and isinstance(level.cache, Streaming):
+    costs = levels.draft_streaming(context, level.cache.sinks, level.cache.window, PAPER_WIDTHS)
   else:
     raise ValueError(f"--acceptance: level {name!r} cannot be costed on paper (target, retrieval:B, "
                      "draft@streaming:SxW and eagle can)")

@@ -64,7 +64,7 @@ class Streaming:
       raise ValueError(f"streaming sinks={self.sinks} must be >= 0 and window={self.window} >= 1")
 
   def __str__(self) -> str:
-    return f"streaming:{self.sinks}+{self.window}" + (":reindex" if self.reindex else "")
+    return f"streaming:{self.sinks}x{self.window}" + (":reindex" if self.reindex else "")
 
 
 CacheKind = Full | Retrieval | Streaming

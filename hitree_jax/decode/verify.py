@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from hitree_jax.decode.sampling import draw
+from hitree_jax.decode.spec import DRAW_MODES
 from hitree_jax.tree.shapes import TokenTree
 
-MODES = ("iid", "without_replacement", "deterministic")
+MODES = DRAW_MODES
 
 
 @flax.struct.dataclass

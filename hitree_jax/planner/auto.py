@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-import re
 from typing import Sequence
 
+from hitree_jax.decode import spec
 from hitree_jax.planner import latency, optimize
 from hitree_jax.planner import profile as profile_lib
 from hitree_jax.tree import shapes
@@ -72,15 +72,15 @@ def _runs_the_targets_weights(level: str) -> bool:
 
 
 def _is_retrieval(level: str) -> bool:
-  return level.startswith("retrieval:")
+  return level != "target" and spec.parse_level(level).kind == "retrieval"
 
 
 def _budget(name: str) -> int:
-  return int(name.split(":")[1])
+  return spec.parse_level(name).budget
 
 
 def _model_levels(names: Sequence[str]) -> list[str]:
-  return [n for n in names if not re.fullmatch(r"ngram(:\d+)?", n)]
+  return [n for n in names if n == "target" or spec.parse_level(n).kind != "ngram"]
 
 
 PASSAGES = 3  # acceptance is averaged over this many passages: one passage's is off by up to 30%
@@ -205,15 +205,15 @@ def predict(profile: dict, greedy: bool, levels: str, tree: shapes.TokenTree | N
   """The model's prediction for a stack given as a --levels spec in the profile's names ('draft'
   for the draft model); tree: the bottom level's, when its label is not one of the space's."""
   c = candidates(profile, greedy, space)
-  bottom, *middle = levels.split("+")
-  name, _, label = bottom.rpartition("/")
+  parsed = spec.parse(levels)
+  name, label = str(parsed.drafter), parsed.tree
   drafter = next((d for d in c.drafters if d.name == name), None)
   if drafter is None:
-    raise ValueError(f"{bottom!r}: the profile has no drafter {name!r} (it has {[d.name for d in c.drafters]})")
+    raise ValueError(f"{levels!r}: the profile has no drafter {name!r} (it has {[d.name for d in c.drafters]})")
   tree = tree if tree is not None else dict(drafter.trees).get(label)
   if tree is None:
     tree = _tree(label, c.profile("target", name))
-  middles = tuple((piece.rpartition("/")[0], int(piece.rpartition("/")[2])) for piece in middle)
+  middles = tuple((str(level), gamma) for level, gamma in parsed.middles)
   if any(m not in dict(c.middles) for m, _ in middles):
     raise ValueError(f"{levels!r}: the profile has no middle level among {[m for m, _ in middles]} "
                      f"(it has {[m for m, _ in c.middles]})")
@@ -227,18 +227,16 @@ def in_profile_names(levels: str, draft_path: str | None, eagle_path: str | None
   """A Method's --levels spec with the draft model's path written 'draft' and the EAGLE draft's
   eagle:PATH written 'eagle', as profiles name them."""
   from hitree_jax.loading import resolve
-  pieces = []
-  for piece in levels.split("+"):
-    who, _, shape = piece.rpartition("/")
-    name = re.split(r"[@,]", who, maxsplit=1)[0]
-    cache_and_mode = who[len(name):]
-    if draft_path is not None and _resolves_to(name, draft_path, resolve):
-      name = "draft"
-    elif eagle_path is not None and name.startswith("eagle:") and _same_path(name.removeprefix("eagle:"),
-                                                                             eagle_path):
-      name = "eagle"
-    pieces.append(f"{name}{cache_and_mode}/{shape}")
-  return "+".join(pieces)
+  def renamed(level: spec.Level) -> spec.Level:
+    if draft_path is not None and _resolves_to(level.name, draft_path, resolve):
+      return dataclasses.replace(level, name="draft")
+    if eagle_path is not None and level.kind == "eagle" and _same_path(level.feature_draft[1], eagle_path):
+      return dataclasses.replace(level, name="eagle")
+    return level
+
+  parsed = spec.parse(levels)
+  return str(spec.Levels(renamed(parsed.drafter), parsed.tree,
+                         tuple((renamed(level), gamma) for level, gamma in parsed.middles)))
 
 
 def _same_path(a: str, b: str) -> bool:

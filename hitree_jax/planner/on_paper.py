@@ -24,6 +24,7 @@ import json
 import pathlib
 import re
 
+from hitree_jax.decode import spec
 from hitree_jax.planner import auto
 
 PAIR = re.compile(r"^[\w:@.+x-]+<-[\w:@.+x-]+$")
@@ -84,8 +85,8 @@ def space_for(acceptance: dict, chains=(1, 2, 3, 4, 6, 8), gammas=(2, 3, 4, 6, 8
 
 def _cheapness(name: str) -> tuple:
   """Drafts and streaming caches before retrieval levels, smaller budgets first."""
-  budget = int(name.split(":")[1]) if name.startswith("retrieval:") else 0
-  return (name.startswith("retrieval:"), budget, name)
+  budget = spec.parse_level(name).budget
+  return (budget is not None, budget or 0, name)
 
 
 def profile(costs: dict[str, dict[int, float]], acceptance: dict, context: int) -> dict:

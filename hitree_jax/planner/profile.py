@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import pathlib
 import platform
-import re
 import statistics
 import time
 import types
@@ -39,10 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from hitree_jax.cache.full import KVCache, dtypes_of
-from hitree_jax.decode import engine
+from hitree_jax.decode import engine, spec
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.programs import Programs, ahead_of_time
 from hitree_jax.decode.sampling import probabilities
+from hitree_jax.decode.stack import Streaming
 from hitree_jax.heads import eagle as eagle_lib
 from hitree_jax.model.llama import forward
 from hitree_jax.model.vocab import spread_probs
@@ -174,16 +174,19 @@ class _Levels:
     t = self.target
     if name == "target":
       return t.config, t.params, self.full, None
-    if m := re.fullmatch(r"retrieval:(\d+)", name):
+    level = spec.parse_level(name)
+    if level.kind == "retrieval" and not level.retrieval.reselect:
       last = jnp.asarray([self.prompt[-1]], jnp.int32)
-      return t.config, t.params, engine.select_retrieval(t.params, t.config, self.full, last, int(m.group(1)), CHUNK,
-                                                   self.slots - len(self.prompt), 1), None
-    if m := re.fullmatch(r"self:(\d+)", name):
-      k = int(m.group(1))
+      return t.config, t.params, engine.select_retrieval(t.params, t.config, self.full, last, level.budget, CHUNK,
+                                                         self.slots - len(self.prompt), 1), None
+    if level.kind == "self" and level.name.removeprefix("self:").isdigit():
+      k = int(level.name.removeprefix("self:"))
       return (t.config.replace(num_layers=k), *_first_layers(t.params, self.full, k), None)
-    if m := re.fullmatch(r"draft(?:@streaming:(\d+)x(\d+))?", name):
+    streaming = isinstance(level.cache, Streaming) and not level.cache.reindex
+    if level.name == "draft" and level.mode == "deterministic" and (level.cache is None or streaming):
       full = self.draft_full(name)
-      long = full if m.group(1) is None else engine.streaming_cache(full, int(m.group(1)), int(m.group(2)), None)
+      cache = level.cache
+      long = full if cache is None else engine.streaming_cache(full, cache.sinks, cache.window, None)
       return self.draft.config, self.draft.params, long, self.draft.vocab
     raise ValueError(f"unknown level {name!r}: expected target, retrieval:B, self:K, draft, "
                      "draft@streaming:SxW or eagle")
@@ -232,7 +235,7 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
   out negative here: not resolved by these widths, and left out.) costs: level_costs already
   measured at this prompt (the forwards it needs are timed only where missing)."""
   from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter
-  from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
+  from hitree_jax.decode.stack import Full, Retrieval, Stack, Verifier
   from hitree_jax.planner.latency import affine, tree_draft_seconds
   from hitree_jax.tree import shapes
 
@@ -394,7 +397,7 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Seq
   vocab_size = target.config.vocab_size
   dists, features = {}, {}
   for name in {n for pair in pairs for n in pair} - {"eagle"}:
-    if re.fullmatch(r"ngram(:\d+)?", name):
+    if spec.parse_level(name).kind == "ngram":
       dists[name] = _ngram_probs(name, prompt, continuation, vocab_size)
     else:
       config = levels[name][0]
