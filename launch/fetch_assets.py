@@ -1,7 +1,8 @@
 """Downloads public-domain books and saves them as plain text for `hitree_jax.data`.
 
-Our machines can reach only PyPI and Debian, so Project Gutenberg and PG-19 are
-out of reach. The same books come inside packages instead:
+Everything comes from PyPI and Debian's package archive, which most machines can reach
+(no web download, no model hub). Project Gutenberg and PG-19 are not used; the same books
+come inside packages instead:
   * Jane Austen's six novels: the Debian package r-cran-janeaustenr, which
   stores them as an R lazy-load database. We read it with `rdata`, a PyPI
   package, so R does not have to be installed.
