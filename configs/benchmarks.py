@@ -2,10 +2,10 @@
 
   python -m launch.benchmark --config=configs/benchmarks.py:readme --out=results.json
 
-`readme` is the table in the README; `long`, `gammas` and `long_greedy` the
-long-context prompts the hierarchy is for (SmolLM2 has 8192 positions: 4K and
-6K tokens, then 7.5K with every method and a sweep of (gamma1, gamma2), then
-7.5K greedy); `heads` / `heads_greedy` EAGLE and Medusa against the distilled
+`readme` is the table in the README (more in docs/performance.md); `long`, `gammas`
+and `long_greedy` the long-context prompts the hierarchy is for (SmolLM2 has 8192
+positions: 4K and 6K tokens, then 7.5K with every method and a sweep of (gamma1,
+gamma2), then 7.5K greedy); `heads` / `heads_greedy` EAGLE and Medusa against the distilled
 draft; `peers` our `ar` beside HF transformers and llama.cpp (after
 `python -m launch.convert --out=smollm2_f32.gguf`); `planner` / `planner_sampled`
 the planner's predictions against measurement (docs/planner.md), and
