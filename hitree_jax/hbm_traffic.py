@@ -62,7 +62,7 @@ def _computations(text: str) -> dict[str, list[tuple]]:
   return computations
 
 
-def _fusion_reads(computation: list[tuple]) -> dict[int, int | None]:
+def _fusion_reads(computation: list[tuple]) -> dict[int, int]:
   """{parameter index: bytes read} for a fused computation's parameters that are only sliced
   (their slices' bytes); others are absent (read whole)."""
   params = {name: int(re.match(r"(\d+)", rest).group(1))

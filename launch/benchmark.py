@@ -233,21 +233,27 @@ def questions():
                            FLAGS.categories, FLAGS.per_category)
 
 
+def load_target(mesh, methods):
+  """The target placed on the mesh, its tokenizer, and the methods with their drafts loaded
+  (`auto` stays: it is planned per prompt length)."""
+  from hitree_jax import sharding
+  from hitree_jax.loading import load_model
+  from hitree_jax.tokenizer import load_tokenizer
+  model = load_model(FLAGS.model, common.model_dtype(), FLAGS.key_dtype)
+  sharding.check(model.config, mesh, 1, 256)
+  model = dataclasses.replace(model, params=sharding.place_params(model.params, mesh))
+  methods = [m if m == "auto" else m.load_draft(model.config, model.params) for m in methods]
+  return model, load_tokenizer(model.path), methods
+
+
 def run_questions(chosen, methods, sampling, mesh) -> None:
   """Spec-Bench's protocol over `chosen` (launch/spec_bench_run.py): every method on every
   question, then the report."""
   import jax
-  from hitree_jax import sharding
   from hitree_jax.decode.programs import Programs
-  from hitree_jax.loading import load_model
-  from hitree_jax.tokenizer import load_tokenizer
   from launch import spec_bench_run
   max_new = FLAGS.max_new_tokens if FLAGS["max_new_tokens"].present else 256
-  model = load_model(FLAGS.model, common.model_dtype(), FLAGS.key_dtype)
-  sharding.check(model.config, mesh, 1, 256)
-  model = dataclasses.replace(model, params=sharding.place_params(model.params, mesh))
-  tokenizer = load_tokenizer(model.path)
-  methods = [m.load_draft(model.config, model.params) for m in methods]
+  model, tokenizer, methods = load_target(mesh, methods)
   progress = Progress("spec-bench", len(methods) * (len(chosen) + 1))
   by_method = {}
   for method in methods:
@@ -304,17 +310,10 @@ def main(argv):
              for spec in specs]
   sampling = common.sampling_from_flags(FLAGS)
   import jax
-  from hitree_jax import sharding
   from hitree_jax.data import book_prompts
   from hitree_jax.decode.programs import Programs
-  from hitree_jax.loading import load_model
-  from hitree_jax.tokenizer import load_tokenizer
 
-  model = load_model(FLAGS.model, common.model_dtype(), FLAGS.key_dtype)
-  sharding.check(model.config, mesh, 1, 256)
-  model = dataclasses.replace(model, params=sharding.place_params(model.params, mesh))
-  tokenizer = load_tokenizer(model.path)
-  methods = [m if m == "auto" else m.load_draft(model.config, model.params) for m in methods]
+  model, tokenizer, methods = load_target(mesh, methods)
   peer_engines = make_peers(model.path, max(lengths))
   rows = []
   ar_tokens = {}  # (prompt length, prompt index) -> ar's tokens: what greedy peers are compared with

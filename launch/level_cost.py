@@ -122,13 +122,9 @@ class Arrays:
 
 
 def weights_read(arrays: Arrays) -> int:
-  """Per-device bytes of the weights one decoding step reads: all but the embedding table, of
-  which a lookup reads a row (unless the head is that table)."""
-  from hitree_jax import memory_plan
-  params = dict(arrays.abstract_params)
-  if not arrays.config.tie_word_embeddings:
-    params.pop("embed_tokens")
-  return memory_plan.per_device_bytes(params)
+  """Per-device bytes of the weights one decoding step reads (roofline.weights_read)."""
+  from hitree_jax import roofline
+  return roofline.weights_read(arrays.abstract_params, arrays.config)
 
 
 def device_memory_bytes(device) -> float:
