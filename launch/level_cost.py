@@ -1,7 +1,7 @@
 """What each level of a long-context hierarchy costs on the devices present, for a real-shaped target.
 
-  python -m launch.level_cost --config=configs/llama2_7b_128k.py --contexts=32768,65536,131072 --json
-  python -m launch.level_cost --config=configs/llama2_7b_128k.py --mesh=model:8 --contexts=131072
+  python -m launch.level_cost --config=configs/llama2_7b_128k.py --contexts=32768,65536,130560 --json
+  python -m launch.level_cost --config=configs/llama2_7b_128k.py --mesh=model:8 --contexts=130560
 
 The config is a shapes config (configs/llama*_128k.py, as for launch.plan_memory): the target,
 the draft, the retrieval budget and the StreamingLLM window. The weights are random (in the
@@ -49,7 +49,7 @@ from launch import common
 config_flags.DEFINE_config_file("config", None, "A shapes config: configs/llama2_7b_128k.py, "
                                 "configs/llama3_8b_128k.py (--config.budget=8192 overrides a field).")
 common.define_mesh_flags()
-flags.DEFINE_list("contexts", ["32768", "65536", "98304", "131072"], "Context lengths (cache slots "
+flags.DEFINE_list("contexts", ["32768", "65536", "98304", "130560"], "Context lengths (cache slots "
                   "filled), smallest first; each must exceed the retrieval budget.")
 flags.DEFINE_list("widths", ["1", "2", "4", "8"], "Tokens per forward.")
 flags.DEFINE_integer("repeats", 10, "Timed calls per forward (the median is reported).")
@@ -65,6 +65,13 @@ flags.DEFINE_bool("json", False, "Print the JSON record as the last line.")
 FLAGS = flags.FLAGS
 
 HEADROOM = 0.92   # of a device's memory that the arrays may take: the rest is for temporaries
+
+
+def _key(seed: int):
+  """A key of XLA's own generator: threefry's program to fill 64 GiB of cache took the GPU
+  compiler minutes (and 59 s for 7B weights); the numbers' quality does not matter here."""
+  import jax
+  return jax.random.key(seed, impl="rbg")
 
 
 def _made(make, axes, mesh, key):
@@ -89,7 +96,7 @@ class Arrays:
 
   def params(self):
     import jax
-    return _made(self._init, self._param_axes, self.mesh, jax.random.key(0))
+    return _made(self._init, self._param_axes, self.mesh, _key(0))
 
   def _cache_make(self, slots: int):
     import jax
@@ -106,7 +113,7 @@ class Arrays:
                            values=tuple(map(fill, empty.values, keys[1::2])),
                            lengths=jnp.full((1,), slots, jnp.int32))
 
-    shapes = jax.eval_shape(make, jax.random.key(0))
+    shapes = jax.eval_shape(make, _key(0))
     return make, shapes, sharding.cache_axes(shapes, heads=self.split)
 
   def abstract_cache(self, slots: int):
@@ -118,7 +125,7 @@ class Arrays:
     """A full cache of `slots` slots, all committed, of random keys and values."""
     import jax
     make, _, axes = self._cache_make(slots)
-    return _made(make, axes, self.mesh, jax.random.key(seed))
+    return _made(make, axes, self.mesh, _key(seed))
 
 
 def weights_read(arrays: Arrays) -> int:
@@ -144,6 +151,13 @@ def forward_ms(timed, params, cache, widths) -> dict[int, float]:
                                   repeats=FLAGS.repeats) / FORWARDS_PER_CALL for w in widths}
 
 
+def _progress(context: int, level: str, ms) -> None:
+  """One line as each level is timed, so that a run stopped early (a lent machine's time) still
+  says what it measured."""
+  shown = ", ".join(f"{w} tok {t:.3f} ms" for w, t in ms.items()) if isinstance(ms, dict) else f"{ms:.3f} ms"
+  print(f"  context {context}, {level}: {shown}", flush=True)
+
+
 def context_row(cfg, target: Arrays, draft: Arrays, params, draft_params, context: int, widths,
                 floor_bytes, bandwidth, memory, baseline) -> dict:
   import functools
@@ -164,19 +178,23 @@ def context_row(cfg, target: Arrays, draft: Arrays, params, draft_params, contex
     return row
   full = target.cache(context, seed=context)
   row["target_ms"] = forward_ms(_timed_forward(target.config), params, full, widths)
+  _progress(context, "target", row["target_ms"])
   select = functools.partial(engine.select_retrieval, params, target.config, full, jnp.zeros((1,), jnp.int32),
                              cfg.budget, CHUNK, 64, sharding.sequence_shards(target.mesh))
   row["select_ms"] = 1e3 * median_seconds(select, repeats=FLAGS.repeats)
+  _progress(context, "selection", row["select_ms"])
   retrieval = select()
   del select, full   # the partial holds the full cache too
   gc.collect()
   row["retrieval_ms"] = forward_ms(_timed_forward(target.config), params, retrieval, widths)
+  _progress(context, f"retrieval:{cfg.budget}", row["retrieval_ms"])
   del retrieval
   draft_full = draft.cache(context, seed=context + 1)
   streaming = jax.block_until_ready(engine.streaming_cache(draft_full, cfg.sinks, cfg.window, None))
   del draft_full
   gc.collect()
   row["draft_ms"] = forward_ms(_timed_forward(draft.config), draft_params, streaming, widths)
+  _progress(context, f"draft@streaming:{cfg.sinks}x{cfg.window}", row["draft_ms"])
   row["retrieval_over_baseline"] = {w: row["retrieval_ms"][w] / baseline[w] for w in widths}
   if bandwidth:
     row["floor_ms"] = 1e3 * (floor_bytes + full_bytes) / (bandwidth * 1e9)
@@ -235,8 +253,8 @@ def main(argv):
 
   target_config = ModelConfig.from_dict(dict(cfg.target))
   draft_config = ModelConfig.from_dict(dict(cfg.draft))
-  if max(contexts) + 64 > target_config.max_position_embeddings:
-    raise ValueError(f"--contexts: {max(contexts)} (+64) is past the target's "
+  if max(contexts) + max(widths) > target_config.max_position_embeddings:
+    raise ValueError(f"--contexts: {max(contexts)} + {max(widths)} tokens is past the target's "
                      f"{target_config.max_position_embeddings} positions")
   sharding.check(target_config, mesh, 1, max(contexts))
   device = jax.devices()[0]
@@ -253,6 +271,7 @@ def main(argv):
     params, draft_params = target.params(), draft.params()
     small = target.cache(cfg.budget, seed=0)
     record["baseline_ms"] = forward_ms(_timed_forward(target_config), params, small, widths)
+    _progress(cfg.budget, "target (baseline)", record["baseline_ms"])
     del small
     for context in contexts:
       row = context_row(cfg, target, draft, params, draft_params, context, widths,

@@ -290,9 +290,13 @@ def test_level_cost_times_every_level_against_the_floor_and_skips_what_does_not_
   assert held_512 < 0.92 * 0.00035 * 2**30 < too_big["bytes_per_device"]
   assert too_big["context"] == 1024 and "needs" in too_big["skipped"] and "target_ms" not in too_big
   assert "| 1024 | skipped: needs" in proc.stdout
+  assert "context 512, target: 1 tok" in proc.stdout   # each level said as it is timed
   proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--config={config}", "--contexts=256"],
                         cwd=REPO, capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and "must exceed the retrieval budget (256)" in proc.stderr
+  proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--config={config}", "--contexts=4090",
+                         "--widths=1,8"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0 and "4090 + 8 tokens is past the target's 4096 positions" in proc.stderr
 
 
 @pytest.mark.parametrize("spec, message", [
