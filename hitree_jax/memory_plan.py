@@ -40,7 +40,6 @@ from hitree_jax.decode.programs import CPU_COPY_FREE
 from hitree_jax.decode.drafters import DraftWeights
 from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.decode.stack import Stack
-from hitree_jax.heads import eagle, medusa
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import init_params
 
@@ -105,19 +104,12 @@ def abstract_settings() -> tuple:
 
 def abstract_draft_weights(stack: Stack, config: ModelConfig, draft_config, mesh) -> DraftWeights | None:
   """The draft's weights as shapes, replicated: a draft model's, or an EAGLE layer's or Medusa's
-  heads with the target's LM head they read (train/heads.py loads the same), or None."""
+  heads with the target's LM head they read (heads/saved.py loads the same), or None."""
   if not stack.uses_draft_weights:
     return None
-  drafter, dtype = stack.drafter, jnp.dtype(config.dtype)
-  if drafter.weights not in ("eagle", "medusa"):
+  shapes = stack.drafter.abstract_heads(config) if stack.drafter is not None else None
+  if shapes is None:
     return DraftWeights(abstract_params(draft_config, mesh, split=False))
-  if drafter.weights == "eagle":
-    shapes = jax.eval_shape(lambda: eagle.init_params(drafter.config, jax.random.key(0), len(drafter.taps)))
-    vocab = drafter.config.vocab_size
-  else:
-    shapes = jax.eval_shape(lambda: medusa.init_params(drafter.num_heads, config.hidden_size, dtype))
-    vocab = drafter.vocab_size
-  shapes = dict(shapes, head=jax.ShapeDtypeStruct((config.hidden_size, vocab), dtype))
   return DraftWeights(abstract(shapes, params_axes(shapes, split=False), mesh))
 
 

@@ -50,8 +50,9 @@ import time
 from absl import app, flags, logging
 
 from hitree_jax import huge_pages
-from launch import common
-from launch.progress import Progress
+from hitree_jax import methods as methods_lib
+from . import common
+from .progress import Progress
 
 common.define_config_flag()
 common.define_model_flags()
@@ -146,7 +147,7 @@ def level_markdown(rows) -> str:
 def prediction_markdown(rows) -> str:
   """--predict: the planner's prediction against measurement per stack, and the summary the
   planner is judged by (share within 15%, Spearman's rank correlation)."""
-  from launch.plots import prediction_errors
+  from .plots import prediction_errors
   errors = prediction_errors(rows)
   if not errors:
     return ""
@@ -184,7 +185,7 @@ def check_flags() -> list[int]:
                          "comma-separated integers") from None
   if not lengths:
     raise app.UsageError("--prompt_tokens: give at least one length")
-  from launch import peers
+  from . import peers
   peers.check(FLAGS.peers, FLAGS.llamacpp_gguf)
   if not FLAGS.llamacpp_cache or set(FLAGS.llamacpp_cache) - set(peers.LLAMACPP_CACHES):
     raise app.UsageError(f"--llamacpp_cache={','.join(FLAGS.llamacpp_cache)}: expected f16 and/or f32")
@@ -197,7 +198,7 @@ def check_flags() -> list[int]:
 
 def write_outputs(record: dict) -> None:
   """OUT.json, OUT.md and the plots, all named from --out."""
-  from launch import plots
+  from . import plots
   out = pathlib.Path(FLAGS.out)
   beside = lambda tail: out.with_name(out.stem + tail)  # results.json -> results_speed.png
   out.write_text(json.dumps(record, indent=2))
@@ -251,9 +252,17 @@ def run_questions(chosen, methods, sampling, mesh) -> None:
   question, then the report."""
   import jax
   from hitree_jax.decode.programs import Programs
-  from launch import spec_bench_run
+  from . import spec_bench_run
   max_new = FLAGS.max_new_tokens if FLAGS["max_new_tokens"].present else 256
   model, tokenizer, methods = load_target(mesh, methods)
+  if "auto" in methods:   # one plan for the questions' typical length (the planner plans per length)
+    import numpy as np
+    from hitree_jax.tokenizer import conversation_prompt
+    typical = int(np.median([len(conversation_prompt(tokenizer, q.turns[:1], [])) for q in chosen]))
+    auto = methods_lib.auto_method(FLAGS.model, FLAGS.draft, typical, sampling, loaded=(model, None),
+                                   feature_draft=FLAGS.feature_draft).load_draft(model.config, model.params)
+    auto = dataclasses.replace(auto, label=f"{auto.label} (planned for {typical} prompt tokens)")
+    methods = [auto if m == "auto" else m for m in methods]
   progress = Progress("spec-bench", len(methods) * (len(chosen) + 1))
   by_method = {}
   for method in methods:
@@ -293,20 +302,21 @@ def main(argv):
   mesh = common.mesh_from_flags(FLAGS)  # first: a multi-host run joins before jax starts
   chosen = questions()
   if chosen is not None:
-    specs = common.join_method_specs(FLAGS.methods)
+    specs = methods_lib.join_method_specs(FLAGS.methods)
     if "auto" in specs:
-      raise app.UsageError("--methods=auto plans per prompt length; it does not run with --prompts yet")
+      methods_lib.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
     greedy = FLAGS.temperature == 0
-    methods = [common.parse_method(spec, common.Knobs.from_flags(FLAGS), greedy) for spec in specs]
+    methods = [spec if spec == "auto" else methods_lib.parse_method(spec, common.knobs_from_flags(FLAGS), greedy)
+               for spec in specs]
     return run_questions(chosen, methods, common.sampling_from_flags(FLAGS), mesh)
   lengths = check_flags()
   greedy = FLAGS.temperature == 0
-  specs = common.join_method_specs(FLAGS.methods)
+  specs = methods_lib.join_method_specs(FLAGS.methods)
   if "auto" in specs or FLAGS.predict:
-    common.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
+    methods_lib.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   elif FLAGS.feature_draft is not None:
     raise ValueError("--feature_draft is weighed by the planner: it applies to --methods=auto and --predict")
-  methods = [spec if spec == "auto" else common.parse_method(spec, common.Knobs.from_flags(FLAGS), greedy)
+  methods = [spec if spec == "auto" else methods_lib.parse_method(spec, common.knobs_from_flags(FLAGS), greedy)
              for spec in specs]
   sampling = common.sampling_from_flags(FLAGS)
   import jax
@@ -321,7 +331,7 @@ def main(argv):
   progress = Progress("benchmark", len(lengths) * (len(methods) + len(peer_engines)) * (FLAGS.n_prompts + 1))
   for n_tokens in lengths:
     prompts = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts, corpus=FLAGS.book)
-    planned = [common.auto_method(FLAGS.model, FLAGS.draft, n_tokens, sampling, loaded=(model, None),
+    planned = [methods_lib.auto_method(FLAGS.model, FLAGS.draft, n_tokens, sampling, loaded=(model, None),
                                   feature_draft=FLAGS.feature_draft).load_draft(model.config, model.params) if m == "auto" else m for m in methods]
     for method in planned:
       # Each method's programs live only while it runs: a process holding every method's
@@ -374,7 +384,7 @@ def prediction(model, method, n_tokens: int, sampling) -> dict:
   if method.levels is None:
     return {}
   from hitree_jax.planner import auto
-  eagle = common.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
+  eagle = methods_lib.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   profile, _ = auto.profiled(FLAGS.model, FLAGS.draft, auto.nearest_context(n_tokens), sampling,
                              book=FLAGS.book, loaded=(model, None), log=logging.info, eagle=eagle,
                              dtype=model.config.dtype, key_dtype=model.config.key_dtype)
@@ -390,7 +400,7 @@ def prediction(model, method, n_tokens: int, sampling) -> dict:
 
 def make_peers(model_path, longest_prompt: int) -> list:
   """The --peers engines, loaded once (llama.cpp's context fits the longest prompt)."""
-  from launch import peers
+  from . import peers
   context = longest_prompt + FLAGS.max_new_tokens + 16
   made = []
   for name in FLAGS.peers:

@@ -18,9 +18,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from hitree_jax.decode import spec as spec_lib
+from hitree_jax import methods, shipped
 
-METHODS = ("ar", "sd", "tree", "retrieval", "triforce", "hitree", "hsd")
 USAGE_ERROR = 2  # exit code of a user's mistake (as argparse uses)
 
 
@@ -43,12 +42,22 @@ def _fail(error) -> None:
 
 
 def _parse_flags(argv):
+  argv = [_shipped_config(arg) for arg in argv]
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
     _fail(e)
   except (AttributeError, KeyError) as e:  # --config.NAME=... for a field the config lacks
     _fail(ValueError(f"a --config.NAME override names a field the config does not have: {e}"))
+
+
+def _shipped_config(arg: str) -> str:
+  """--config=PATH[:PRESET] with PATH found from any directory: as given, else among the
+  repository's configs/ (configs/methods.py, methods.py or methods all name the shipped one)."""
+  if not arg.startswith("--config="):
+    return arg
+  path, colon, preset = arg.removeprefix("--config=").partition(":")
+  return f"--config={shipped.find(path, 'configs', ('', '.py'))}{colon}{preset}"
 
 
 def apply_config() -> None:
@@ -78,28 +87,17 @@ def launcher_settings() -> dict:
           for f in fs if f.name != "config"}
 
 
-# The speculation flags each method reads; any other one given is a mistake (it would be ignored).
-METHOD_FLAGS = {
-    "ar": (),
-    "sd": ("draft", "gamma"),
-    "tree": ("draft", "tree", "acceptance"),
-    "retrieval": ("gamma", "budget", "reselect"),
-    "triforce": ("draft", "budget", "reselect", "sinks", "window", "gamma1", "gamma2"),
-    "hitree": ("draft", "tree", "acceptance", "budget", "reselect", "sinks", "window", "gamma2"),
-    "hsd": ("draft", "levels", "acceptance"),
-    "auto": ("draft", "feature_draft"),
-}
 SPECULATION_FLAGS = ("draft", "gamma", "tree", "acceptance", "budget", "reselect", "sinks", "window",
                      "gamma1", "gamma2", "levels", "feature_draft")
 
 
 def check_method_flags(method_name: str, given: set[str]) -> None:
   """A flag that the chosen method would silently ignore is a mistake: say so."""
-  if method_name not in METHOD_FLAGS:
+  if method_name not in methods.OPTIONS:
     return  # parse_method names the unknown method
   for name in SPECULATION_FLAGS:
-    if name in given and name not in METHOD_FLAGS[method_name]:
-      users = [m for m, names in METHOD_FLAGS.items() if name in names]
+    if name in given and name not in methods.OPTIONS[method_name]:
+      users = [m for m, names in methods.OPTIONS.items() if name in names]
       raise ValueError(f"--{name} does not apply to --method={method_name} "
                        f"(it sets --method={'|'.join(users)})")
 
@@ -132,7 +130,18 @@ def run(main, config_sets_flags: bool = True) -> None:
     except (ValueError, FileNotFoundError, app.UsageError, flags.Error) as e:
       _fail(e)
 
+  _help_shows_every_flag_of(main.__module__)
   app.run(checked, flags_parser=_parse_flags)
+
+
+def _help_shows_every_flag_of(launcher: str) -> None:
+  """--help prints the flags key to the main program, which absl names by sys.argv[0]: the
+  launcher's own when run with -m, none at all for a console script (hitree-generate), and never
+  those defined here (--draft, --model, --temperature...). Declare them all key to it."""
+  FLAGS = flags.FLAGS
+  for module in (launcher, __name__):
+    for flag in FLAGS.get_flags_for_module(module):
+      FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
 def define_model_flags(key_dtype: bool = True):
@@ -236,312 +245,11 @@ def define_feature_draft_flag():
                       "bottom level, under the target or a retrieval level.")
 
 
-@dataclasses.dataclass(frozen=True)
-class Knobs:
-  """The speculation flags a method spec leaves out (defaults as the flags')."""
-  draft: str = "self:8"
-  gamma: int = 4
-  tree: str | None = None
-  acceptance: str | None = None
-  budget: int = 1024
-  reselect: int = 0
-  sinks: int = 16
-  window: int = 234
-  gamma1: int | None = None
-  gamma2: int | None = None
-  levels: str | None = None
-
-  @classmethod
-  def from_flags(cls, FLAGS) -> "Knobs":
-    return cls(**{f.name: getattr(FLAGS, f.name) for f in dataclasses.fields(cls)})
+def knobs_from_flags(FLAGS) -> methods.Knobs:
+  """The speculation flags as a method's options."""
+  return methods.Knobs(**{f.name: getattr(FLAGS, f.name) for f in dataclasses.fields(methods.Knobs)})
 
 
 def sampling_from_flags(FLAGS):
   from hitree_jax.decode.sampling import SamplingParams
   return SamplingParams.create(FLAGS.temperature, FLAGS.top_p, FLAGS.top_k)
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-  """A decoding configuration: `ar`, or a stack of levels below the target (`levels`, the
-  --levels grammar that every speculative preset expands to), built once the draft is known."""
-  name: str
-  label: str = "ar"
-  levels: str | None = None      # e.g. drafts/d.gguf@streaming:16x234/chain:1+retrieval:1024/6
-  tree: object = None            # the bottom level's TokenTree / DynamicTree
-  draft_path: str | None = None  # a separate draft model (loaded by `load_draft`)
-  draft_mode: str = "deterministic"
-  stack: object = None           # the stack.Stack, once built
-  draft: object = None           # its DraftWeights once loaded
-  heads: str | None = None       # a draft on the target's features: eagle:PATH or medusa:PATH
-
-  def build(self, target_config, draft_config=None, vocab=None):
-    """The Stack for this target (and draft model config / vocabulary, if the stack has one)."""
-    from hitree_jax.decode.stack import Stack
-    if self.levels is None:
-      return Stack()
-    levels = spec_lib.parse(self.levels)
-    drafter = _drafter(levels.drafter, target_config, draft_config, vocab)
-    verifiers = tuple(_verifier(level, gamma) for level, gamma in levels.middles)
-    stack = Stack(drafter, self.tree, verifiers, draft=draft_config)
-    from hitree_jax.decode.engine import check_stack
-    check_stack(stack, target_config)
-    return stack
-
-  def check_draft(self, target_config, target_tokenizer):
-    """Checks the stack and a separate draft against the target from metadata (no weights):
-    vocabulary, tokenizer, tree and levels. Returns the draft's config, or None."""
-    if self.heads is not None:
-      from hitree_jax.train import heads
-      kind, path = spec_lib.parse_level(self.heads).feature_draft
-      heads.check_target(heads.read_meta(path, kind), target_config, path)
-    if self.draft_path is None:
-      self.build(target_config)
-      return None
-    from hitree_jax.loading import load_config, load_vocab
-    from hitree_jax.tokenizer import load_tokenizer, same_tokenizer
-    config, vocab = load_config(self.draft_path), load_vocab(self.draft_path)
-    self.build(target_config, config, vocab)
-    try:
-      draft_tokenizer = load_tokenizer(self.draft_path)
-    except FileNotFoundError as e:
-      raise ValueError(f"--draft={self.draft_path}: cannot check that it shares the target's "
-                       f"tokenizer ({e})") from None
-    if not same_tokenizer(draft_tokenizer, target_tokenizer):
-      raise ValueError(f"--draft={self.draft_path} has a different tokenizer from the target's: "
-                       "a draft must tokenize text exactly as its target does")
-    return config
-
-  def load_draft(self, target_config, target_params=None):
-    """Loads a separate draft model or a draft on the target's features (which reads
-    target_params' head) -- slow: after every flag is validated -- and builds the stack."""
-    from hitree_jax.decode.drafters import DraftWeights
-    if self.heads is not None:
-      from hitree_jax.train import heads
-      kind, path = spec_lib.parse_level(self.heads).feature_draft
-      _, params, vocab = heads.load(path, target_params, target_config, kind)
-      return dataclasses.replace(self, stack=self.build(target_config),
-                                 draft=DraftWeights.create(params, vocab))
-    if self.draft_path is None:
-      return dataclasses.replace(self, stack=self.build(target_config))
-    from hitree_jax.loading import load_model
-    model = load_model(self.draft_path)
-    return dataclasses.replace(self, stack=self.build(target_config, model.config, model.vocab),
-                               draft=DraftWeights.create(model.params, model.vocab))
-
-  def generate(self, params, config, prompts, **kwargs):
-    """engine.generate with this stack; kwargs: max_new_tokens, sampling, seed, programs, ..."""
-    from hitree_jax.decode import engine
-    from hitree_jax.decode.stack import Stack
-    stack = Stack() if self.name == "ar" else self.stack
-    if stack is None:
-      raise ValueError(f"call load_draft() before generating with {self.label}")
-    return engine.generate(params, config, prompts, stack=stack, draft=self.draft, **kwargs)
-
-
-DRAW_MODES = spec_lib.DRAW_MODES
-TREE_KINDS = ("chain", "kary", "sequoia", "dynamic")
-HIERARCHY_DEFAULTS = {"triforce": dict(gamma1=1, gamma2=6), "hitree": dict(tree="kary:2x4", gamma2=12)}
-
-
-def _drafter(level: spec_lib.Level, target_config, draft_config, vocab):
-  """The bottom level of a stack: ngram[:N], self:K, retrieval:B, eagle:PATH, medusa:PATH, or
-  a draft model (`draft`, the --draft model, or its path) over its cache."""
-  from hitree_jax.decode.drafters import ModelDrafter, parse_draft_spec
-  from hitree_jax.decode.stack import Full
-  if level.feature_draft is not None:
-    from hitree_jax.train import heads
-    kind, path = level.feature_draft
-    return heads.drafter(heads.read_meta(path, kind), target_config, level.mode)
-  if level.kind == "retrieval":
-    return ModelDrafter(target_config, level.mode, cache=level.retrieval, weights="target")
-  if level.kind in ("ngram", "self"):
-    return parse_draft_spec(level.name if level.mode == "deterministic" else f"{level.name},{level.mode}")
-  if draft_config is None:
-    raise ValueError(f"level {str(level)!r} names a draft model: give its path (--draft=PATH)")
-  return ModelDrafter(draft_config, level.mode, vocab and vocab.target_vocab_size, cache=level.cache or Full())
-
-
-def _verifier(level: spec_lib.Level, gamma: int):
-  """A middle level: the target over a retrieval cache, or the draft model over its cache."""
-  from hitree_jax.decode.stack import Full, Verifier
-  if level.kind == "retrieval":
-    return Verifier("target", level.retrieval, gamma)
-  return Verifier("draft", level.cache or Full(), gamma)
-
-
-def _split_draft_and_shape(rest: str) -> tuple[str, str | None]:
-  """'DRAFT[/SHAPE]' where DRAFT may be a path with slashes: SHAPE is a number or a tree spec."""
-  head, _, tail = rest.rpartition("/")
-  if head and (tail.isdigit() or tail.partition(":")[0] in TREE_KINDS):
-    return head, tail
-  return rest, None
-
-
-def acceptance_profile(acceptance: str | None, draft_path: str | None, greedy: bool) -> list[float]:
-  """--acceptance (numbers or a JSON file), else the JSON that launch.distill wrote for the draft."""
-  import json
-  import pathlib
-  source = acceptance
-  if source is None and draft_path is not None and pathlib.Path(draft_path).with_suffix(".json").is_file():
-    source = str(pathlib.Path(draft_path).with_suffix(".json"))
-  if source is None:
-    raise ValueError("sequoia trees need the draft's acceptance profile: pass --acceptance=P0,P1,... "
-                     "or a JSON file from `python -m launch.distill --eval --json`")
-  if source.endswith(".json"):
-    record = json.loads(pathlib.Path(source).read_text())
-    return record["greedy_acceptance_profile" if greedy else "acceptance_profile"]
-  try:
-    return [float(x) for x in source.split(",")]
-  except ValueError:
-    raise ValueError(f"--acceptance={source}: expected comma-separated numbers or a .json file") from None
-
-
-def join_method_specs(items: list[str]) -> list[str]:
-  """Undoes a comma-separated flag's split inside a spec: every spec starts with a method name,
-  so a piece that does not (the 4 of sequoia:8,4, the iid of self:4,iid) belongs to the one before."""
-  specs = []
-  for item in items:
-    if specs and item.partition("/")[0] not in METHODS + ("auto",):
-      specs[-1] += "," + item
-    else:
-      specs.append(item)
-  return specs
-
-
-def _levels_of(name: str, rest: str, knobs: Knobs) -> str:
-  """Expands a preset (sd, tree, retrieval, triforce, hitree) into its --levels spec."""
-  draft, shape = _split_draft_and_shape(rest) if rest else (knobs.draft, None)
-  if name in ("sd", "tree", "retrieval"):
-    if name == "tree":
-      return f"{draft}/{shape or knobs.tree or 'kary:2x2'}"
-    if name == "retrieval":
-      draft, shape = "", rest or None
-      if shape is not None and not shape.isdigit():
-        raise ValueError(f"retrieval gamma {shape!r} must be an integer")
-    n = shape or str(knobs.gamma)
-    from hitree_jax.tree.shapes import MAX_TREE_NODES
-    if not n.lstrip("-").isdigit() or not 1 <= int(n) <= MAX_TREE_NODES:
-      raise ValueError(f"gamma={n} must be an integer in [1, {MAX_TREE_NODES}] (draft tokens per round)")
-    # The retrieval level's law is close to the target's: sampling from it (iid) is accepted far
-    # more often than its top token is (at T 0.6, 7.5K tokens: 0.98x ar against 0.68x).
-    who = f"{_retrieval_name(knobs)},iid" if name == "retrieval" else draft
-    return f"{who}/chain:{n}"
-  defaults = HIERARCHY_DEFAULTS[name]
-  if spec_lib.parse_level(draft).kind in ("ngram", "self"):
-    raise ValueError(f"--method={name} drafts with a draft model over a StreamingLLM cache: give "
-                     f"--draft=PATH (e.g. drafts/smollm2-draft.gguf), not {draft}; other stacks: "
-                     "--method=hsd --levels=...")
-  streaming = f"@streaming:{knobs.sinks}x{knobs.window}"
-  who, _, mode = draft.rpartition(",") if draft.rpartition(",")[2] in DRAW_MODES else (draft, "", "")
-  bottom = f"{who}{streaming}{',' + mode if mode else ''}"
-  if name == "triforce":
-    tree = f"chain:{knobs.gamma1 or defaults['gamma1']}"
-  else:
-    tree = shape or knobs.tree or defaults["tree"]
-  return f"{bottom}/{tree}+{_retrieval_name(knobs)}/{knobs.gamma2 or defaults['gamma2']}"
-
-
-def _retrieval_name(knobs: Knobs) -> str:
-  return f"retrieval:{knobs.budget}" + (f":{knobs.reselect}" if knobs.reselect else "")
-
-
-def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Method:
-  """`ar`, `sd[/DRAFT[/GAMMA]]`, `tree[/DRAFT[/TREE]]`, `retrieval[/GAMMA]`, `triforce[/DRAFT]`,
-  `hitree[/DRAFT[/TREE]]` or `hsd[/LEVELS]`; missing parts come from the flags (`knobs`).
-
-  e.g. sd/ngram/4, tree/self:8/kary:2x2, tree/self:4,without_replacement/chain:6,
-  sd/drafts/smollm2-draft.gguf/3 (a draft model: any path the loaders read, [,mode]),
-  hitree/drafts/smollm2-draft.gguf/kary:3x2, hsd/ngram:3/chain:2+draft/4+retrieval:1024/6.
-  """
-  from hitree_jax.tree import shapes as tree_lib
-  name, _, rest = spec.partition("/")
-  if name not in METHODS or (name == "ar" and rest):
-    raise ValueError(f"method {spec!r} is not available; use ar, sd[/DRAFT[/GAMMA]], "
-                     "tree[/DRAFT[/TREE]], retrieval[/GAMMA], triforce[/DRAFT], hitree[/DRAFT[/TREE]] "
-                     "or hsd[/LEVELS]")
-  if name == "ar":
-    return Method("ar")
-  if name == "hsd":
-    levels = rest or knobs.levels
-    if not levels:
-      raise ValueError("--method=hsd needs its levels: --levels=DRAFTER/TREE+WHO/GAMMA+... "
-                       "(e.g. ngram:3/chain:2+draft/4+retrieval:1024/6)")
-  else:
-    levels = _levels_of(name, rest, knobs)
-  parsed = spec_lib.parse(levels)
-  shape, mode = parsed.tree, parsed.drafter.mode
-  model_named = [level.name for level in parsed.levels if level.kind == "draft"]
-  heads = parsed.drafter.name if parsed.drafter.feature_draft is not None else None
-  if heads is not None:
-    from hitree_jax.train.heads import read_meta
-    kind, path = parsed.drafter.feature_draft
-    read_meta(path, kind)  # FileNotFoundError naming it, before any load
-  for n in model_named:
-    if n != "draft" and "/" not in n and "." not in n:  # not a path: a misspelt drafter
-      from hitree_jax.decode.drafters import parse_draft_spec
-      parse_draft_spec(n)  # raises, naming it
-  draft_path = None
-  if model_named:
-    paths = [n for n in model_named if n != "draft"]
-    path = paths[0] if paths else spec_lib.parse_level(knobs.draft).name
-    if len(set(paths)) > 1:
-      raise ValueError(f"{levels!r} names two draft models ({', '.join(sorted(set(paths)))}); a "
-                       "stack has one")
-    if path.startswith(("ngram", "self:")):
-      raise ValueError(f"{levels!r} names a draft model: give its path (--draft=PATH)")
-    from hitree_jax.loading import resolve
-    draft_path = str(resolve(path))  # FileNotFoundError naming it, before any load
-  token_tree = tree_lib.parse_tree_spec(f"chain:{shape}" if shape.isdigit() else shape)
-  if isinstance(token_tree, tuple):  # ("sequoia", budget, depth)
-    profile = acceptance_profile(knobs.acceptance, draft_path, greedy)
-    token_tree = tree_lib.from_acceptance(profile, *token_tree[1:])
-  return Method(name, _label(name, rest, knobs, shape, levels), levels, token_tree, draft_path, mode,
-                heads=heads)
-
-
-def check_auto_draft(draft: str, feature_draft: str | None = None) -> str | None:
-  """Refuses what the planner cannot plan around; -> the EAGLE draft's folder, or None."""
-  if spec_lib.parse_level(draft).kind != "draft":
-    hint = (f" (an EAGLE draft joins with --feature_draft={draft})" if draft.startswith("eagle:") else "")
-    raise ValueError(f"--method=auto plans stacks around a draft model: give --draft=PATH (e.g. "
-                     f"drafts/smollm2-draft.gguf), not {draft}{hint}")
-  if feature_draft is None:
-    return None
-  if not feature_draft.startswith("eagle:"):
-    raise ValueError(f"--feature_draft={feature_draft}: the planner weighs an EAGLE draft, eagle:PATH "
-                     "(Medusa's heads are not planned: each head's acceptance falls with its depth, "
-                     "which its latency model does not describe)")
-  from hitree_jax.train.heads import read_meta
-  path = feature_draft.removeprefix("eagle:")
-  read_meta(path, "eagle")  # FileNotFoundError naming it, before any load
-  return path
-
-
-def auto_method(model: str, draft: str, prompt_length: int, sampling, loaded: tuple = (None, None),
-                feature_draft: str | None = None) -> Method:
-  """--method=auto: the stack the planner chooses (hitree_jax/planner/auto.py) around the draft
-  model `draft` (and the EAGLE draft `feature_draft`, eagle:PATH), for this prompt length and
-  sampling, from the profile measured on first use."""
-  from hitree_jax.planner import auto
-  eagle = check_auto_draft(draft, feature_draft)
-  precision = {} if loaded[0] is None else {"dtype": loaded[0].config.dtype, "key_dtype": loaded[0].config.key_dtype}
-  choice, _, path = auto.plan_for(model, draft, prompt_length, sampling, loaded=loaded,
-                                  log=lambda message: logging.info("%s", message), eagle=eagle, **precision)
-  logging.info("--method=auto: %s, %.1f tok/s predicted (ar %.1f; profile %s)",
-               f"hsd/{choice.levels}" if choice.levels else "ar", choice.predicted_tokens_per_s,
-               choice.ar_tokens_per_s, path)
-  if choice.levels is None:
-    return Method("ar", label="auto=ar")
-  flags = choice.flags(draft, eagle)
-  method = parse_method("hsd", Knobs(draft=draft, levels=flags["levels"], acceptance=flags.get("acceptance")),
-                        float(sampling.temperature) == 0)
-  return dataclasses.replace(method, label=f"auto={method.label}")
-
-
-def _label(name: str, rest: str, knobs: Knobs, shape: str, levels: str) -> str:
-  """sd/DRAFT/GAMMA and tree/DRAFT/TREE as before; a hierarchy by its levels."""
-  if name in ("sd", "tree"):
-    draft = _split_draft_and_shape(rest)[0] if rest else knobs.draft
-    return f"{name}/{draft}/{shape.removeprefix('chain:') if name == 'sd' else shape}"
-  return f"{name}/{levels}"

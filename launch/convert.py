@@ -17,7 +17,7 @@ import time
 
 from absl import flags, logging
 
-from launch import common
+from . import common
 
 common.define_model_flags(key_dtype=False)
 flags.DEFINE_string("out", None, "Folder to write the checkpoint to, or a .gguf file.", required=True)

@@ -24,8 +24,8 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from launch import common
-from launch.progress import Progress
+from . import common
+from .progress import Progress
 
 common.define_config_flag()
 
@@ -108,6 +108,7 @@ def train_heads_main():
   from hitree_jax.loading import load_model
   from hitree_jax.model.vocab import ReducedVocab
   from hitree_jax.tokenizer import load_tokenizer
+  from hitree_jax.heads import saved
   from hitree_jax.train import corpus, distill, heads
 
   workdir = pathlib.Path(FLAGS.workdir)
@@ -137,22 +138,22 @@ def train_heads_main():
                                   data["train"], data["eval"], steps=FLAGS.steps, batch=FLAGS.batch,
                                   lr=FLAGS.lr, warmup=FLAGS.warmup, seed=FLAGS.seed, until=FLAGS.until,
                                   progress=Progress("training", min_interval_s=30).update,
-                                  objective=objective, frozen=heads.frozen_arrays(teacher.params, vocab),
+                                  objective=objective, frozen=saved.frozen_arrays(teacher.params, vocab),
                                   settings=run_settings())
   record = {"train_s_this_run": time.perf_counter() - start, "history": history, "vocab_size": vocab.size}
   if FLAGS.until is not None and FLAGS.until < FLAGS.steps:
     return record
   out = out_path()
   final = history[-1] if history else {}
-  heads.save(out, FLAGS.kind, params, teacher.config, vocab,
+  saved.save(out, FLAGS.kind, params, teacher.config, vocab,
              {"command": command(), "steps": FLAGS.steps, **({"taps": list(taps())} if taps() else {}),
               **{k: final[k] for k in ("eval_loss", "eval_agreement") if k in final}})
   logging.info("%s draft written to %s; evaluating it", FLAGS.kind, out)
   record.update(out=str(out))
   record.update(evaluate_heads(teacher, tokenizer, f"{FLAGS.kind}:{out}"))
-  meta = heads.read_meta(out)
+  meta = saved.read_meta(out)
   meta["evaluation"] = {k: v for k, v in record.items() if k not in ("history", "train_s_this_run")}
-  (out / heads.META).write_text(json.dumps(meta, indent=1))
+  (out / saved.META).write_text(json.dumps(meta, indent=1))
   return record
 
 
@@ -270,12 +271,13 @@ def evaluate_heads(teacher, tokenizer, spec: str) -> dict:
   from hitree_jax.decode.drafters import DraftWeights
   from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.decode.stack import Stack
-  from hitree_jax.train import corpus, heads, metrics
+  from hitree_jax.heads import saved
+  from hitree_jax.train import corpus, metrics
   from hitree_jax.tree import shapes as tree_lib
 
   kind, _, path = spec.partition(":")
-  meta, params, vocab = heads.load(path, teacher.params, teacher.config, kind)
-  drafter = heads.drafter(meta, teacher.config)
+  meta, params, vocab = saved.load(path, teacher.params, teacher.config, kind)
+  drafter = saved.drafter(meta, teacher.config)
   sampling = SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
   windows = corpus.token_windows(tokenizer, "eval", FLAGS.window, FLAGS.eval_windows)
   if kind == "eagle":
@@ -379,10 +381,10 @@ def check_draft() -> None:
   if not FLAGS.draft:
     raise app.UsageError("--eval needs --draft=PATH (or self:K, eagle:PATH, medusa:PATH)")
   if FLAGS.draft.startswith(("eagle:", "medusa:")):
-    from hitree_jax.train import heads
+    from hitree_jax.heads import saved
     kind, _, path = FLAGS.draft.partition(":")
     try:
-      heads.read_meta(path, kind)
+      saved.read_meta(path, kind)
     except (FileNotFoundError, ValueError) as e:
       raise app.UsageError(f"--draft={FLAGS.draft}: {e}") from None
     return

@@ -32,7 +32,7 @@ import zlib
 from absl import flags, logging
 
 from hitree_jax import data
-from launch import common
+from . import common
 
 _ASSETS_DIR = flags.DEFINE_string(
   "assets_dir", None, "Assets root; defaults to $HITREE_ASSETS, else <repo root>/assets."

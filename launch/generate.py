@@ -16,7 +16,8 @@ import sys
 
 from absl import flags
 
-from launch import common
+from hitree_jax import methods
+from . import common
 
 common.define_config_flag()
 common.define_model_flags()
@@ -29,7 +30,7 @@ flags.DEFINE_enum("book", None, ["austen", "shakespeare", "milton"],
                   "Use a passage of this book corpus as the prompt (see --prompt_tokens).")
 flags.DEFINE_integer("prompt_tokens", 512, "Length of the --book passage, in tokens.")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate at most.")
-flags.DEFINE_string("method", "ar", f"Decoding method; one of {common.METHODS + ('auto',)}. sd: a chain of "
+flags.DEFINE_string("method", "ar", f"Decoding method; one of {methods.METHODS + ('auto',)}. sd: a chain of "
                     "--gamma draft tokens; tree: --tree; both use --draft. retrieval: the target "
                     "over a --budget retrieval cache drafts for itself. triforce / hitree: --draft "
                     "(StreamingLLM cache) -> the target's retrieval level -> the target. hsd: any "
@@ -90,9 +91,9 @@ def main(argv):
   common.check_method_flags(FLAGS.method.partition("/")[0], common.given_flags())
   planned = FLAGS.method == "auto"  # the stack is chosen once the prompt's length is known
   if planned:
-    common.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
+    methods.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   else:
-    method = common.parse_method(FLAGS.method, common.Knobs.from_flags(FLAGS), FLAGS.temperature == 0)
+    method = methods.parse_method(FLAGS.method, common.knobs_from_flags(FLAGS), FLAGS.temperature == 0)
   check_prompt_flags()
   sampling = common.sampling_from_flags(FLAGS)
   if FLAGS.max_new_tokens < 1:
@@ -106,7 +107,7 @@ def main(argv):
   tokenizer = load_tokenizer(resolve(FLAGS.model))
   ids = prompt_ids(tokenizer)
   if planned:  # any stack with the draft: its checks (tokenizer, vocabulary) before the slow loads
-    method = common.parse_method("hsd/draft/chain:1", common.Knobs(draft=FLAGS.draft), True)
+    method = methods.parse_method("hsd/draft/chain:1", methods.Knobs(draft=FLAGS.draft), True)
   draft_config = method.check_draft(config, tokenizer)
   is_draft_alone = load_vocab(FLAGS.model) is not None
   if is_draft_alone and method.name != "ar":
@@ -117,7 +118,7 @@ def main(argv):
   model = load_model(FLAGS.model, common.model_dtype(), FLAGS.key_dtype)
   sharding.check(model.config, mesh, 1, 256)  # before the draft loads; generate checks the cache's slots
   if planned:
-    method = common.auto_method(FLAGS.model, FLAGS.draft, len(ids), sampling, loaded=(model, None),
+    method = methods.auto_method(FLAGS.model, FLAGS.draft, len(ids), sampling, loaded=(model, None),
                                 feature_draft=FLAGS.feature_draft)
   method = method.load_draft(model.config, model.params)
   model_ids = ids if model.vocab is None else model.vocab.to_draft(ids).tolist()  # a draft alone

@@ -44,7 +44,7 @@ import time
 from absl import flags
 from ml_collections import config_flags
 
-from launch import common
+from . import common
 
 config_flags.DEFINE_config_file("config", None, "A shapes config: configs/llama2_7b_128k.py, "
                                 "configs/llama3_8b_128k.py (--config.budget=8192 overrides a field).")
@@ -95,7 +95,6 @@ class Arrays:
     self._param_axes = memory_plan.params_axes(self.abstract_params, split)
 
   def params(self):
-    import jax
     return _made(self._init, self._param_axes, self.mesh, _key(0))
 
   def _cache_make(self, slots: int):
@@ -123,7 +122,6 @@ class Arrays:
 
   def cache(self, slots: int, seed: int):
     """A full cache of `slots` slots, all committed, of random keys and values."""
-    import jax
     make, _, axes = self._cache_make(slots)
     return _made(make, axes, self.mesh, _key(seed))
 
@@ -165,7 +163,8 @@ def context_row(cfg, target: Arrays, draft: Arrays, params, draft_params, contex
   import jax.numpy as jnp
   from hitree_jax import memory_plan, sharding
   from hitree_jax.decode import engine
-  from hitree_jax.planner.profile import CHUNK, _timed_forward, median_seconds
+  from hitree_jax.decode.stack import RETRIEVAL_CHUNK
+  from hitree_jax.planner.profile import timed_forward, median_seconds
 
   full_bytes = memory_plan.per_device_bytes(target.abstract_cache(context))
   draft_bytes = memory_plan.per_device_bytes(draft.abstract_cache(context))
@@ -177,23 +176,23 @@ def context_row(cfg, target: Arrays, draft: Arrays, params, draft_params, contex
                       f"{HEADROOM:.0%} of {memory_plan.readable(memory)}")
     return row
   full = target.cache(context, seed=context)
-  row["target_ms"] = forward_ms(_timed_forward(target.config), params, full, widths)
+  row["target_ms"] = forward_ms(timed_forward(target.config), params, full, widths)
   _progress(context, "target", row["target_ms"])
   select = functools.partial(engine.select_retrieval, params, target.config, full, jnp.zeros((1,), jnp.int32),
-                             cfg.budget, CHUNK, 64, sharding.sequence_shards(target.mesh))
+                             cfg.budget, RETRIEVAL_CHUNK, 64, sharding.sequence_shards(target.mesh))
   row["select_ms"] = 1e3 * median_seconds(select, repeats=FLAGS.repeats)
   _progress(context, "selection", row["select_ms"])
   retrieval = select()
   del select, full   # the partial holds the full cache too
   gc.collect()
-  row["retrieval_ms"] = forward_ms(_timed_forward(target.config), params, retrieval, widths)
+  row["retrieval_ms"] = forward_ms(timed_forward(target.config), params, retrieval, widths)
   _progress(context, f"retrieval:{cfg.budget}", row["retrieval_ms"])
   del retrieval
   draft_full = draft.cache(context, seed=context + 1)
   streaming = jax.block_until_ready(engine.streaming_cache(draft_full, cfg.sinks, cfg.window, None))
   del draft_full
   gc.collect()
-  row["draft_ms"] = forward_ms(_timed_forward(draft.config), draft_params, streaming, widths)
+  row["draft_ms"] = forward_ms(timed_forward(draft.config), draft_params, streaming, widths)
   _progress(context, f"draft@streaming:{cfg.sinks}x{cfg.window}", row["draft_ms"])
   row["retrieval_over_baseline"] = {w: row["retrieval_ms"][w] / baseline[w] for w in widths}
   if bandwidth:
@@ -249,7 +248,7 @@ def main(argv):
   import jax
   from hitree_jax import memory_plan, sharding
   from hitree_jax.model.config import ModelConfig
-  from hitree_jax.planner.profile import _timed_forward
+  from hitree_jax.planner.profile import timed_forward
 
   target_config = ModelConfig.from_dict(dict(cfg.target))
   draft_config = ModelConfig.from_dict(dict(cfg.draft))
@@ -270,7 +269,7 @@ def main(argv):
   with sharding.use(mesh):
     params, draft_params = target.params(), draft.params()
     small = target.cache(cfg.budget, seed=0)
-    record["baseline_ms"] = forward_ms(_timed_forward(target_config), params, small, widths)
+    record["baseline_ms"] = forward_ms(timed_forward(target_config), params, small, widths)
     _progress(cfg.budget, "target (baseline)", record["baseline_ms"])
     del small
     for context in contexts:

@@ -38,7 +38,8 @@ import pathlib
 from absl import flags, logging
 from ml_collections import config_flags
 
-from launch import common
+from hitree_jax import methods
+from . import common
 
 common.define_model_flags()
 common.define_sampling_flags()
@@ -195,7 +196,7 @@ def main(argv):
   from hitree_jax.planner import auto
   if FLAGS.min_gain < 0:
     raise ValueError(f"--min_gain={FLAGS.min_gain} must be >= 0")
-  eagle = common.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
+  eagle = methods.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   choice, profile, path = auto.plan_for(FLAGS.model, FLAGS.draft, FLAGS.prompt_tokens, sampling,
                                         FLAGS.profile_dir, FLAGS.book, log=logging.info,
                                         min_gain=FLAGS.min_gain, eagle=eagle, dtype=common.model_dtype(),

@@ -24,7 +24,7 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from launch import common
+from . import common
 
 config_flags.DEFINE_config_file("config", None, "A shapes config: configs/llama2_7b_128k.py, "
                                 "configs/llama3_8b_128k.py (--config.budget=8192 overrides a field).")

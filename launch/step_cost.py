@@ -33,7 +33,7 @@ import time
 
 from absl import flags
 
-from launch import common, peers
+from . import common, peers
 
 common.define_config_flag()
 common.define_model_flags()
@@ -134,7 +134,7 @@ def context_row(model, ids, widths, sampling, programs, peer, progress) -> dict:
     if w > 1:
       part["verify_ms"] = median_ms(verify_chain(w), key, tokens, logits, repeats=FLAGS.repeats)
     if FLAGS.xla_profile:
-      from launch import xla_profile
+      from . import xla_profile
       part["profile"] = xla_profile.breakdown(full_forward, params, tokens, recent, long, repeats=FLAGS.repeats,
                                                wall_s=part["forward_ms"] / 1e3)  # roles add up to it
     if peer is not None:
@@ -209,7 +209,7 @@ def main(argv):
   from hitree_jax.decode.programs import Programs
   from hitree_jax.loading import load_model
   from hitree_jax.tokenizer import load_tokenizer
-  from launch.progress import Progress
+  from .progress import Progress
 
   model = load_model(FLAGS.model, common.model_dtype(), FLAGS.key_dtype)
   tokenizer = load_tokenizer(model.path)

@@ -72,9 +72,11 @@ def test_readme_library_example_runs(tmp_path):
                         timeout=900, env={**os.environ, "HITREE_COMPILE_CACHE": str(tmp_path)})
   assert proc.returncode == 0, proc.stderr[-3000:]
   printed = proc.stdout.strip().splitlines()
-  assert len(printed) == 2
+  assert len(printed) == 3
   assert 0 < float(printed[0].rsplit(" ", 1)[1])           # ar: decode tokens per second
-  assert 1.0 <= float(printed[1].rsplit(" ", 1)[1]) <= 3.0  # sd: tokens per target forward
+  assert 1.0 <= float(printed[1].rsplit(" ", 1)[1]) <= 3.0  # sd, by name: tokens per target forward
+  # TriForce by name: its two levels, each with what it accepted
+  assert "'target[retrieval:256]/6'" in printed[2] and "'proposer': 'draft[streaming:16x234]'" in printed[2]
 
 
 # ---- config files ----
@@ -213,15 +215,16 @@ def test_installed_package_runs_its_launchers_outside_the_repository(tmp_path):
     names = z.namelist()
     meta = z.read(next(n for n in names if n.endswith("METADATA"))).decode()
     scripts = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-  assert "launch/generate.py" in names and "hitree_jax/decode/engine.py" in names
+  assert "hitree_jax/launch/generate.py" in names and "hitree_jax/decode/engine.py" in names
+  assert not any(n.startswith("launch/") for n in names)   # no top-level `launch` module
   assert "Requires-Dist: jax==0.10.2" in meta and "Requires-Dist: ml_collections==1.1.0" in meta
   assert "torch" not in meta.split("Provides-Extra: test")[0]
-  assert "hitree-generate = launch.generate:run" in scripts
+  assert "hitree-generate = hitree_jax.launch.generate:run" in scripts
   target = tmp_path / "site"
   install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                             str(target), str(wheel)], capture_output=True, text=True, timeout=600)
   assert install.returncode == 0, install.stderr[-3000:]
-  code = ("import sys, launch.generate as g; assert g.__file__.startswith(sys.argv[1]), g.__file__; "
+  code = ("import sys, hitree_jax.launch.generate as g; assert g.__file__.startswith(sys.argv[1]), g.__file__; "
           "sys.argv = ['hitree-generate', '--prompt=']; g.run()")
   proc = subprocess.run([sys.executable, "-c", code, str(target)], cwd=tmp_path, capture_output=True,
                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(target)})

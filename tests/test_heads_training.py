@@ -11,6 +11,7 @@ from hitree_jax.decode.drafters import DraftWeights
 from hitree_jax.decode.stack import Stack
 from hitree_jax.heads import eagle, medusa
 from hitree_jax.model.llama import with_decode_head
+from hitree_jax.heads import saved
 from hitree_jax.train import distill, heads
 from hitree_jax.tree import shapes as tree_lib
 from tests.test_distill import TEACHER, data, teacher_params  # noqa: F401 (fixtures)
@@ -53,7 +54,7 @@ def setup(kind, vocab):
 def test_training_lowers_the_loss(tmp_path, teacher_params, request, kind):  # noqa: F811
   train, vocab = request.getfixturevalue("labelled_taps" if kind == "eagle3" else "labelled")
   config, params, objective = setup(kind, vocab)
-  frozen = heads.frozen_arrays(with_decode_head(teacher_params, TEACHER), vocab)
+  frozen = saved.frozen_arrays(with_decode_head(teacher_params, TEACHER), vocab)
   before, agree_before = distill.evaluate_loss(params, objective, train, 8, frozen)
   params, history = distill.train(tmp_path, config, params, train, None, steps=80, batch=8, lr=1e-2,
                                   warmup=3, seed=0, log_every=20, objective=objective, frozen=frozen)
@@ -72,7 +73,7 @@ def test_training_lowers_the_loss(tmp_path, teacher_params, request, kind):  # n
 def test_interrupted_training_resumes_to_the_same_weights(tmp_path, teacher_params, labelled):  # noqa: F811
   train, vocab = labelled
   config, params, objective = setup("eagle", vocab)
-  frozen = heads.frozen_arrays(with_decode_head(teacher_params, TEACHER), vocab)
+  frozen = saved.frozen_arrays(with_decode_head(teacher_params, TEACHER), vocab)
   kwargs = dict(batch=8, lr=1e-2, warmup=2, seed=3, save_every=2, log_every=1, objective=objective,
                 frozen=frozen)
   straight, _ = distill.train(tmp_path / "a", config, params, train, None, steps=6, **kwargs)
@@ -89,15 +90,15 @@ def test_a_saved_draft_loads_into_a_stack_that_decodes_like_ar(tmp_path, teacher
   params = jax.tree.map(lambda x: x + 0.01, params)  # not the initial values
   taps = {"taps": list(TAPS)} if kind == "eagle3" else {}
   kind = kind.rstrip("3")
-  heads.save(tmp_path / kind, kind, params, TEACHER, vocab, {"command": "test", **taps})
+  saved.save(tmp_path / kind, kind, params, TEACHER, vocab, {"command": "test", **taps})
   target = with_decode_head(teacher_params, TEACHER)
-  meta, loaded, loaded_vocab = heads.load(tmp_path / kind, target, TEACHER, kind)
+  meta, loaded, loaded_vocab = saved.load(tmp_path / kind, target, TEACHER, kind)
   assert meta["kind"] == kind and np.array_equal(loaded_vocab.target_ids, vocab.target_ids)
-  assert getattr(heads.drafter(meta, TEACHER), "taps", ()) == tuple(taps.get("taps", ()))
+  assert getattr(saved.drafter(meta, TEACHER), "taps", ()) == tuple(taps.get("taps", ()))
   assert set(loaded) == {*params, "head"}
   for name, value in params.items():
     jax.tree.map(np.testing.assert_array_equal, value, loaded[name])
-  stack = Stack(heads.drafter(meta, TEACHER), tree_lib.chain(2))
+  stack = Stack(saved.drafter(meta, TEACHER), tree_lib.chain(2))
   prompts = [[5, 9, 3, 17, 1, 30], [7, 7, 8]]
   ar = engine.generate(target, TEACHER, prompts, max_new_tokens=12, stop_at_eos=False)
   sd = engine.generate(target, TEACHER, prompts, max_new_tokens=12, stop_at_eos=False, stack=stack,
@@ -105,11 +106,11 @@ def test_a_saved_draft_loads_into_a_stack_that_decodes_like_ar(tmp_path, teacher
   assert sd.tokens == ar.tokens
   other = "medusa" if kind == "eagle" else "eagle"
   with pytest.raises(ValueError, match=f"holds {kind} heads, not {other}"):
-    heads.read_meta(tmp_path / kind, other)
+    saved.read_meta(tmp_path / kind, other)
   with pytest.raises(ValueError, match="trained for another target: hidden_size 32"):
-    heads.check_target(meta, TEACHER.replace(hidden_size=48, head_dim=12), tmp_path / kind)
+    saved.check_target(meta, TEACHER.replace(hidden_size=48, head_dim=12), tmp_path / kind)
   with pytest.raises(FileNotFoundError, match="expected a folder with heads.json"):
-    heads.read_meta(tmp_path / "missing", kind)
+    saved.read_meta(tmp_path / "missing", kind)
   assert jnp.all(jnp.isfinite(loaded["head"]))
 
 

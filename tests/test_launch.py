@@ -14,9 +14,9 @@ from hitree_jax import huge_pages
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def launch(module, *args, timeout=600):
+def launch(module, *args, timeout=600, env=None):
   return subprocess.run([sys.executable, "-m", f"launch.{module}", *args], cwd=REPO,
-                        capture_output=True, text=True, timeout=timeout)
+                        capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_generate_json_record():
@@ -186,7 +186,7 @@ def foreign_draft(tmp_path_factory):
 
 
 def test_method_specs_name_a_draft_model_by_path(foreign_draft):
-  from launch.common import Knobs, parse_method
+  from hitree_jax.methods import Knobs, parse_method
   method = parse_method(f"sd/{foreign_draft}/3")
   assert method.draft_path == str(foreign_draft) and method.tree.size == 3
   method = parse_method(f"tree/{foreign_draft},iid/kary:2x2")
@@ -198,7 +198,7 @@ def test_method_specs_name_a_draft_model_by_path(foreign_draft):
 
 
 def test_method_lists_keep_commas_inside_specs():
-  from launch.common import join_method_specs
+  from hitree_jax.methods import join_method_specs
   items = "ar,sd/ngram/4,tree/self:4,iid/sequoia:8,4,tree/d.gguf/dynamic:16,5".split(",")
   assert join_method_specs(items) == ["ar", "sd/ngram/4", "tree/self:4,iid/sequoia:8,4",
                                       "tree/d.gguf/dynamic:16,5"]
@@ -206,7 +206,7 @@ def test_method_lists_keep_commas_inside_specs():
 
 def test_sequoia_tree_from_an_acceptance_profile(foreign_draft, tmp_path):
   from hitree_jax.tree import shapes as tree_lib
-  from launch.common import Knobs, parse_method
+  from hitree_jax.methods import Knobs, parse_method
   method = parse_method("tree/self:4/sequoia:6,3", Knobs(acceptance="0.6,0.2,0.1"))
   assert method.tree == tree_lib.from_acceptance([0.6, 0.2, 0.1], 6, 3)
   assert method.tree.size <= 6 and method.tree.max_depth <= 3
@@ -287,7 +287,7 @@ def test_distill_trains_heads_that_generate_like_ar(tmp_path, kind):
 def test_reselection_in_presets_and_levels():
   from hitree_jax.decode.stack import Retrieval
   from hitree_jax.model.config import ModelConfig
-  from launch.common import Knobs, parse_method
+  from hitree_jax.methods import Knobs, parse_method
   target = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=8, max_position_embeddings=4096)
   method = parse_method("retrieval/6", Knobs(budget=512, reselect=64))
@@ -420,15 +420,33 @@ def test_step_cost_splits_a_step_into_its_parts(tmp_path):
 @pytest.mark.slow
 def test_benchmark_runs_spec_bench_and_checks_every_turn_against_ar(tmp_path):
   """Spec-Bench's protocol on SmolLM2-Instruct: chat template, EOS honoured, MT-bench's second
-  turn after the model's own first answer, per-task speedup and τ, and exactness per turn."""
+  turn after the model's own first answer, per-task speedup and τ, and exactness per turn; with
+  --methods=auto, the planner's stack for the questions' typical length (a stored profile, made
+  up here: measuring SmolLM2's takes minutes)."""
+  import os
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.loading import resolve
+  from hitree_jax.planner import auto
+  from tests.test_planner import synthetic_profile
+  draft = "drafts/smollm2-draft.gguf"
+  key = (str(resolve("smollm2")), str(resolve(draft)), 512, SamplingParams.create())
+  stored = auto.profile_path(tmp_path / "profiles", *key)
+  stored.parent.mkdir(parents=True)
+  stored.write_text(json.dumps({"key": auto.profile_key(*key, "austen", None), "profile": synthetic_profile(512)}))
+  chosen = auto.choose(synthetic_profile(512), True)
   out = tmp_path / "sb.json"
   proc = launch("benchmark", "--prompts=specbench", "--categories=mt_bench,qa", "--per_category=1",
-                "--methods=ar,sd/ngram/4", "--max_new_tokens=16", f"--out={out}")
+                "--methods=ar,sd/ngram/4,auto", f"--draft={draft}", "--max_new_tokens=16", f"--out={out}",
+                env=dict(os.environ, HITREE_PROFILES=str(tmp_path / "profiles")))
   assert proc.returncode == 0, proc.stderr[-3000:]
   record = json.loads(out.read_text())
   assert record["prompts"] == "specbench" and record["tasks"] == {"mt_bench": 1, "qa": 1}
   results = {r["method"]: r for r in record["results"]}
-  assert set(results) == {"ar", "sd/ngram/4"} and results["sd/ngram/4"]["differs_from_ar"] == []
+  planned = next(m for m in results if m.startswith("auto="))
+  label, _, note = planned.partition(" (planned for ")
+  assert label.startswith("auto=hsd/") and label.endswith(chosen.levels.split("/", 1)[1]) and note.endswith("prompt tokens)")
+  assert set(results) == {"ar", "sd/ngram/4", planned}
+  assert results["sd/ngram/4"]["differs_from_ar"] == results[planned]["differs_from_ar"] == []
   for r in results.values():
     assert set(r["tasks"]) == {"mt_bench", "qa"} and r["overall"]["turns"] == 3
     assert r["overall"]["tau"] >= 1 and r["tasks"]["qa"]["speedup"] > 0

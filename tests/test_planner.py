@@ -228,7 +228,7 @@ def synthetic_profile(context=512, space=None):
 @pytest.mark.parametrize("greedy", [True, False])
 def test_a_plan_is_the_fastest_stack_of_its_space_and_runs_as_flags(greedy):
   from hitree_jax.planner import auto
-  from launch.common import Knobs, parse_method
+  from hitree_jax.methods import Knobs, parse_method
   profile = synthetic_profile()
   choice = auto.choose(profile, greedy)
   # At 512 tokens no retrieval budget of 512 or more is a candidate (it would hold it all).
@@ -246,7 +246,7 @@ def test_a_plan_is_the_fastest_stack_of_its_space_and_runs_as_flags(greedy):
 
 def test_an_eagle_draft_is_planned_only_under_the_targets_weights_and_runs_as_flags():
   from hitree_jax.planner import auto
-  from launch.common import Knobs, parse_method
+  from hitree_jax.methods import Knobs, parse_method
   space = auto.Space().with_eagle()
   assert ("target", "eagle") in space.pairs() and ("retrieval:256", "eagle") in space.pairs()
   assert not any(p == "eagle" and v.startswith("draft") for v, p in space.pairs())
@@ -277,7 +277,7 @@ def test_a_retrieval_level_drafts_where_it_is_cheap_and_only_for_a_dearer_level(
   flags build that stack. It proposes to no cheaper level, and no pair is measured twice."""
   from hitree_jax.decode.stack import Retrieval
   from hitree_jax.planner import auto
-  from launch.common import Knobs, parse_method
+  from hitree_jax.methods import Knobs, parse_method
   space = auto.Space().for_context(2048)
   pairs = space.pairs()
   assert ("target", "retrieval:1024") in pairs and ("retrieval:1024", "retrieval:256") in pairs
@@ -319,7 +319,7 @@ def test_plain_decoding_is_chosen_when_no_stack_beats_it():
 
 def test_a_sequoia_plan_carries_the_profile_its_tree_came_from():
   from hitree_jax.planner import auto
-  from launch.common import Knobs, parse_method
+  from hitree_jax.methods import Knobs, parse_method
   space = auto.Space(drafters=("draft",), middles=(), chains=(), trees=("sequoia:16,5",))
   profile = synthetic_profile(space=space)
   choice = auto.choose(profile, True, space)
@@ -351,7 +351,7 @@ def test_measure_and_choose_on_tiny_models_and_the_plan_is_exact(tiny_pair):
   from hitree_jax.decode.drafters import DraftWeights
   from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.planner import auto
-  from launch.common import Knobs, parse_method
+  from hitree_jax.methods import Knobs, parse_method
   target, draft = tiny_pair
   space = auto.Space(drafters=("ngram:3", "draft"), middles=("draft@streaming:16x234", "retrieval:256"),
                      chains=(1, 3), trees=("kary:2x2",), gammas=(2, 4), widths=(1, 4))
@@ -600,8 +600,8 @@ def test_measure_with_an_eagle_draft_and_its_plan_is_exact(tmp_path, eagle_trio)
   from hitree_jax.decode import engine
   from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.planner import auto
-  from hitree_jax.train import heads
-  from launch.common import Knobs, parse_method
+  from hitree_jax.heads import saved
+  from hitree_jax.methods import Knobs, parse_method
   target, draft, eagles = eagle_trio
   space = auto.Space(drafters=("draft",), middles=("retrieval:64",), chains=(1, 2), trees=("kary:2x2",),
                      gammas=(2,), widths=(1, 4))
@@ -615,7 +615,7 @@ def test_measure_with_an_eagle_draft_and_its_plan_is_exact(tmp_path, eagle_trio)
   assert "draft<-eagle" not in measured["acceptance"]
   measured = json.loads(json.dumps(measured))
   folder = tmp_path / "eagle"
-  heads.save(folder, "eagle", eagles[2.0].params, target.config, None, {})
+  saved.save(folder, "eagle", eagles[2.0].params, target.config, None, {})
   for levels in ("eagle/chain:2", "eagle/kary:2x2+retrieval:64/2"):
     assert auto.predict(measured, True, levels, space=space).seconds_per_token > 0
     choice = auto.Choice(None, levels, None, 1.0, 1.0)

@@ -105,7 +105,7 @@ MEAN_ACCEPTED_FLOOR = {"sd/ngram/4": 1.1, "tree/self:8/kary:2x2": 1.04, f"sd/{DR
 
 @pytest.mark.parametrize("method", list(MEAN_ACCEPTED_FLOOR))
 def test_speculative_greedy_equals_ar(ours, prompt, method, monkeypatch):
-  from launch.common import parse_method
+  from hitree_jax.methods import parse_method
   monkeypatch.chdir(pathlib.Path(__file__).resolve().parent.parent)
   spec = parse_method(method).load_draft(ours.config, ours.params)
   new = 24
@@ -127,7 +127,7 @@ def test_speculative_greedy_equals_ar(ours, prompt, method, monkeypatch):
 def test_bfloat16_keys_make_a_target_that_speculation_reproduces(ours, prompt, method, monkeypatch):
   """--key_dtype=bfloat16: the target's logits move by a bfloat16 rounding of its keys, and a
   draft model's or an EAGLE draft's chain (reading that target's features) equals its `ar`."""
-  from launch.common import parse_method
+  from hitree_jax.methods import parse_method
   monkeypatch.chdir(pathlib.Path(__file__).resolve().parent.parent)
   config = ours.config.replace(key_dtype="bfloat16")
   n = len(prompt)
@@ -150,11 +150,12 @@ def test_heads_ship_small_and_agree_with_the_target(ours, tokenizer, spec):
   their agreement on held-out text is what their heads.json recorded."""
   from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.heads import eagle
-  from hitree_jax.train import corpus, heads, metrics
+  from hitree_jax.heads import saved
+  from hitree_jax.train import corpus, metrics
   kind, _, path = spec.partition(":")
   path = pathlib.Path(__file__).resolve().parent.parent / path
   assert sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) <= 25 * 2**20
-  meta, params, vocab = heads.load(path, ours.params, ours.config, kind)
+  meta, params, vocab = saved.load(path, ours.params, ours.config, kind)
   windows = corpus.token_windows(tokenizer, "eval", 128, 2)
   greedy = SamplingParams.create(0.0)
   if kind == "eagle":

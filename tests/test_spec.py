@@ -6,9 +6,12 @@ import re
 
 import pytest
 
+from hitree_jax import methods
 from hitree_jax.decode import spec
-from hitree_jax.decode.stack import Full, Retrieval, Streaming
-from launch import common
+from hitree_jax.decode.drafters import ModelDrafter
+from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
+from hitree_jax.loading import load_config, load_vocab
+from hitree_jax.tree import shapes as tree_lib
 
 DOCS = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "methods.md").read_text()
 
@@ -43,7 +46,7 @@ def test_a_spec_is_typed():
                                     "hitree/drafts/d.gguf/kary:3x2", "hsd/ngram:3/chain:2+draft/4+retrieval:512/6"])
 def test_every_preset_expands_to_a_spec_that_round_trips(method, monkeypatch):
   monkeypatch.setattr("hitree_jax.loading.resolve", lambda path: path)   # no draft file needed
-  levels = common.parse_method(method, common.Knobs(draft="drafts/d.gguf")).levels
+  levels = methods.parse_method(method, methods.Knobs(draft="drafts/d.gguf")).levels
   assert str(spec.parse(levels)) == levels
 
 
@@ -59,3 +62,27 @@ def test_every_preset_expands_to_a_spec_that_round_trips(method, monkeypatch):
 def test_bad_pieces_are_named(text, error):
   with pytest.raises(ValueError, match=re.escape(error)):
     spec.parse(text)
+
+
+def test_a_preset_from_python_is_the_stack_built_by_hand():
+  """methods.method: the presets by name in the library, options as keywords, one Stack each."""
+  draft = "drafts/smollm2-draft.gguf"
+  target, draft_config, vocab = load_config("smollm2"), load_config(draft), load_vocab(draft)
+  triforce = methods.method("triforce", draft=draft, budget=512)
+  assert triforce.levels == f"{draft}@streaming:16x234/chain:1+retrieval:512/6"
+  by_hand = Stack(ModelDrafter(draft_config, target_vocab_size=vocab.target_vocab_size, cache=Streaming(16, 234)),
+                  tree_lib.chain(1), (Verifier("target", Retrieval(512), 6),), draft=draft_config)
+  assert triforce.build(target, draft_config, vocab) == by_hand
+  hitree = methods.method(f"hitree/{draft}/kary:3x2", gamma2=8).build(target, draft_config, vocab)
+  assert hitree.tree == tree_lib.kary(3, 2) and hitree.verifiers[0].gamma == 8
+  assert methods.method("ar").build(target) == Stack()
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda: methods.method("sd", budget=512), "budget does not apply to method 'sd' (it reads draft, gamma)"),
+    (lambda: methods.method("sd", gama=3), "unknown option(s) gama"),
+    (lambda: methods.method("speculate"), "method 'speculate' is not available"),
+])
+def test_a_bad_preset_or_option_is_named(call, error):
+  with pytest.raises(ValueError, match=re.escape(error)):
+    call()

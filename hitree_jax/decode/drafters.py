@@ -17,6 +17,9 @@ what exact verification needs (verify.py).
   NGramDrafter(n): copies the continuation of the latest earlier occurrence of
                    the longest (<= n) suffix of the sequence (a chain).
 
+Each is a `Drafter` (below): the engine asks a drafter only what that interface
+says, never its type, so a new drafter is a subclass and nothing else
+(tests/test_drafter_interface.py builds one outside the library).
 `propose(key, tree, DraftInputs) -> Proposal` fills a static tree;
 `propose_dynamic(tree, DraftInputs)` grows a DynamicTree per row (EAGLE-2).
 A drafter's first forward runs its pending tokens (levels.Lead), the root last.
@@ -24,6 +27,7 @@ A drafter's first forward runs its pending tokens (levels.Lead), the root last.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 
 import flax.struct
@@ -71,8 +75,56 @@ class Proposal:
   committed: bool = flax.struct.field(pytree_node=False, default=False)
 
 
+class Drafter(abc.ABC):
+  """The bottom level of a stack, as the engine sees it. A drafter is a frozen dataclass: it is
+  hashable and part of the compiled program's static arguments. The class attributes below are
+  the defaults of a drafter that keeps nothing between rounds (the n-gram drafter); a drafter
+  that keeps a cache, reads the target's features or needs weights of its own overrides them
+  (as dataclass fields or properties)."""
+
+  mode = "deterministic"   # how children are drawn (sampling.DRAW_MODES)
+  cache = None             # the kind of its long cache (stack.Full/Streaming/Retrieval), or None
+  cache_weights = None     # whose forward fills that cache: "draft", "target", or None (its own)
+  reads_features = False   # reads the hidden states of the level above's verify forwards
+  taps = ()                # ... and those of these target layers beside the final ones (EAGLE-3)
+  keeps_tree = True        # False: it keeps none of its tree (the accepted path waits to be re-run)
+  needs_draft_weights = False   # generation must be handed DraftWeights (a model's, or heads')
+  draft_model = None       # the draft model's config, when its weights are a draft model's
+  prefills_own_cache = False    # True: prefill_cache builds its long cache from the prompt
+
+  @abc.abstractmethod
+  def check(self, tree: TokenTree | DynamicTree, config: ModelConfig) -> None:
+    """Refuses (ValueError, naming the value) a tree or target this drafter cannot serve."""
+
+  def check_above(self, weights: str) -> None:
+    """Refuses a level above it, of these weights ("target" or "draft"), that it cannot read."""
+
+  def level_config(self, target: ModelConfig, draft: ModelConfig | None) -> ModelConfig:
+    """The config of the model its long cache belongs to."""
+    return draft if self.cache_weights == "draft" else target
+
+  @abc.abstractmethod
+  def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
+    """Fills the static tree after the root seq[end - 1]."""
+
+  def propose_dynamic(self, tree: DynamicTree, inp: DraftInputs) -> Proposal:
+    """Grows a DynamicTree per row (EAGLE-2); a drafter that cannot refuses it in check."""
+    raise NotImplementedError(f"the {self} drafter grows no dynamic tree")
+
+  def prefill_cache(self, draft_params, target_params, config: ModelConfig, empty: KVCache, batch,
+                    hidden, programs) -> KVCache:
+    """Its long cache of the prompts (prefills_own_cache): batch, a prefill.PromptBatch; hidden,
+    the target's features at every prompt position [B, P, E]."""
+    raise NotImplementedError(f"the {self} drafter's cache is built from the levels' caches")
+
+  def abstract_heads(self, config: ModelConfig) -> dict | None:
+    """Shapes of the weights it is handed when they are not a draft model's (memory_plan),
+    with the target's LM head it reads as "head"; None for a draft model's or none."""
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
-class NGramDrafter:
+class NGramDrafter(Drafter):
   max_ngram: int = 3
   mode: str = "deterministic"
 
@@ -120,7 +172,7 @@ def _roundtree_positions(inp: DraftInputs, depth) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class SelfDrafter:
+class SelfDrafter(Drafter):
   num_layers: int
   mode: str = "deterministic"  # children = the draft's top-k; or "iid" / "without_replacement" samples
 
@@ -131,6 +183,11 @@ class SelfDrafter:
     if not 1 <= self.num_layers < config.num_layers:
       raise ValueError(f"self-draft layers={self.num_layers} must be in [1, {config.num_layers})")
     check_dynamic_mode(tree, self.mode)
+
+  def check_above(self, weights: str) -> None:
+    if weights != "target":
+      raise ValueError("a self-draft reads the cache of the level above it: that level must have "
+                       "the target's weights (e.g. the retrieval level)")
 
   def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
     """One forward of the first k layers per depth, on a scratch cache of (lead, nodes) that
@@ -257,7 +314,7 @@ class DraftWeights:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelDrafter:
+class ModelDrafter(Drafter):
   """A model drafting autoregressively over a cache of its own: a separate draft model
   (weights 'draft', full or StreamingLLM cache), or the target itself over a retrieval
   cache (weights 'target': TriForce's "retrieval without hierarchy")."""
@@ -269,6 +326,18 @@ class ModelDrafter:
 
   def __str__(self) -> str:
     return f"{self.weights}[{self.cache}]"
+
+  @property
+  def cache_weights(self) -> str:
+    return self.weights
+
+  @property
+  def needs_draft_weights(self) -> bool:
+    return self.weights == "draft"
+
+  @property
+  def draft_model(self) -> ModelConfig | None:
+    return self.config if self.weights == "draft" else None
 
   def check(self, tree: TokenTree, config: ModelConfig) -> None:
     target_vocab = self.target_vocab_size or self.config.vocab_size

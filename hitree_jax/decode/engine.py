@@ -41,15 +41,13 @@ from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.cache.streaming import StreamingCache
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode import programs as programs_lib
-from hitree_jax.decode.drafters import (DraftInputs, DraftWeights, ModelDrafter, Proposal, SelfDrafter,
-                                        round_attend, tree_attend_mask)
+from hitree_jax.decode.drafters import DraftInputs, DraftWeights, Drafter, Proposal, round_attend, tree_attend_mask
+from hitree_jax.decode.features import keep_features
 from hitree_jax.decode.levels import Lead, LevelCache, commit, round_mask
 from hitree_jax.decode.result import GenerationResult
 from hitree_jax.decode.sampling import SamplingParams, probabilities, sample
 from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming
 from hitree_jax.decode.verify import verify
-from hitree_jax.heads import eagle
-from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter, keep_features
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import forward, rope_inv_freq
 from hitree_jax.tree import shapes as tree_lib
@@ -71,26 +69,35 @@ class Layout:
   def top(self) -> int:
     return self.stack.num_levels - 1
 
+  @property
+  def drafter(self) -> Drafter | None:
+    return self.stack.drafter
+
+  def is_drafter(self, j: int) -> bool:
+    """Whether level j is the drafter (level 0 of a stack with more than the target)."""
+    return j == 0 and self.top > 0
+
   def config(self, j: int) -> ModelConfig:
-    if j == 0 and isinstance(self.stack.drafter, EagleDrafter):
-      return self.stack.drafter.config
+    if self.is_drafter(j):
+      return self.drafter.level_config(self.target, self.draft)
     return self.draft if self.weights(j) == "draft" else self.target
 
   @property
   def reads_features(self) -> bool:
     """Whether the drafter reads the features of the level above's verify forwards."""
-    return isinstance(self.stack.drafter, (EagleDrafter, MedusaDrafter))
+    return self.drafter is not None and self.drafter.reads_features
 
   @property
   def feature_taps(self) -> tuple[int, ...]:
     """The target's layers whose states a feature drafter reads beside the final ones (EAGLE-3)."""
-    return getattr(self.stack.drafter, "taps", ())
+    return () if self.drafter is None else tuple(self.drafter.taps)
 
   def weights(self, j: int) -> str | None:
+    """Whose weights fill level j's long cache: "target", "draft", or None (the drafter's own)."""
     if j == self.top:
       return "target"
     if j == 0:
-      return self.stack.drafter.weights if isinstance(self.stack.drafter, ModelDrafter) else None
+      return self.drafter.cache_weights
     return self.stack.verifiers[j - 1].weights
 
   def cache_kind(self, j: int):
@@ -98,7 +105,7 @@ class Layout:
     if j == self.top:
       return Full()
     if j == 0:
-      return getattr(self.stack.drafter, "cache", None)
+      return self.drafter.cache
     return self.stack.verifiers[j - 1].cache
 
   def lead(self, j: int) -> int:
@@ -106,7 +113,7 @@ class Layout:
     accept all it was handed, and for a drafter with a static tree the leaf it never runs."""
     if j == 0 and self.cache_kind(0) is None:
       return self.lead(1)
-    if j == 0 and isinstance(self.stack.drafter, EagleDrafter):
+    if self.is_drafter(j) and not self.drafter.keeps_tree:
       return self.top + self.stack.tree.max_depth  # it keeps none of its tree: the accepted path waits
     if j == 0 and isinstance(self.stack.tree, DynamicTree):
       return self.top  # it runs its whole tree: an accepted leaf is in its cache
@@ -562,11 +569,10 @@ def prefill_levels(layout: Layout, weights: Weights, config: ModelConfig, batch:
   last_tokens = jnp.asarray(batch.tokens[np.arange(batch.batch), batch.lengths - 1])
   longs = []
   for j in range(layout.top + 1):
-    if j == 0 and isinstance(layout.stack.drafter, EagleDrafter):  # its own cache, from the prompt's features
-      tokens, chunk = prefill_lib.chunked_tokens(batch)
+    if layout.is_drafter(j) and layout.drafter.prefills_own_cache:  # e.g. EAGLE's, from the prompt's features
       empty = layout.place_long(0, KVCache.init(layout.config(0), batch.batch, slots))
-      longs.append(eagle.prefill(weights.draft.params, layout.config(0), params["embed_tokens"]["embedding"],
-                                 empty, tokens, hidden[0], batch.lengths, chunk, programs))
+      longs.append(layout.drafter.prefill_cache(weights.draft.params, params, layout.config(0), empty, batch,
+                                                hidden[0] if hidden else None, programs))
       continue
     long = derived_long_cache(layout, j, full, draft_full, params, last_tokens, tail)
     # Each level's cache is its own buffer (the decode loop donates them).
@@ -609,13 +615,7 @@ def check_stack(stack: Stack, config: ModelConfig) -> None:
   """Refuses a stack that cannot run on this target (from configs: before any weights load)."""
   if stack.drafter is not None:
     stack.drafter.check(stack.tree, config)
-  if isinstance(stack.drafter, SelfDrafter) and stack.verifiers and stack.verifiers[0].weights != "target":
-    raise ValueError("a self-draft reads the cache of the level above it: that level must have "
-                     "the target's weights (e.g. the retrieval level)")
-  if (isinstance(stack.drafter, (EagleDrafter, MedusaDrafter)) and stack.verifiers
-      and stack.verifiers[0].weights != "target"):
-    raise ValueError(f"a {stack.drafter} draft reads the features of the level above it: that level "
-                     "must have the target's weights (e.g. the retrieval level)")
+    stack.drafter.check_above(stack.verifiers[0].weights if stack.verifiers else "target")
 
 
 def prefill(params, config: ModelConfig, prompts, max_new_tokens: int, stack: Stack,

@@ -16,9 +16,13 @@ Every level that keeps keys/values has a cache kind (`Full`, `Retrieval`,
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.tree import shapes as tree_lib
+
+if TYPE_CHECKING:
+  from hitree_jax.decode.drafters import Drafter   # drafters imports this module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +33,9 @@ class Full:
     return "full"
 
 
+RETRIEVAL_CHUNK = 8   # slots per chunk that a retrieval cache scores and keeps whole (TriForce's)
+
+
 @dataclasses.dataclass(frozen=True)
 class Retrieval:
   """TriForce's retrieval cache: the sink chunk plus the best-scoring chunks, `budget` slots.
@@ -36,7 +43,7 @@ class Retrieval:
   tokens since the last choice (checked at the end of each block, for all rows at once; 0: only
   after prefill)."""
   budget: int
-  chunk: int = 8
+  chunk: int = RETRIEVAL_CHUNK
   reselect: int = 0
 
   def __post_init__(self):
@@ -93,9 +100,9 @@ class Verifier:
 
 @dataclasses.dataclass(frozen=True)
 class Stack:
-  """drafter: the bottom level (NGramDrafter, SelfDrafter, ModelDrafter) or None for `ar`;
-  tree: what it proposes; verifiers: the intermediate levels, bottom-up."""
-  drafter: object = None
+  """drafter: the bottom level (a drafters.Drafter: n-gram, self, model, EAGLE, Medusa) or None
+  for `ar`; tree: what it proposes; verifiers: the intermediate levels, bottom-up."""
+  drafter: "Drafter | None" = None
   tree: tree_lib.TokenTree | tree_lib.DynamicTree | None = None
   verifiers: tuple[Verifier, ...] = ()
   draft: ModelConfig | None = None  # the draft model's, when only a verifier level uses it
@@ -121,11 +128,11 @@ class Stack:
   def uses_draft_weights(self) -> bool:
     """Whether generation needs DraftWeights: a draft model's, or a feature draft's (heads/)."""
     # __post_init__: a draft verifier needs the config
-    return self.draft_config is not None or getattr(self.drafter, "weights", None) in ("eagle", "medusa")
+    return self.draft_config is not None or (self.drafter is not None and self.drafter.needs_draft_weights)
 
   @property
   def draft_config(self) -> ModelConfig | None:
     """The draft model's config: a ModelDrafter's on the draft's weights, else `draft`."""
-    if getattr(self.drafter, "weights", None) == "draft":
-      return self.drafter.config
+    if self.drafter is not None and self.drafter.draft_model is not None:
+      return self.drafter.draft_model
     return self.draft

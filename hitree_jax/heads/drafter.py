@@ -1,10 +1,9 @@
-"""Drafts on the target's features as the bottom level of any stack, and the ring they read.
+"""Drafts on the target's features as the bottom level of any stack (decode.drafters.Drafter).
 
 The level right above the drafter (the target, or the target over a retrieval
 cache) runs one forward per verification anyway; the engine keeps the hidden
-states of the tokens that forward accepted in a small ring indexed by
-sequence position (`keep_features`), so drafting the next round needs no
-target forward of its own. A round of `EagleDrafter`:
+states of the tokens that forward accepted in a ring (decode/features.py), so
+drafting the next round needs no target forward of its own. A round of `EagleDrafter`:
 
   1. runs its pending tokens (the sequence since its last round, the root
      last) with their true features f_{i-1}, and commits them to its cache;
@@ -26,8 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from hitree_jax.cache.full import KVCache
-from hitree_jax.decode.drafters import (DraftInputs, Proposal, check_dynamic_mode, tree_positions,
+from hitree_jax.decode import prefill as prefill_lib
+from hitree_jax.decode.drafters import (DraftInputs, Drafter, Proposal, check_dynamic_mode, tree_positions,
                                         fill_tree, round_attend, tree_attend_mask)
+from hitree_jax.decode.features import feature_at
 from hitree_jax.decode.levels import commit, round_mask
 from hitree_jax.decode.stack import Full
 from hitree_jax.heads import eagle, medusa
@@ -36,30 +37,39 @@ from hitree_jax.tree import dynamic as dynamic_tree
 from hitree_jax.tree.shapes import DynamicTree, TokenTree
 
 
-def feature_at(ring: jax.Array, positions: jax.Array) -> jax.Array:
-  """ring [B, L, E] of features by position mod L -> [B, T, E] at positions [B, T] (0 before 0)."""
-  picked = jnp.take_along_axis(ring, (jnp.maximum(positions, 0) % ring.shape[1])[:, :, None], axis=1)
-  return jnp.where((positions >= 0)[:, :, None], picked, 0)
-
-
-def keep_features(ring: jax.Array, hidden: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
-  """Writes hidden [B, T, E] at positions [B, T] where valid [B, T] into the ring [B, L, E]."""
-  slots = jnp.where(valid, positions % ring.shape[1], ring.shape[1])
-  return ring.at[jnp.arange(ring.shape[0])[:, None], slots].set(hidden.astype(ring.dtype), mode="drop")
-
-
 @dataclasses.dataclass(frozen=True)
-class EagleDrafter:
+class EagleDrafter(Drafter):
   """EAGLE's one-layer feature draft (heads/eagle.py) with a full cache of its own."""
   config: ModelConfig                   # eagle.layer_config: the target's width, one layer
   mode: str = "deterministic"
   target_vocab_size: int | None = None  # set when its vocabulary is a subset (vocab.py)
   cache: Full = Full()
-  weights: str = "eagle"
   taps: tuple[int, ...] = ()            # the target's layers it reads beside the final states (EAGLE-3)
+
+  reads_features = True
+  keeps_tree = False            # the accepted path is re-run with the target's features
+  needs_draft_weights = True    # its layer and fuse (DraftWeights.params), the target's head
+  prefills_own_cache = True     # from the prompt's features
 
   def __str__(self) -> str:
     return "eagle"
+
+  def check_above(self, weights: str) -> None:
+    _check_features_above(self, weights)
+
+  def level_config(self, target: ModelConfig, draft: ModelConfig | None) -> ModelConfig:
+    return self.config
+
+  def prefill_cache(self, draft_params, target_params, config: ModelConfig, empty: KVCache, batch,
+                    hidden, programs) -> KVCache:
+    tokens, chunk = prefill_lib.chunked_tokens(batch)
+    return eagle.prefill(draft_params, config, target_params["embed_tokens"]["embedding"], empty, tokens,
+                         hidden, batch.lengths, chunk, programs)
+
+  def abstract_heads(self, config: ModelConfig) -> dict:
+    shapes = jax.eval_shape(lambda: eagle.init_params(self.config, jax.random.key(0), len(self.taps)))
+    return dict(shapes, head=jax.ShapeDtypeStruct((config.hidden_size, self.config.vocab_size),
+                                                  jnp.dtype(config.dtype)))
 
   def check(self, tree, config: ModelConfig) -> None:
     target_vocab = self.target_vocab_size or self.config.vocab_size
@@ -152,16 +162,26 @@ class EagleDrafter:
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
   """Medusa's K heads (heads/medusa.py): no cache, no forward; depth k's children are head k's."""
   num_heads: int
   vocab_size: int                       # the heads' (reduced) vocabulary
   mode: str = "deterministic"
   target_vocab_size: int | None = None  # set when its vocabulary is a subset (vocab.py)
-  weights: str = "medusa"
+
+  reads_features = True
+  needs_draft_weights = True    # its heads (DraftWeights.params), the target's head
 
   def __str__(self) -> str:
     return f"medusa:{self.num_heads}"
+
+  def check_above(self, weights: str) -> None:
+    _check_features_above(self, weights)
+
+  def abstract_heads(self, config: ModelConfig) -> dict:
+    dtype = jnp.dtype(config.dtype)
+    shapes = jax.eval_shape(lambda: medusa.init_params(self.num_heads, config.hidden_size, dtype))
+    return dict(shapes, head=jax.ShapeDtypeStruct((config.hidden_size, self.vocab_size), dtype))
 
   def check(self, tree, config: ModelConfig) -> None:
     target_vocab = self.target_vocab_size or self.vocab_size
@@ -202,3 +222,9 @@ class MedusaDrafter:
     tokens, trees = dynamic_tree.grow(tree, inp.draft.to_draft(inp.lead.root), run, None)
     return Proposal(tokens=jnp.maximum(inp.draft.to_target(tokens), 0), q=None, start=inp.end,
                     depth=trees.depth, attend=trees.attend, children=trees.children)
+
+
+def _check_features_above(drafter: Drafter, weights: str) -> None:
+  if weights != "target":
+    raise ValueError(f"a {drafter} draft reads the features of the level above it: that level "
+                     "must have the target's weights (e.g. the retrieval level)")

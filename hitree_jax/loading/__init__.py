@@ -14,6 +14,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
+from hitree_jax import shipped
 from hitree_jax.loading import checkpoint, gguf, hf
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import with_decode_head
@@ -37,7 +38,7 @@ def resolve(spec: str) -> pathlib.Path:
   """Model spec -> an existing file or folder, or FileNotFoundError naming it."""
   if spec in ALIASES:
     return smollm2_gguf_path()
-  path = pathlib.Path(spec).expanduser()
+  path = shipped.find(spec)   # as given, else a shipped draft (drafts/NAME[.gguf])
   if path.is_file() and path.suffix == ".gguf":
     return path
   if path.is_dir() and (checkpoint.is_checkpoint(path) or (path / "config.json").is_file()):

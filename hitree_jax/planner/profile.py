@@ -49,7 +49,6 @@ from hitree_jax.model.vocab import spread_probs
 from hitree_jax.roofline import RECENT_SLOTS, forward_inputs
 from hitree_jax.train.metrics import PROFILE_RANKS
 
-CHUNK = 8           # retrieval chunk (the launchers')
 
 
 def median_seconds(fn: Callable, *args, repeats: int) -> float:
@@ -65,7 +64,7 @@ def median_seconds(fn: Callable, *args, repeats: int) -> float:
 FORWARDS_PER_CALL = 8  # a timed call runs this many forwards in one program
 
 
-def _timed_forward(config):
+def timed_forward(config):
   """A program of FORWARDS_PER_CALL forwards, one after the other (each one's tokens depend on
   the last one's logits, so none can be hoisted or merged): its time / FORWARDS_PER_CALL is a
   forward's inside a decoding program, without the host's dispatch and wait, which are a
@@ -84,7 +83,7 @@ def _timed_forward(config):
 
 
 def _timed_eagle_forward(config, reduced: bool):
-  """_timed_forward for an EAGLE draft: w tokens (with their features) through its layer over its
+  """timed_forward for an EAGLE draft: w tokens (with their features) through its layer over its
   long cache and a recent one, then its head: what a round runs per depth of its tree."""
   @jax.jit
   def run(params, embedding, tokens, long):
@@ -104,9 +103,9 @@ def _timed_eagle_forward(config, reduced: bool):
 def load_eagle(path, target) -> types.SimpleNamespace:
   """An EAGLE draft (a launch.distill --kind=eagle folder) for `target`: config, params (the
   target's head on its vocabulary included), vocab (ReducedVocab or None)."""
-  from hitree_jax.train import heads
-  meta, params, vocab = heads.load(path, target.params, target.config, "eagle")
-  drafter = heads.drafter(meta, target.config)
+  from hitree_jax.heads import saved
+  meta, params, vocab = saved.load(path, target.params, target.config, "eagle")
+  drafter = saved.drafter(meta, target.config)
   return types.SimpleNamespace(config=drafter.config, params=params, vocab=vocab, taps=drafter.taps)
 
 
@@ -158,7 +157,7 @@ class _Levels:
       return (_timed_eagle_forward(e.config, e.vocab is not None),
               lambda w: (e.params, embedding, jnp.zeros((1, w), jnp.int32), long))
     config, params, long, _ = self[name]
-    return _timed_forward(config), lambda w: (params, jnp.zeros((1, w), jnp.int32), long)
+    return timed_forward(config), lambda w: (params, jnp.zeros((1, w), jnp.int32), long)
 
   def draft_full(self, name: str):
     if self.draft is None:
@@ -177,7 +176,7 @@ class _Levels:
     level = spec.parse_level(name)
     if level.kind == "retrieval" and not level.retrieval.reselect:
       last = jnp.asarray([self.prompt[-1]], jnp.int32)
-      return t.config, t.params, engine.select_retrieval(t.params, t.config, self.full, last, level.budget, CHUNK,
+      return t.config, t.params, engine.select_retrieval(t.params, t.config, self.full, last, level.budget, level.retrieval.chunk,
                                                          self.slots - len(self.prompt), 1), None
     if level.kind == "self" and level.name.removeprefix("self:").isdigit():
       k = int(level.name.removeprefix("self:"))
@@ -248,7 +247,7 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
             (["draft", "target"], Stack(drafter(Full()), shapes.chain(4))),
             (["draft", "target"], Stack(drafter(Full()), shapes.kary(2, 2))),
             ([streaming, retrieval, "target"], Stack(drafter(Streaming(16, 234)), shapes.chain(1),
-                                                     (Verifier("target", Retrieval(budget, CHUNK), 6),))),
+                                                     (Verifier("target", Retrieval(budget), 6),))),
             (["ngram:3", "draft", "target"], Stack(NGramDrafter(3), shapes.chain(2),
                                                    (Verifier("draft", Full(), 3),), draft=d.config))]
   costs = dict(costs or {})

@@ -1,4 +1,4 @@
-"""Training drafts on the target's features (heads/), and saving and loading them.
+"""Training drafts on the target's features (heads/); a trained one is saved by heads/saved.py.
 
 Data: the teacher's features (final-normed hidden states) and top-k next-token
 log-probabilities on book windows (distill.prepare_labels(features=True)).
@@ -25,29 +25,15 @@ checkpoint plus `heads.json` (its kind, shape, vocabulary and how it was made).
 from __future__ import annotations
 
 import functools
-import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-import orbax.checkpoint as ocp
 
 from hitree_jax.cache.full import KVCache, causal_attend
 from hitree_jax.heads import eagle, medusa
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import final_states
-from hitree_jax.model.vocab import ReducedVocab
-
-META = "heads.json"
-KINDS = {"eagle": eagle.TRAINED, "medusa": medusa.OWN}  # each kind's trained parameters
-
-
-def frozen_arrays(target_params, vocab: ReducedVocab | None) -> dict:
-  """What the draft reads from its target: the embedding [V, E] and the head on its ids [E, V']."""
-  return {"embedding": target_params["embed_tokens"]["embedding"],
-          "head": eagle.head_from_target(target_params, None if vocab is None else vocab.target_ids)}
 
 
 def _cross_entropy(logits, ids, probs):
@@ -121,70 +107,3 @@ def medusa_objective(num_heads: int, reduced: bool, decay: float = 0.8):
     return total, agree
 
   return loss
-
-
-def save(path: pathlib.Path, kind: str, params, target_config: ModelConfig, vocab: ReducedVocab | None,
-         meta: dict) -> None:
-  """Writes the trained parameters and the vocabulary with orbax, and heads.json."""
-  path = pathlib.Path(path).absolute()
-  path.mkdir(parents=True, exist_ok=True)
-  own = {name: jax.tree.map(np.asarray, params[name]) for name in KINDS[kind] if name in params}
-  tree = {"params": own, "target_ids": np.asarray(vocab.target_ids if vocab else [-1], np.int32)}
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(path / "checkpoint", tree, force=True)
-  shape = dict(hidden_size=target_config.hidden_size, num_heads=target_config.num_heads,
-               num_kv_heads=target_config.num_kv_heads, head_dim=target_config.head_dim,
-               intermediate_size=target_config.intermediate_size,
-               target_vocab_size=target_config.vocab_size, vocab_size=vocab.size if vocab else None)
-  if kind == "medusa":
-    shape["medusa_heads"] = int(params["blocks"].shape[0])
-  (path / META).write_text(json.dumps({"kind": kind, **shape, **meta}, indent=1))
-
-
-def read_meta(path, kind: str | None = None) -> dict:
-  """heads.json of a saved draft (no weights read): FileNotFoundError naming the path, or
-  ValueError when it is not of `kind`."""
-  meta = pathlib.Path(path) / META
-  if not meta.is_file():
-    raise FileNotFoundError(f"{kind or 'feature'} draft {str(path)!r} not found: expected a folder "
-                            f"with {META} (written by `python -m launch.distill --kind={kind or 'eagle'}`)")
-  meta = json.loads(meta.read_text())
-  if kind is not None and meta["kind"] != kind:
-    raise ValueError(f"{str(path)!r} holds {meta['kind']} heads, not {kind}: use {meta['kind']}:{path}")
-  return meta
-
-
-def drafter(meta: dict, target_config: ModelConfig, mode: str = "deterministic"):
-  """The EagleDrafter or MedusaDrafter a saved draft (its heads.json) describes."""
-  from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter
-  size = meta.get("vocab_size")
-  reduced = target_config.vocab_size if size else None
-  size = size or target_config.vocab_size
-  if meta["kind"] == "medusa":
-    return MedusaDrafter(meta["medusa_heads"], size, mode, reduced)
-  return EagleDrafter(eagle.layer_config(target_config, size), mode, reduced,
-                      taps=tuple(meta.get("taps", ())))
-
-
-def check_target(meta: dict, target_config: ModelConfig, path) -> None:
-  """Refuses a draft trained for a target of another shape (from heads.json alone)."""
-  want = dict(hidden_size=target_config.hidden_size, num_heads=target_config.num_heads,
-              num_kv_heads=target_config.num_kv_heads, target_vocab_size=target_config.vocab_size)
-  wrong = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
-  if wrong:
-    raise ValueError(f"{meta['kind']} draft {str(path)!r} was trained for another target: " + ", ".join(
-        f"{k} {got} (this target: {need})" for k, (got, need) in wrong.items()))
-
-
-def load(path, target_params, target_config: ModelConfig, kind: str | None = None):
-  """(heads.json, its params with the target's head on its ids, ReducedVocab or None)."""
-  meta = read_meta(path, kind)
-  check_target(meta, target_config, path)
-  path = pathlib.Path(path).absolute()
-  with ocp.StandardCheckpointer() as checkpointer:
-    tree = checkpointer.restore(path / "checkpoint")
-  ids = np.asarray(tree["target_ids"])
-  vocab = ReducedVocab(ids, target_config.vocab_size) if ids.size > 1 else None
-  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(target_config.dtype)), tree["params"])
-  params["head"] = frozen_arrays(target_params, vocab)["head"]
-  return meta, params, vocab

@@ -1,0 +1,28 @@
+"""The files the repository ships beside the library (drafts/, configs/), found from any directory.
+
+A path that does not exist where it is given is looked up in the repository the package runs
+from (the clone, or the folder an editable install points to: ./setup.sh installs so), then in
+the shipped folder: `--draft=smollm2-draft`, `eagle:smollm2-eagle` and `--config=methods:sd`
+name the shipped draft, EAGLE draft and config from anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent   # the repository (hitree_jax/..)
+
+
+def find(path: str | os.PathLike, folder: str = "drafts", suffixes: tuple[str, ...] = ("", ".gguf")) -> pathlib.Path:
+  """`path` if it exists (or is absolute), else ROOT/path, else ROOT/folder/path, each with
+  `suffixes` tried in turn; else `path` unchanged, for the caller's error to name."""
+  given = pathlib.Path(path).expanduser()
+  if given.exists() or given.is_absolute() or not str(path):
+    return given
+  for base in (ROOT, ROOT / folder):
+    for suffix in suffixes:
+      candidate = base / f"{given}{suffix}"
+      if candidate.exists():
+        return candidate
+  return given

@@ -1,0 +1,70 @@
+"""Installed as ./setup.sh installs it (editable): the hitree-* commands work from any directory,
+find the shipped drafts and configs by name, show every flag they take in --help, and put no
+top-level module named `launch` on the path."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from hitree_jax import methods, shipped
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+BIN = pathlib.Path(sys.executable).parent
+
+
+def test_the_package_list_is_every_folder_of_the_library():
+  listed = re.search(r"^packages = \[(.*?)\]", (REPO / "pyproject.toml").read_text(), re.M | re.S).group(1)
+  listed = set(re.findall(r'"([^"]+)"', listed))   # (tomllib is Python 3.11's)
+  folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "hitree_jax").rglob("__init__.py")}
+  assert listed == folders | {"hitree_jax.launch"}
+
+
+def test_shipped_files_are_found_from_anywhere(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert shipped.find("smollm2-draft") == REPO / "drafts" / "smollm2-draft.gguf"
+  assert shipped.find("smollm2-eagle") == REPO / "drafts" / "smollm2-eagle"
+  assert shipped.find("drafts/smollm2-draft.gguf") == REPO / "drafts" / "smollm2-draft.gguf"
+  assert shipped.find("methods", "configs", ("", ".py")) == REPO / "configs" / "methods.py"
+  assert methods.method("sd", draft="smollm2-draft").draft_path == str(REPO / "drafts" / "smollm2-draft.gguf")
+  (tmp_path / "smollm2-draft").write_text("mine")   # a file where it is given wins
+  assert shipped.find("smollm2-draft") == pathlib.Path("smollm2-draft")
+  assert shipped.find("no-such-draft") == pathlib.Path("no-such-draft")
+
+
+def run_here(tmp_path, *args):
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  return subprocess.run([str(BIN / args[0]), *args[1:]], cwd=tmp_path, env=env, capture_output=True,
+                        text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_the_commands_run_from_any_directory_with_shipped_names(tmp_path):
+  """A shipped config by name, whose draft is a path relative to the repository, and a draft
+  by name: each from an empty directory."""
+  proc = run_here(tmp_path, "hitree-generate", "--config=methods:sd", "--prompt=Once upon a time",
+                  "--max_new_tokens=6", "--json")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  record = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert record["method"].startswith("sd/") and record["mean_accepted"] >= 0
+  proc = run_here(tmp_path, "hitree-generate", "--method=tree", "--draft=eagle:smollm2-eagle", "--tree=chain:2",
+                  "--prompt=Once upon a time", "--max_new_tokens=6", "--json")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_help_shows_the_flags_that_matter(tmp_path):
+  proc = run_here(tmp_path, "hitree-generate", "--help")
+  for flag in ("model", "method", "draft", "gamma", "tree", "temperature", "max_new_tokens", "config", "mesh"):
+    assert re.search(rf"^\s+--{flag}:", proc.stdout, re.M), flag
+
+
+def test_no_top_level_launch_module_is_installed(tmp_path):
+  code = ("import importlib.util as u; print(u.find_spec('launch') is None, "
+          "u.find_spec('hitree_jax.launch.generate') is not None)")
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+  assert proc.stdout.split() == ["True", "True"], proc.stderr
