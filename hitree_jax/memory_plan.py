@@ -34,12 +34,12 @@ import numpy as np
 from hitree_jax import sharding
 from hitree_jax.cache.full import KVCache
 from hitree_jax.cache.retrieval import RetrievalCache
-from hitree_jax.decode import engine
+from hitree_jax.decode import long_caches, loop, sizes
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.programs import CPU_COPY_FREE
 from hitree_jax.decode.drafters import DraftWeights
 from hitree_jax.decode.sampling import SamplingParams
-from hitree_jax.decode.stack import Stack
+from hitree_jax.decode.stack import Full, Stack
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import init_params
 
@@ -162,14 +162,14 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
   """-> ([Program] of the prefill chunk, each retrieval selection and the decode loop, the
   arrays' per-device bytes)."""
   draft_config = stack.draft_config  # None for a stack without a draft model (EAGLE's, say)
-  layout = engine.Layout(stack, config, draft_config, mesh)
+  layout = sizes.StackSizes(stack, config, draft_config, mesh)
   width = layout.recent_slots
   slots = prefill_lib.cache_slots(prompt_tokens, max_new_tokens, extra=width)
   tail = prefill_lib.round_up(max_new_tokens + width, 8)
   sharding.check(config, mesh, batch, slots)
   params = abstract_params(config, mesh)
   draft = abstract_draft_weights(stack, config, draft_config, mesh)
-  weights = engine.Weights(params, draft)
+  weights = loop.Weights(params, draft)
 
   placed = lambda j, shape: abstract(shape, layout.long_axes(j, shape), mesh)
   full = placed(layout.top, jax.eval_shape(lambda: KVCache.init(config, batch, slots)))
@@ -183,7 +183,7 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
     if j == 0 and layout.reads_features and layout.cache_kind(0) is not None:  # EAGLE's own cache
       shape = jax.eval_shape(lambda: KVCache.init(layout.config(j), batch, slots))
     else:
-      shape = jax.eval_shape(lambda: engine.derived_long_cache(layout, j, full, draft_full, params,
+      shape = jax.eval_shape(lambda: long_caches.derived_long_cache(layout, j, full, draft_full, params,
                                                                last_tokens, tail))
     longs.append(None if shape is None else placed(j, shape))
   longs = tuple(longs)
@@ -201,7 +201,7 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
   for j, long in enumerate(longs):  # the retrieval level's selection, from the full cache
     if isinstance(long, RetrievalCache):
       kind = layout.cache_kind(j)
-      compiled = engine.select_retrieval.lower(params, config, full, last_tokens, kind.budget, kind.chunk,
+      compiled = long_caches.select_retrieval.lower(params, config, full, last_tokens, kind.budget, kind.chunk,
                                                tail, sharding.sequence_shards(mesh)).compile()
       programs.append(Program.of(f"retrieval selection (level {j})", compiled))
   features = (len(layout.feature_taps) + 1) * config.hidden_size   # what a feature drafter reads
@@ -209,9 +209,9 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
            jax.ShapeDtypeStruct((batch, features), jnp.dtype(config.dtype)) if layout.reads_features else None)
   history = slots   # the engine's token history is as wide as its caches
   settings, key = abstract_settings()
-  start = engine.DecodeStart(first, settings, scalar(jnp.int32), key, jax.ShapeDtypeStruct((batch, history), jnp.int32),
+  start = loop.DecodeStart(first, settings, scalar(jnp.int32), key, jax.ShapeDtypeStruct((batch, history), jnp.int32),
                              lengths)
-  compiled = engine.decode_loop.lower(layout, weights, longs, start, max_new_tokens).compile()
+  compiled = loop.decode_loop.lower(layout, weights, longs, start, max_new_tokens).compile()
   programs.append(Program.of("decode loop", compiled))
 
   caches = {}
@@ -224,7 +224,7 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
            "EAGLE" if j == 0 and layout.reads_features else f"level {j}")
     caches[f"{who} {kind} cache"] = per_device_bytes(long)
   if draft_full is not None and not any(layout.weights(j) == "draft" and
-                                        isinstance(layout.cache_kind(j), engine.Full)
+                                        isinstance(layout.cache_kind(j), Full)
                                         for j in range(layout.top)):
     caches["draft full cache (prefill only)"] = per_device_bytes(draft_full)
   arrays = dict(slots=slots, params=per_device_bytes(params),

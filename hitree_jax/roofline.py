@@ -38,11 +38,10 @@ from hitree_jax.cache import retrieval as retrieval_lib
 from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.cache.streaming import StreamingCache
 from hitree_jax.decode.drafters import round_attend
+from hitree_jax.decode.sizes import MIN_RECENT_SLOTS as RECENT_SLOTS  # a level's recent cache in decoding
 from hitree_jax.heads import eagle as eagle_lib
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import forward
-
-RECENT_SLOTS = 32   # a level's recent cache in decoding (engine.MIN_RECENT_SLOTS)
 
 # Dense bfloat16 peak per device, TFLOP/s, as the vendors state it, by what jax's device_kind
 # contains (the first match wins). A v4 device is one TensorCore, half a chip.

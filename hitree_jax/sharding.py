@@ -21,6 +21,7 @@ mesh every function here is the identity.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 
@@ -30,27 +31,11 @@ from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import PARAM_AXES
 
 MESH_AXES = ("data", "sequence", "model")
 RULES = (("batch", "data"), ("sequence", "sequence"), ("heads", "model"), ("kv_heads", "model"),
          ("mlp", "model"), ("vocab", "model"), ("embed", None), ("head_dim", None))
-
-# A parameter's logical axes by the last two names of its path (model/llama.py's Hugging Face names).
-_PARAM_AXES = {
-    ("embed_tokens", "embedding"): ("vocab", "embed"),
-    ("lm_head", "kernel"): ("embed", "vocab"),
-    ("q_proj", "kernel"): ("embed", "heads"),      # [E, H * D]: whole heads per shard
-    ("k_proj", "kernel"): ("embed", "kv_heads"),
-    ("v_proj", "kernel"): ("embed", "kv_heads"),
-    ("o_proj", "kernel"): ("heads", "embed"),
-    ("gate_proj", "kernel"): ("embed", "mlp"),
-    ("up_proj", "kernel"): ("embed", "mlp"),
-    ("down_proj", "kernel"): ("mlp", "embed"),
-}
-
-KEYS = ("batch", "kv_heads", "head_dim", "sequence")    # [B, KVH, D, S]
-VALUES = KEYS                                           # [B, KVH, D, S]
-
 
 def use(mesh: Mesh | None):
   """The context to trace and compile a generation's programs in: jax.set_mesh(mesh), through
@@ -109,12 +94,16 @@ def named(mesh: Mesh, axes: tuple) -> NamedSharding:
 
 
 def param_axes(params) -> dict:
-  """The logical axes of each parameter of a Llama (a pytree like params): projections by their
-  role, everything else (norms) along `embed`."""
+  """The logical axes of each parameter of a Llama (a pytree like params), as model/llama.py
+  declares them (PARAM_AXES, by module and parameter name); an undeclared one is refused."""
 
   def axes(path, leaf):
     names = tuple(getattr(k, "key", str(k)) for k in path)
-    return _PARAM_AXES.get(names[-2:], ("embed",) * np.ndim(leaf))
+    declared = PARAM_AXES.get(names[-2:])
+    if declared is None or len(declared) != np.ndim(leaf):
+      raise ValueError(f"parameter {'/'.join(names)} (shape {np.shape(leaf)}) has no logical axes "
+                       "declared in model/llama.py's PARAM_AXES")
+    return declared
 
   return jax.tree_util.tree_map_with_path(axes, params)
 
@@ -159,23 +148,20 @@ def place_params(params, mesh: Mesh | None):
 
 
 def cache_axes(cache, heads: bool = True, slots: bool = True):
-  """Logical axes of a cache pytree (KVCache, RetrievalCache, StreamingCache): keys and values
-  by KEYS/VALUES, split by KV head when `heads` (a level with the target's weights) and by slot
-  when `slots` (the full cache); per-row vectors by batch; anything else replicated."""
+  """Logical axes of a cache pytree (KVCache, RetrievalCache, StreamingCache), as each cache
+  class declares them beside its fields (cache.full.axes_field): split by KV head when `heads`
+  (a level with the target's weights) and by slot when `slots` (the full cache). An array in
+  a field that declares no axes is refused, not silently replicated."""
   drop = lambda axes: tuple(a if (heads or a != "kv_heads") and (slots or a != "sequence") else None
                             for a in axes)
+  declared = {f.name: f.metadata.get("axes") for f in dataclasses.fields(cache)}
 
   def axes(path, leaf):
-    field = getattr(path[0], "name", None) if path else None
-    if field == "keys":
-      return drop(KEYS)
-    if field == "values":
-      return drop(VALUES)
-    if field == "chunks":                                 # retrieval: [L, B, KVH, N]
-      return drop((None, "batch", "kv_heads", None))
-    if np.ndim(leaf) == 1 and field in ("lengths", "dropped", "selected", "seen", "sink_shift"):
-      return ("batch",)
-    return (None,) * np.ndim(leaf)
+    field = path[0].name
+    if declared[field] is None or len(declared[field]) != np.ndim(leaf):
+      raise ValueError(f"{type(cache).__name__}.{field} (shape {np.shape(leaf)}) declares no logical "
+                       f"axes of its rank: give the field cache.full.axes_field(...)")
+    return drop(declared[field])
 
   return jax.tree_util.tree_map_with_path(axes, cache)
 

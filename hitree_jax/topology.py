@@ -38,12 +38,24 @@ def devices(name: str) -> list:
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies
-  chips = [int(n) for n in name.split(":")[1].split("x")]
+  chips = chips_of(name)
   bounds = {"chips_per_host_bounds": tuple(chips + [1] * (3 - len(chips)))} if _single_host(chips) else {}
   try:
     return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **bounds).devices)
   except Exception as error:  # the plugin's own error names what it did not accept
     raise ValueError(f"--topology={name}: {error}") from None
+
+
+def chips_of(name: str) -> list[int]:
+  """A slice's chips along each axis ('v5e:2x4' -> [2, 4])."""
+  check_name(name)
+  return [int(n) for n in name.split(":")[1].split("x")]
+
+
+def chip_kind(name: str) -> str:
+  """A slice's chip ('v5e' of 'v5e:2x4')."""
+  check_name(name)
+  return name.split(":")[0]
 
 
 def check_name(name: str) -> None:
@@ -77,6 +89,7 @@ def mesh(name: str, spec: str | None = None):
   axes = sharding.parse_mesh(spec or f"model:{len(found)}")
   if not axes:
     raise ValueError(f"--mesh={spec!r}: name the mesh, e.g. model:{len(found)}")
-  if math.prod(axes.values()) > len(found):
+  needed = math.prod(axes.values())
+  if needed > len(found):
     raise ValueError(f"--mesh={spec} needs {needed} devices; --topology={name} has {len(found)}")
   return sharding.make_mesh(axes, found)

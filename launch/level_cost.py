@@ -162,7 +162,7 @@ def context_row(cfg, target: Arrays, draft: Arrays, params, draft_params, contex
   import jax
   import jax.numpy as jnp
   from hitree_jax import memory_plan, sharding
-  from hitree_jax.decode import engine
+  from hitree_jax.decode import long_caches
   from hitree_jax.decode.stack import RETRIEVAL_CHUNK
   from hitree_jax.planner.profile import timed_forward, median_seconds
 
@@ -178,7 +178,7 @@ def context_row(cfg, target: Arrays, draft: Arrays, params, draft_params, contex
   full = target.cache(context, seed=context)
   row["target_ms"] = forward_ms(timed_forward(target.config), params, full, widths)
   _progress(context, "target", row["target_ms"])
-  select = functools.partial(engine.select_retrieval, params, target.config, full, jnp.zeros((1,), jnp.int32),
+  select = functools.partial(long_caches.select_retrieval, params, target.config, full, jnp.zeros((1,), jnp.int32),
                              cfg.budget, RETRIEVAL_CHUNK, 64, sharding.sequence_shards(target.mesh))
   row["select_ms"] = 1e3 * median_seconds(select, repeats=FLAGS.repeats)
   _progress(context, "selection", row["select_ms"])
@@ -189,7 +189,7 @@ def context_row(cfg, target: Arrays, draft: Arrays, params, draft_params, contex
   _progress(context, f"retrieval:{cfg.budget}", row["retrieval_ms"])
   del retrieval
   draft_full = draft.cache(context, seed=context + 1)
-  streaming = jax.block_until_ready(engine.streaming_cache(draft_full, cfg.sinks, cfg.window, None))
+  streaming = jax.block_until_ready(long_caches.streaming_cache(draft_full, cfg.sinks, cfg.window, None))
   del draft_full
   gc.collect()
   row["draft_ms"] = forward_ms(timed_forward(draft.config), draft_params, streaming, widths)

@@ -106,16 +106,14 @@ def main(argv):
 
 def _chip(name: str | None) -> str | None:
   """The device name of a topology ('v5e' of 'v5e:2x4'), as --device takes it."""
-  return None if name is None else name.split(":")[0]
+  from hitree_jax import topology
+  return None if name is None else topology.chip_kind(name)
 
 
 def _slice_size(name: str | None) -> int | None:
   """Chips in a topology's name ('v5e:2x4' -> 8); None without one."""
-  if name is None:
-    return None
   from hitree_jax import topology
-  topology.check_name(name)
-  return math.prod(int(n) for n in name.split(":")[1].split("x"))
+  return None if name is None else math.prod(topology.chips_of(name))
 
 
 def report(plan: dict) -> str:

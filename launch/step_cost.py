@@ -50,8 +50,6 @@ flags.DEFINE_bool("xla_profile", False, "Also split each forward by XLA's profil
 flags.DEFINE_string("out", "step_cost.json", "JSON record; the table goes to OUT.md.")
 FLAGS = flags.FLAGS
 
-RECENT_SLOTS = 32  # an `ar` block's recent cache (engine.MIN_RECENT_SLOTS)
-
 
 def median_ms(fn, *args, repeats: int) -> float:
   from hitree_jax.planner.profile import median_seconds
@@ -65,6 +63,7 @@ def part_programs(config, sampling):
   from hitree_jax.decode.programs import ahead_of_time
   from hitree_jax.decode.drafters import round_attend
   from hitree_jax.decode.sampling import draw, probabilities
+  from hitree_jax.decode.sizes import MIN_RECENT_SLOTS as RECENT_SLOTS   # an `ar` block's recent cache
   from hitree_jax.decode.verify import verify
   from hitree_jax.model.llama import forward, hidden_states, logits_from_hidden
   from hitree_jax.tree.shapes import chain
@@ -113,6 +112,7 @@ def context_row(model, ids, widths, sampling, programs, peer, progress) -> dict:
   import jax.numpy as jnp
   from hitree_jax.cache.full import KVCache
   from hitree_jax.decode import engine, prefill as prefill_lib
+  from hitree_jax.decode.sizes import MIN_RECENT_SLOTS as RECENT_SLOTS
 
   config, params = model.config, model.params
   batch = prefill_lib.make_batch([ids], config, FLAGS.step_tokens)

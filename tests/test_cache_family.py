@@ -17,6 +17,7 @@ from hitree_jax.cache import retrieval
 from hitree_jax.cache.full import KVCache, causal_attend
 from hitree_jax.cache.retrieval import RetrievalCache
 from hitree_jax.cache.streaming import StreamingCache
+from hitree_jax.model import llama as llama_lib
 from hitree_jax.model.llama import forward
 from tests.test_kv_cache import CONFIG, tiny_params  # the same tiny model and weights
 
@@ -28,7 +29,7 @@ _forward = jax.jit(forward, static_argnums=1)
 _select = jax.jit(retrieval.select, static_argnames=("budget", "chunk", "tail"))
 _from_full = jax.jit(retrieval.from_full, static_argnums=(1,), static_argnames=("budget", "chunk", "tail"))
 _reselect = jax.jit(retrieval.from_full, static_argnums=(1,), static_argnames=("budget", "chunk", "tail"))
-_projections = jax.jit(retrieval.last_token_projections, static_argnums=(1, 4))
+_projections = jax.jit(llama_lib.last_token_projections, static_argnums=(1, 4))
 _from_prefill = jax.jit(StreamingCache.from_prefill, static_argnums=(1, 2))
 _stream_append = jax.jit(StreamingCache.append)
 

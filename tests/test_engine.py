@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from hitree_jax.cache.full import KVCache, causal_attend
-from hitree_jax.decode import engine
+from hitree_jax.decode import engine, sizes
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter, SelfDrafter, parse_draft_spec
 from hitree_jax.decode import programs as programs_lib
@@ -324,10 +324,10 @@ def test_sampling_is_exact_over_several_rounds(monkeypatch, tree, draft, tempera
   if isinstance(draft, str):  # the target as its own draft model, with its own cache
     mode = {"target-iid": "iid", "target-wor": "without_replacement"}[draft]
     drafter, weights = model_draft(params, TINY, mode=mode)
-  layout = engine.Layout(Stack(drafter, tree), TINY, TINY if weights is not None else None)
+  layout = sizes.StackSizes(Stack(drafter, tree), TINY, TINY if weights is not None else None)
   span = layout.round_extent
   # A recent cache just wide enough for one round: every round is its own block.
-  monkeypatch.setattr(engine.Layout, "recent_slots", property(lambda self: self.round_extent))
+  monkeypatch.setattr(sizes.StackSizes, "recent_slots", property(lambda self: self.round_extent))
   monkeypatch.setattr(prefill_lib, "CACHE_BUCKET", 16)  # long caches no longer than the run needs
   monkeypatch.setattr(KVCache, "append", counting_append)
   APPENDED_WIDTHS.clear()

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from hitree_jax.decode import engine
+from hitree_jax.decode import engine, loop, sizes
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode import verify as verify_lib
 from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter, SelfDrafter
@@ -117,7 +117,7 @@ RESELECTING = {
 def test_retrieval_reselection_keeps_greedy_exact(monkeypatch, params, draft, ar_tokens, where):
   """A retrieval level that chooses its chunks again every 4 committed tokens (each round its
   own block, so every block end may re-select) still gives ar's tokens."""
-  monkeypatch.setattr(engine.Layout, "recent_slots", property(lambda self: self.round_extent))
+  monkeypatch.setattr(sizes.StackSizes, "recent_slots", property(lambda self: self.round_extent))
   result = engine.generate(params, CONFIG, PROMPTS, stack=RESELECTING[where], draft=draft,
                            max_new_tokens=30, programs=Programs())
   assert result.tokens == ar_tokens
@@ -196,7 +196,7 @@ EXACT_STACKS = {
 
 def sample_stack(monkeypatch, stack, temperature, top_k, n, seed=13):
   params, draft_params = peaked(TINY, 3), peaked(TINY_DRAFT, 4)
-  monkeypatch.setattr(engine.Layout, "recent_slots", property(lambda self: self.round_extent))
+  monkeypatch.setattr(sizes.StackSizes, "recent_slots", property(lambda self: self.round_extent))
   monkeypatch.setattr(prefill_lib, "CACHE_BUCKET", 16)
   result = engine.generate(params, TINY, [PROMPT] * N_ROWS, stack=stack, max_new_tokens=n,
                            draft=DraftWeights.create(draft_params), stop_at_eos=False, seed=seed,
@@ -240,12 +240,12 @@ def _verify_middle_resampling_from_p(bottom_tree):
 @pytest.mark.slow
 def test_biased_middle_level_is_caught(monkeypatch):
   stack, temperature, top_k, n = EXACT_STACKS["3-level-chain-iid"]
-  monkeypatch.setattr(engine, "verify", _verify_middle_resampling_from_p(stack.tree))
+  monkeypatch.setattr(loop, "verify", _verify_middle_resampling_from_p(stack.tree))
   # A function of its own, so jit traces it afresh with the biased rule, in any test order
   # (the engine's own program may already be traced with the exact one).
-  decode = engine.decode_loop.__wrapped__
-  monkeypatch.setattr(engine, "decode_loop", jax.jit(lambda layout, weights, long_caches, start, max_new_tokens:
-                                                     decode(layout, weights, long_caches, start, max_new_tokens),
-                                                     static_argnames=("layout", "max_new_tokens")))
+  decode = loop.decode_loop.__wrapped__
+  monkeypatch.setattr(engine, "decode_loop", jax.jit(lambda sizes, weights, long_caches, start, max_new_tokens:
+                                                     decode(sizes, weights, long_caches, start, max_new_tokens),
+                                                     static_argnames=("sizes", "max_new_tokens")))
   samples, _, law = sample_stack(monkeypatch, stack, temperature, top_k, n)
   assert chi_square_pvalue(samples, law) < 1e-6

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hitree_jax import sharding
-from hitree_jax.cache.full import KVCache, causal_attend, dtypes_of, put_slots, write_slots
+from hitree_jax.cache.full import KV_AXES, KVCache, causal_attend, dtypes_of, put_slots, write_slots
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.programs import Programs
 from hitree_jax.model import llama as model_lib
@@ -294,7 +294,7 @@ def test_put_slots_writes_in_place_what_a_dropping_scatter_writes(width):
   buffer = rng.standard_normal((2, 4, 3, 32)).astype(np.float32)   # [B, KVH, D, S]
   block = rng.standard_normal((2, 4, 3, width)).astype(np.float32)
   mesh = sharding.make_mesh("sequence:2,model:2")
-  split = jax.device_put(buffer, sharding.named(mesh, sharding.KEYS))
+  split = jax.device_put(buffer, sharding.named(mesh, KV_AXES))
   for start in ([0, 5], [14, 30], [28, 31], [-3, 40], [-width - 1, 16]):
     want = reference_put(buffer, block, start)
     got = put_slots(jnp.asarray(buffer), jnp.asarray(block), jnp.asarray(start, jnp.int32))

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from hitree_jax import hbm_traffic, memory_plan, roofline, sharding, topology
+from hitree_jax import hbm_traffic, roofline, sharding, topology
 from tests.test_sharding import TINY_SHAPES
 from tests.test_tpu_compile import DRAFT, REPO, TARGET, kv_bytes
 

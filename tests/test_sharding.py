@@ -17,7 +17,8 @@ import pytest
 from hitree_jax import memory_plan, sharding
 from hitree_jax.cache import retrieval
 from hitree_jax.cache.full import KVCache
-from hitree_jax.decode import engine
+from hitree_jax.cache.streaming import StreamingCache
+from hitree_jax.decode import engine, long_caches, loop, sizes
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter
 from hitree_jax.decode.programs import Programs
@@ -128,9 +129,9 @@ def test_every_array_is_where_it_was_declared(params, draft):
   each level's long cache keeps its declared sharding: the target's full cache by row, KV head
   and slot, its retrieval cache by row and KV head, the draft's full cache by row and slot."""
   mesh = sharding.make_mesh("data:2,sequence:2,model:2")
-  layout = engine.Layout(STACKS["4-level"], CONFIG, DRAFT, mesh)
+  layout = sizes.StackSizes(STACKS["4-level"], CONFIG, DRAFT, mesh)
   batch = prefill_lib.make_batch(PROMPTS, CONFIG, 30)
-  weights = engine.Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
+  weights = loop.Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
   expect(weights.target["layers_0"]["self_attn"]["q_proj"]["kernel"], mesh, (None, "model"))
   expect(weights.target["layers_0"]["self_attn"]["o_proj"]["kernel"], mesh, ("model", None))
   expect(weights.target["layers_1"]["mlp"]["down_proj"]["kernel"], mesh, ("model", None))
@@ -142,10 +143,10 @@ def test_every_array_is_where_it_was_declared(params, draft):
   _, prefilled = prefill_lib.prefill(weights.target, CONFIG, full, batch, programs)
   expect(prefilled.keys[0], mesh, ("data", "model", None, "sequence"))  # the prefill program kept it
 
-  first, longs = engine.prefill_levels(layout, weights, CONFIG, batch, 512, 64, programs)
+  first, longs = long_caches.prefill_levels(layout, weights, CONFIG, batch, 512, 64, programs)
   seq = np.zeros((batch.batch, 512), np.int32)
   seq[:, :batch.tokens.shape[1]] = batch.tokens
-  start = engine.DecodeStart(first, SamplingParams.create(), jnp.int32(-1), jax.random.key(0), jnp.asarray(seq),
+  start = loop.DecodeStart(first, SamplingParams.create(), jnp.int32(-1), jax.random.key(0), jnp.asarray(seq),
                              jnp.asarray(batch.lengths))
   out, _, _, after = engine.decode(engine.Prefilled(layout, weights, longs, start, 30), programs)
   declared = {1: ("data", None, None, "sequence"), 2: ("data", "model", None, None),
@@ -202,11 +203,11 @@ def test_memory_plan_counts_what_the_arrays_hold(params, draft):
   the prefilled caches of a real generation hold; its decode program's arguments are those."""
   mesh, stack = sharding.make_mesh("data:2,model:4"), STACKS["triforce"]
   plan = memory_plan.plan(CONFIG, DRAFT, lambda _: stack, mesh, prompt_tokens=60, max_new_tokens=8, batch=2)
-  layout = engine.Layout(stack, CONFIG, DRAFT, mesh)
+  layout = sizes.StackSizes(stack, CONFIG, DRAFT, mesh)
   batch = prefill_lib.make_batch(PROMPTS, CONFIG, 8)
-  weights = engine.Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
+  weights = loop.Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
   slots = prefill_lib.cache_slots(60, 8, extra=layout.recent_slots)
-  first, longs = engine.prefill_levels(layout, weights, CONFIG, batch, slots,
+  first, longs = long_caches.prefill_levels(layout, weights, CONFIG, batch, slots,
                                        prefill_lib.round_up(8 + layout.recent_slots, 8), Programs())
   assert plan["slots"] == slots
   assert plan["params"] == bytes_per_device(weights.target) > 0
@@ -369,3 +370,37 @@ def test_smollm2_mesh_that_does_not_divide_its_heads_is_refused():
                          "--mesh=model:2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2
   assert "error: --mesh model:2 does not divide the target's 9 query heads" in proc.stderr
+
+
+def test_cache_axes_are_declared_with_the_fields_and_an_undeclared_array_is_refused():
+  """Each cache class declares its arrays' logical axes beside its fields (cache.full.axes_field);
+  the level decides only whether its heads and slots are split. An array field that declares
+  none is an error, not a silent replica."""
+  import flax.struct
+  full = KVCache.init(CONFIG, 2, 64)
+  axes = sharding.cache_axes(full, heads=True, slots=False)
+  assert axes.keys[0] == axes.values[-1] == ("batch", "kv_heads", "head_dim", None)
+  assert axes.lengths == ("batch",)
+  assert sharding.cache_axes(full).keys[0] == ("batch", "kv_heads", "head_dim", "sequence")
+  streaming = sharding.cache_axes(StreamingCache.init(CONFIG, 2, 4, 8), heads=False, slots=False)
+  assert streaming.keys[0] == ("batch", None, "head_dim", None) and streaming.seen == ("batch",)
+
+  @flax.struct.dataclass
+  class Tagged(KVCache):
+    tags: jax.Array
+
+  tagged = Tagged(full.keys, full.values, full.lengths, jnp.zeros((2, 3)))
+  with pytest.raises(ValueError, match=r"Tagged.tags \(shape \(2, 3\)\) declares no logical axes"):
+    sharding.cache_axes(tagged)
+
+
+def test_every_parameter_has_declared_axes_and_an_undeclared_one_is_refused():
+  """model/llama.py declares each parameter's logical axes beside its modules (PARAM_AXES)."""
+  from hitree_jax.model.llama import init_params, with_decode_head
+  tied = CONFIG.replace(tie_word_embeddings=True)
+  params = with_decode_head(init_params(tied, jax.random.key(0)), tied)
+  axes = sharding.param_axes(params)
+  assert axes["layers_0"]["self_attn"]["k_proj"]["kernel"] == ("embed", "kv_heads")
+  assert axes["norm"]["weight"] == ("embed",) and axes["lm_head"]["kernel"] == ("embed", "vocab")
+  with pytest.raises(ValueError, match="parameter layers_0/adapter/kernel .* has no logical axes declared"):
+    sharding.param_axes(dict(params, layers_0=dict(params["layers_0"], adapter={"kernel": jnp.zeros((4, 4))})))

@@ -114,3 +114,6 @@ def test_bad_topologies_are_named():
       topology.devices(name)
   with pytest.raises(ValueError, match="--topology=v5e:3x3"):
     topology.devices("v5e:3x3")
+  with pytest.raises(ValueError, match="--mesh=model:8 needs 8 devices; --topology=v5e:2x2 has 4"):
+    topology.mesh("v5e:2x2", "model:8")
+  assert topology.chips_of("v5e:2x4") == [2, 4] and topology.chip_kind("v6e:2x4") == "v6e"

@@ -25,6 +25,15 @@ import jax.numpy as jnp
 
 from hitree_jax.model.config import ModelConfig
 
+KV_AXES = ("batch", "kv_heads", "head_dim", "sequence")   # a layer's keys or values [B, KVH, D, S]
+ROWS = ("batch",)                                         # a number per row [B]
+
+
+def axes_field(axes: tuple, **kwargs):
+  """A cache field and the logical axes of its arrays (of each, for a tuple of per-layer arrays):
+  sharding.cache_axes maps them to a mesh, and refuses an array field that declares none."""
+  return flax.struct.field(metadata={"axes": axes}, **kwargs)
+
 
 @flax.struct.dataclass
 class KVCache:
@@ -37,9 +46,9 @@ class KVCache:
   # anyway (no padding of 64 to its 128 lanes), and with values [B, KVH, S, D] its
   # 1-token decode copied the whole value cache into a head_dim-minor layout for
   # the probabilities x values reduction, every call.
-  keys: tuple[jax.Array, ...]    # per layer [B, KVH, D, S]
-  values: tuple[jax.Array, ...]  # per layer [B, KVH, D, S]
-  lengths: jax.Array             # [B] int32: committed slots per row
+  keys: tuple[jax.Array, ...] = axes_field(KV_AXES)    # per layer [B, KVH, D, S]
+  values: tuple[jax.Array, ...] = axes_field(KV_AXES)  # per layer [B, KVH, D, S]
+  lengths: jax.Array = axes_field(ROWS)                # [B] int32: committed slots per row
 
   @classmethod
   def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None,

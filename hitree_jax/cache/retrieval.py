@@ -36,9 +36,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from hitree_jax.cache.full import KVCache, dtypes_of
+from hitree_jax.cache.full import ROWS, KVCache, axes_field
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import apply_rope, llama, rope_cos_sin, rope_inv_freq
+from hitree_jax.model.llama import last_token_projections
 
 
 @flax.struct.dataclass
@@ -47,9 +47,11 @@ class RetrievalCache(KVCache):
 
   Inherits append/commit/advance: they act on slots after `lengths`, i.e. the tail.
   """
-  chunks: jax.Array   # [L, B, KVH, budget // chunk] int32: kept chunk indices, ascending
-  dropped: jax.Array  # [B] int32: full-cache slots not kept (position = slot + dropped past the kept ones)
-  selected: jax.Array  # [B] int32: the full cache's length when the chunks were chosen
+  chunks: jax.Array = axes_field((None, "batch", "kv_heads", None))  # [L, B, KVH, budget // chunk] int32:
+  #   kept chunk indices, ascending
+  dropped: jax.Array = axes_field(ROWS)   # [B] int32: full-cache slots not kept (position = slot + dropped
+  #   past the kept ones)
+  selected: jax.Array = axes_field(ROWS)  # [B] int32: the full cache's length when the chunks were chosen
   chunk: int = flax.struct.field(pytree_node=False)
 
   @property
@@ -173,43 +175,9 @@ def select(full: KVCache, queries: jax.Array, budget: int, chunk: int = 8,
                         selected=full.lengths, chunk=chunk)
 
 
-def _rope(config: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
-  """The model's RoPE (as in Llama.__call__) for x [B, T, H, D] at positions [B, T]."""
-  return apply_rope(x, *rope_cos_sin(positions, rope_inv_freq(config)))
-
-
-def last_token_projections(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array,
-                           names: tuple[str, ...] = ("q_proj",)) -> dict[str, jax.Array]:
-  """Post-RoPE projections {name: [L, B, heads, D]} of each row's last committed token.
-
-  Reruns last_tokens [B] (the tokens at slots lengths-1) at their positions,
-  seeing the full cache's slots before them as read-only context and their own
-  key through a 1-slot cache, i.e. exactly the computation prefill did for
-  them. `q_proj`/`k_proj` outputs are captured with flax's capture_intermediates.
-  """
-  batch = full.batch
-  position = jnp.maximum(full.lengths - 1, 0)[:, None]                  # [B, 1]
-  own = KVCache.init(config, batch, 1, **dtypes_of(full))
-  context = ((full.keys, full.values, position[:, 0]),)
-  wanted = lambda module, method: method == "__call__" and module.name in names
-  _, state = llama(config).apply(
-      {"params": params}, last_tokens[:, None].astype(jnp.int32), position,
-      jnp.ones((batch, 1, 1), bool), own.keys, own.values, own.lengths, context,
-      capture_intermediates=wanted, mutable=["intermediates"])
-  captured = state["intermediates"]
-  out = {}
-  for name in names:
-    per_layer = []
-    for i in range(config.num_layers):
-      x = captured[f"layers_{i}"]["self_attn"][name]["__call__"][0]     # [B, 1, heads * D]
-      x = x.reshape(batch, 1, -1, config.head_dim)
-      per_layer.append(_rope(config, x, position)[:, 0])                 # [B, heads, D]
-    out[name] = jnp.stack(per_layer)
-  return out
-
-
 def last_token_queries(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array) -> jax.Array:
-  """Post-RoPE queries [L, B, H, D] of each row's last committed token (see last_token_projections)."""
+  """Post-RoPE queries [L, B, H, D] of each row's last committed token (llama.last_token_projections:
+  the model reruns it; this module knows nothing of the model's modules)."""
   return last_token_projections(params, config, full, last_tokens)["q_proj"]
 
 

@@ -30,7 +30,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from hitree_jax.cache.full import KVCache
+from hitree_jax.cache.full import KV_AXES, ROWS, KVCache, axes_field
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import apply_rope, rope_cos_sin
 
@@ -56,14 +56,15 @@ def _ring_slots(positions: jax.Array, sinks: int, window: int) -> jax.Array:
 
 @flax.struct.dataclass
 class StreamingCache:
-  keys: tuple[jax.Array, ...]    # per layer [B, KVH, D, sinks + window]
-  values: tuple[jax.Array, ...]  # per layer [B, KVH, D, sinks + window]
-  lengths: jax.Array             # [B] int32: valid slots, min(seen, sinks + window)
-  seen: jax.Array                # [B] int32: tokens committed so far = position of the next token
+  keys: tuple[jax.Array, ...] = axes_field(KV_AXES)    # per layer [B, KVH, D, sinks + window]
+  values: tuple[jax.Array, ...] = axes_field(KV_AXES)  # per layer [B, KVH, D, sinks + window]
+  lengths: jax.Array = axes_field(ROWS)  # [B] int32: valid slots, min(seen, sinks + window)
+  seen: jax.Array = axes_field(ROWS)     # [B] int32: tokens committed so far = position of the next token
   sinks: int = flax.struct.field(pytree_node=False)
   window: int = flax.struct.field(pytree_node=False)
-  shift_freq: jax.Array | None = None  # [D/2] RoPE inverse frequencies: re-index the sinks (None: don't)
-  sink_shift: jax.Array | None = None  # [B] int32: positions the sink keys were moved forward by
+  # [D/2] RoPE inverse frequencies: re-index the sinks (None: don't)
+  shift_freq: jax.Array | None = axes_field((None,), default=None)
+  sink_shift: jax.Array | None = axes_field(ROWS, default=None)  # [B] int32: positions the sinks moved forward by
 
   @classmethod
   def init(cls, config: ModelConfig, batch: int, sinks: int, window: int,

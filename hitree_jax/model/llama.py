@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hitree_jax.cache.full import SLOT_AXIS, KVCache, slot_shards, write_slots
+from hitree_jax.cache.full import SLOT_AXIS, KVCache, dtypes_of, slot_shards, write_slots
 from hitree_jax.model.config import ModelConfig
 
 _MASKED = -1e30
@@ -187,6 +187,25 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, attend: jax.Arra
   return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
+# The logical axes (sharding.py) of every parameter, by the names the modules below give them:
+# the module's, then the parameter's. Projections split whole heads, the MLP's width or the
+# vocabulary; norms run along the model's width. A parameter not declared here is refused.
+PARAM_AXES = {
+    ("embed_tokens", "embedding"): ("vocab", "embed"),
+    ("q_proj", "kernel"): ("embed", "heads"),      # [E, H * D]: whole heads per shard
+    ("k_proj", "kernel"): ("embed", "kv_heads"),
+    ("v_proj", "kernel"): ("embed", "kv_heads"),
+    ("o_proj", "kernel"): ("heads", "embed"),
+    ("gate_proj", "kernel"): ("embed", "mlp"),
+    ("up_proj", "kernel"): ("embed", "mlp"),
+    ("down_proj", "kernel"): ("mlp", "embed"),
+    ("input_layernorm", "weight"): ("embed",),
+    ("post_attention_layernorm", "weight"): ("embed",),
+    ("norm", "weight"): ("embed",),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+}
+
+
 class RMSNorm(nn.Module):
   eps: float
   dtype: jnp.dtype
@@ -335,6 +354,38 @@ def logits_from_hidden(params, config: ModelConfig, hidden):
   if config.tie_word_embeddings and "lm_head" in params:  # with_decode_head's copy
     return jnp.dot(hidden, params["lm_head"]["kernel"]).astype(jnp.float32)
   return llama(config).apply({"params": params}, hidden, method=Llama.logits)
+
+
+def last_token_projections(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array,
+                           names: tuple[str, ...] = ("q_proj",)) -> dict[str, jax.Array]:
+  """Post-RoPE projections {name: [L, B, heads, D]} of each row's last committed token.
+
+  Reruns last_tokens [B] (the tokens at slots lengths-1) at their positions,
+  seeing the full cache's slots before them as read-only context and their own
+  key through a 1-slot cache, i.e. exactly the computation prefill did for
+  them (TriForce's retrieval scores the cache's chunks with these queries: cache/retrieval.py).
+  `q_proj`/`k_proj` outputs are captured with flax's capture_intermediates, by the module names
+  this file gives them.
+  """
+  batch = full.batch
+  position = jnp.maximum(full.lengths - 1, 0)[:, None]                  # [B, 1]
+  own = KVCache.init(config, batch, 1, **dtypes_of(full))
+  context = ((full.keys, full.values, position[:, 0]),)
+  wanted = lambda module, method: method == "__call__" and module.name in names
+  _, state = llama(config).apply(
+      {"params": params}, last_tokens[:, None].astype(jnp.int32), position,
+      jnp.ones((batch, 1, 1), bool), own.keys, own.values, own.lengths, context,
+      capture_intermediates=wanted, mutable=["intermediates"])
+  captured = state["intermediates"]
+  out = {}
+  for name in names:
+    per_layer = []
+    for i in range(config.num_layers):
+      x = captured[f"layers_{i}"]["self_attn"][name]["__call__"][0]     # [B, 1, heads * D]
+      x = x.reshape(batch, 1, -1, config.head_dim)
+      per_layer.append(apply_rope(x, *rope_cos_sin(position, rope_inv_freq(config)))[:, 0])                 # [B, heads, D]
+    out[name] = jnp.stack(per_layer)
+  return out
 
 
 def with_decode_head(params, config: ModelConfig) -> dict:

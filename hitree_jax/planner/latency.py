@@ -2,7 +2,7 @@
 
 A stack is, bottom-up: a drafter proposing a token tree (a chain is a tree),
 intermediate levels j = 1 .. K-1 each filling a buffer of at least gamma_j
-tokens, and the target K (decode/engine.py). The inputs:
+tokens, and the target K (decode/loop.py). The inputs:
 
   * cost_j(w): seconds of one forward of level j over w tokens, at the
     context length of interest (planner/profile.py measures it);

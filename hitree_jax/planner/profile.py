@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hitree_jax.cache.full import KVCache, dtypes_of
-from hitree_jax.decode import engine, spec
+from hitree_jax.decode import engine, long_caches, spec
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.programs import Programs, ahead_of_time
 from hitree_jax.decode.sampling import probabilities
@@ -176,7 +176,7 @@ class _Levels:
     level = spec.parse_level(name)
     if level.kind == "retrieval" and not level.retrieval.reselect:
       last = jnp.asarray([self.prompt[-1]], jnp.int32)
-      return t.config, t.params, engine.select_retrieval(t.params, t.config, self.full, last, level.budget, level.retrieval.chunk,
+      return t.config, t.params, long_caches.select_retrieval(t.params, t.config, self.full, last, level.budget, level.retrieval.chunk,
                                                          self.slots - len(self.prompt), 1), None
     if level.kind == "self" and level.name.removeprefix("self:").isdigit():
       k = int(level.name.removeprefix("self:"))
@@ -185,7 +185,7 @@ class _Levels:
     if level.name == "draft" and level.mode == "deterministic" and (level.cache is None or streaming):
       full = self.draft_full(name)
       cache = level.cache
-      long = full if cache is None else engine.streaming_cache(full, cache.sinks, cache.window, None)
+      long = full if cache is None else long_caches.streaming_cache(full, cache.sinks, cache.window, None)
       return self.draft.config, self.draft.params, long, self.draft.vocab
     raise ValueError(f"unknown level {name!r}: expected target, retrieval:B, self:K, draft, "
                      "draft@streaming:SxW or eagle")
