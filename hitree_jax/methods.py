@@ -1,6 +1,6 @@
 """Decoding methods by name: the presets (`ar`, `sd`, `tree`, `retrieval`, `triforce`, `hitree`,
-`hsd`, and `auto`, the planner's choice) as one typed spec each (decode/spec.py), built into a
-Stack once the draft is known. The launchers' --method flag and this module's `method` take the
+`hsd`) as one typed spec each (decode/spec.py), built into a Stack once the draft is known;
+and `auto`, the planner's choice (auto_method). The launchers' --method flag and this module's `method` take the
 same text:
 
   from hitree_jax import methods
@@ -51,6 +51,7 @@ class Knobs:
   gamma1: int | None = None
   gamma2: int | None = None
   levels: str | None = None
+
 
 def method(spec: str = "ar", greedy: bool = True, **options) -> "Method":
   """The method `spec` names, as --method spells it, with its options as keywords (Knobs'
