@@ -1,7 +1,7 @@
 """Decoding methods by name: the presets (`ar`, `sd`, `tree`, `retrieval`, `triforce`, `hitree`,
 `hsd`) as one typed spec each (decode/spec.py), built into a Stack once the draft is known;
-and `auto`, the planner's choice (auto_method). The launchers' --method flag and this module's `method` take the
-same text:
+and `auto`, the planner's choice (auto_method). The launchers' --method flag and this
+module's `method` take the same text:
 
   from hitree_jax import methods
   m = methods.method("triforce", draft="drafts/smollm2-draft.gguf", budget=1024)
