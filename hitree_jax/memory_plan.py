@@ -180,11 +180,11 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
   last_tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
   longs = []
   for j in range(layout.top + 1):
-    if j == 0 and layout.reads_features and layout.cache_kind(0) is not None:  # EAGLE's own cache
+    if layout.is_drafter(j) and layout.drafter.prefills_own_cache:  # e.g. EAGLE's, from the prompt
       shape = jax.eval_shape(lambda: KVCache.init(layout.config(j), batch, slots))
     else:
       shape = jax.eval_shape(lambda: long_caches.derived_long_cache(layout, j, full, draft_full, params,
-                                                               last_tokens, tail))
+                                                                    last_tokens, tail))
     longs.append(None if shape is None else placed(j, shape))
   longs = tuple(longs)
 
@@ -202,15 +202,15 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
     if isinstance(long, RetrievalCache):
       kind = layout.cache_kind(j)
       compiled = long_caches.select_retrieval.lower(params, config, full, last_tokens, kind.budget, kind.chunk,
-                                               tail, sharding.sequence_shards(mesh)).compile()
+                                                    tail, sharding.sequence_shards(mesh)).compile()
       programs.append(Program.of(f"retrieval selection (level {j})", compiled))
   features = (len(layout.feature_taps) + 1) * config.hidden_size   # what a feature drafter reads
   first = (jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32),
            jax.ShapeDtypeStruct((batch, features), jnp.dtype(config.dtype)) if layout.reads_features else None)
   history = slots   # the engine's token history is as wide as its caches
   settings, key = abstract_settings()
-  start = loop.DecodeStart(first, settings, scalar(jnp.int32), key, jax.ShapeDtypeStruct((batch, history), jnp.int32),
-                             lengths)
+  start = loop.DecodeStart(first, settings, scalar(jnp.int32), key,
+                           jax.ShapeDtypeStruct((batch, history), jnp.int32), lengths)
   compiled = loop.decode_loop.lower(layout, weights, longs, start, max_new_tokens).compile()
   programs.append(Program.of("decode loop", compiled))
 

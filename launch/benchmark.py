@@ -297,6 +297,14 @@ def run_questions(chosen, methods, sampling, mesh) -> None:
   logging.info("wrote %s", ", ".join(map(str, written)))
 
 
+def parsed_methods(specs: list[str]) -> list:
+  """--methods parsed with the speculation flags; `auto` stays a name (planned once the target
+  is loaded)."""
+  greedy = FLAGS.temperature == 0
+  return [spec if spec == "auto" else methods_lib.parse_method(spec, common.knobs_from_flags(FLAGS), greedy)
+          for spec in specs]
+
+
 def main(argv):
   del argv
   mesh = common.mesh_from_flags(FLAGS)  # first: a multi-host run joins before jax starts
@@ -305,19 +313,14 @@ def main(argv):
     specs = methods_lib.join_method_specs(FLAGS.methods)
     if "auto" in specs:
       methods_lib.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
-    greedy = FLAGS.temperature == 0
-    methods = [spec if spec == "auto" else methods_lib.parse_method(spec, common.knobs_from_flags(FLAGS), greedy)
-               for spec in specs]
-    return run_questions(chosen, methods, common.sampling_from_flags(FLAGS), mesh)
+    return run_questions(chosen, parsed_methods(specs), common.sampling_from_flags(FLAGS), mesh)
   lengths = check_flags()
-  greedy = FLAGS.temperature == 0
   specs = methods_lib.join_method_specs(FLAGS.methods)
   if "auto" in specs or FLAGS.predict:
     methods_lib.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   elif FLAGS.feature_draft is not None:
     raise ValueError("--feature_draft is weighed by the planner: it applies to --methods=auto and --predict")
-  methods = [spec if spec == "auto" else methods_lib.parse_method(spec, common.knobs_from_flags(FLAGS), greedy)
-             for spec in specs]
+  methods = parsed_methods(specs)
   sampling = common.sampling_from_flags(FLAGS)
   import jax
   from hitree_jax.data import book_prompts

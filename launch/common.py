@@ -87,8 +87,7 @@ def launcher_settings() -> dict:
           for f in fs if f.name != "config"}
 
 
-SPECULATION_FLAGS = ("draft", "gamma", "tree", "acceptance", "budget", "reselect", "sinks", "window",
-                     "gamma1", "gamma2", "levels", "feature_draft")
+SPECULATION_FLAGS = tuple(dict.fromkeys(name for names in methods.OPTIONS.values() for name in names))
 
 
 def check_method_flags(method_name: str, given: set[str]) -> None:

@@ -147,7 +147,7 @@ def test_every_array_is_where_it_was_declared(params, draft):
   seq = np.zeros((batch.batch, 512), np.int32)
   seq[:, :batch.tokens.shape[1]] = batch.tokens
   start = loop.DecodeStart(first, SamplingParams.create(), jnp.int32(-1), jax.random.key(0), jnp.asarray(seq),
-                             jnp.asarray(batch.lengths))
+                           jnp.asarray(batch.lengths))
   out, _, _, after = engine.decode(engine.Prefilled(layout, weights, longs, start, 30), programs)
   declared = {1: ("data", None, None, "sequence"), 2: ("data", "model", None, None),
               3: ("data", "model", None, "sequence")}               # keys, values [B, KVH, D, S]
@@ -208,7 +208,7 @@ def test_memory_plan_counts_what_the_arrays_hold(params, draft):
   weights = loop.Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
   slots = prefill_lib.cache_slots(60, 8, extra=layout.recent_slots)
   first, longs = long_caches.prefill_levels(layout, weights, CONFIG, batch, slots,
-                                       prefill_lib.round_up(8 + layout.recent_slots, 8), Programs())
+                                            prefill_lib.round_up(8 + layout.recent_slots, 8), Programs())
   assert plan["slots"] == slots
   assert plan["params"] == bytes_per_device(weights.target) > 0
   assert plan["draft_params"] == bytes_per_device(weights.draft.params)

@@ -24,7 +24,7 @@ from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import rope_inv_freq
 
 def prefill_levels(sizes: StackSizes, weights: Weights, config: ModelConfig, batch: prefill_lib.PromptBatch,
-                 slots: int, tail: int, programs: programs_lib.Programs):
+                   slots: int, tail: int, programs: programs_lib.Programs):
   """Prefills what each level keeps: -> ((first logits [B, V], the last prompt tokens' hidden
   states [B, E] for a feature drafter, else None), long caches per level)."""
   params, mesh = weights.target, sizes.mesh
@@ -44,7 +44,7 @@ def prefill_levels(sizes: StackSizes, weights: Weights, config: ModelConfig, bat
     if sizes.is_drafter(j) and sizes.drafter.prefills_own_cache:  # e.g. EAGLE's, from the prompt's features
       empty = sizes.place_long(0, KVCache.init(sizes.config(0), batch.batch, slots))
       longs.append(sizes.drafter.prefill_cache(weights.draft.params, params, sizes.config(0), empty, batch,
-                                                hidden[0] if hidden else None, programs))
+                                               hidden[0] if hidden else None, programs))
       continue
     long = derived_long_cache(sizes, j, full, draft_full, params, last_tokens, tail)
     # Each level's cache is its own buffer (the decode loop donates them).
@@ -67,7 +67,7 @@ def derived_long_cache(sizes: StackSizes, j: int, full: KVCache, draft_full: KVC
     shift_freq = jnp.asarray(rope_inv_freq(sizes.config(j))) if kind.reindex else None
     return streaming_cache(source, kind.sinks, kind.window, shift_freq)
   return select_retrieval(params, sizes.target, full, last_tokens, kind.budget, kind.chunk, tail,
-                    sharding.sequence_shards(sizes.mesh))
+                          sharding.sequence_shards(sizes.mesh))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

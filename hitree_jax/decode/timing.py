@@ -11,6 +11,7 @@ import numpy as np
 from hitree_jax.decode import programs as programs_lib
 from hitree_jax.decode.loop import level_round
 
+
 def time_levels(programs: programs_lib.Programs, ready, repeats: int = 5) -> list[float]:
   """Seconds of one round of each level (index 0: the drafter's proposal), run alone on the
   state after prefill, the median of `repeats` runs."""

@@ -176,8 +176,9 @@ class _Levels:
     level = spec.parse_level(name)
     if level.kind == "retrieval" and not level.retrieval.reselect:
       last = jnp.asarray([self.prompt[-1]], jnp.int32)
-      return t.config, t.params, long_caches.select_retrieval(t.params, t.config, self.full, last, level.budget, level.retrieval.chunk,
-                                                         self.slots - len(self.prompt), 1), None
+      selected = long_caches.select_retrieval(t.params, t.config, self.full, last, level.budget,
+                                              level.retrieval.chunk, self.slots - len(self.prompt), 1)
+      return t.config, t.params, selected, None
     if level.kind == "self" and level.name.removeprefix("self:").isdigit():
       k = int(level.name.removeprefix("self:"))
       return (t.config.replace(num_layers=k), *_first_layers(t.params, self.full, k), None)
