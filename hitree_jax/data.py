@@ -18,6 +18,8 @@ import os
 import pathlib
 from typing import Protocol
 
+from hitree_jax.errors import NotFound, UsageError
+
 CORPORA = ("austen", "shakespeare", "milton")
 
 # Move a prompt's start forward by at most this many characters to reach the
@@ -54,7 +56,7 @@ def assets_dir() -> pathlib.Path:
 def book_text(corpus: str) -> str:
   """Returns a corpus's books joined in sorted file order, so the result is always the same."""
   if corpus not in CORPORA:
-    raise ValueError(f"unknown corpus {corpus!r}; expected one of {CORPORA}")
+    raise UsageError(f"unknown corpus {corpus!r}; expected one of {CORPORA}")
   return _read_corpus(assets_dir() / "books" / corpus)
 
 
@@ -63,7 +65,7 @@ def _read_corpus(directory: pathlib.Path) -> str:
   # Cached by directory, so changing $HITREE_ASSETS never returns stale text.
   files = sorted(directory.glob("*.txt"))
   if not files:
-    raise FileNotFoundError(
+    raise NotFound(
       f"no book texts in {directory}; run `python -m launch.fetch_assets` "
       "(or set HITREE_ASSETS to an assets dir that has them)"
     )
@@ -123,7 +125,7 @@ def book_prompts(
   seconds.
   """
   if n_tokens <= 0 or n_prompts <= 0:
-    raise ValueError(
+    raise UsageError(
       f"n_tokens and n_prompts must be positive, got n_tokens={n_tokens}, "
       f"n_prompts={n_prompts}"
     )
@@ -159,6 +161,6 @@ def book_passage(
   The generate launcher's `--book` option uses this to turn book text into a prompt.
   """
   if index < 0:
-    raise ValueError(f"index must be non-negative, got {index}")
+    raise UsageError(f"index must be non-negative, got {index}")
   ids = book_prompts(tokenizer, n_tokens, index + 1, corpus)[index]
   return tokenizer.decode(ids)

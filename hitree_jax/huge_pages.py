@@ -24,6 +24,8 @@ import platform
 import sys
 from typing import Mapping
 
+from hitree_jax import errors
+
 TUNABLE = "glibc.malloc.hugetlb=1"
 OPT_OUT = "HITREE_HUGE_PAGES"
 THP_ENABLED = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -47,7 +49,7 @@ def should_reexec(environ: Mapping[str, str], mode: str | None, libc: str) -> bo
   """Whether a process started with `environ` would get huge pages only by restarting with the
   tunable: glibc's malloc, THP in `madvise` mode, the tunable not set, and no opt-out."""
   return (libc == "glibc" and mode == "madvise" and not has_tunable(environ)
-          and environ.get(OPT_OUT, "1") != "0")
+          and errors.env_switch(OPT_OUT, default=True, environ=environ))
 
 
 def environ_with_tunable(environ: Mapping[str, str]) -> dict[str, str]:

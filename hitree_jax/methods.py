@@ -20,6 +20,7 @@ import logging
 
 from hitree_jax import shipped
 from hitree_jax.decode import spec as spec_lib
+from hitree_jax.errors import UsageError
 
 METHODS = ("ar", "sd", "tree", "retrieval", "triforce", "hitree", "hsd")
 
@@ -61,11 +62,11 @@ def method(spec: str = "ar", greedy: bool = True, **options) -> "Method":
   name = spec.partition("/")[0]
   unknown = sorted(set(options) - {f.name for f in dataclasses.fields(Knobs)})
   if unknown:
-    raise ValueError(f"unknown option(s) {', '.join(unknown)}; options: "
+    raise UsageError(f"unknown option(s) {', '.join(unknown)}; options: "
                      f"{', '.join(f.name for f in dataclasses.fields(Knobs))}")
   unread = sorted(set(options) - set(OPTIONS.get(name, set(options))))
   if unread:
-    raise ValueError(f"{', '.join(unread)} does not apply to method {name!r} (it reads "
+    raise UsageError(f"{', '.join(unread)} does not apply to method {name!r} (it reads "
                      f"{', '.join(OPTIONS[name]) or 'none'})")
   return parse_method(spec, Knobs(**options), greedy)
 
@@ -114,10 +115,10 @@ class Method:
     try:
       draft_tokenizer = load_tokenizer(self.draft_path)
     except FileNotFoundError as e:
-      raise ValueError(f"--draft={self.draft_path}: cannot check that it shares the target's "
+      raise UsageError(f"--draft={self.draft_path}: cannot check that it shares the target's "
                        f"tokenizer ({e})") from None
     if not same_tokenizer(draft_tokenizer, target_tokenizer):
-      raise ValueError(f"--draft={self.draft_path} has a different tokenizer from the target's: "
+      raise UsageError(f"--draft={self.draft_path} has a different tokenizer from the target's: "
                        "a draft must tokenize text exactly as its target does")
     return config
 
@@ -144,7 +145,7 @@ class Method:
     from hitree_jax.decode.stack import Stack
     stack = Stack() if self.name == "ar" else self.stack
     if stack is None:
-      raise ValueError(f"call load_draft() before generating with {self.label}")
+      raise UsageError(f"call load_draft() before generating with {self.label}")
     return engine.generate(params, config, prompts, stack=stack, draft=self.draft, **kwargs)
 
 
@@ -167,7 +168,7 @@ def _drafter(level: spec_lib.Level, target_config, draft_config, vocab):
   if level.kind in ("ngram", "self"):
     return parse_draft_spec(level.name if level.mode == "deterministic" else f"{level.name},{level.mode}")
   if draft_config is None:
-    raise ValueError(f"level {str(level)!r} names a draft model: give its path (--draft=PATH)")
+    raise UsageError(f"level {str(level)!r} names a draft model: give its path (--draft=PATH)")
   return ModelDrafter(draft_config, level.mode, vocab and vocab.target_vocab_size, cache=level.cache or Full())
 
 
@@ -195,7 +196,7 @@ def acceptance_profile(acceptance: str | None, draft_path: str | None, greedy: b
   if source is None and draft_path is not None and pathlib.Path(draft_path).with_suffix(".json").is_file():
     source = str(pathlib.Path(draft_path).with_suffix(".json"))
   if source is None:
-    raise ValueError("sequoia trees need the draft's acceptance profile: pass --acceptance=P0,P1,... "
+    raise UsageError("sequoia trees need the draft's acceptance profile: pass --acceptance=P0,P1,... "
                      "or a JSON file from `python -m launch.distill --eval --json`")
   if source.endswith(".json"):
     record = json.loads(pathlib.Path(source).read_text())
@@ -203,7 +204,7 @@ def acceptance_profile(acceptance: str | None, draft_path: str | None, greedy: b
   try:
     return [float(x) for x in source.split(",")]
   except ValueError:
-    raise ValueError(f"--acceptance={source}: expected comma-separated numbers or a .json file") from None
+    raise UsageError(f"--acceptance={source}: expected comma-separated numbers or a .json file") from None
 
 
 def join_method_specs(items: list[str]) -> list[str]:
@@ -227,18 +228,18 @@ def _levels_of(name: str, rest: str, knobs: Knobs) -> str:
     if name == "retrieval":
       draft, shape = "", rest or None
       if shape is not None and not shape.isdigit():
-        raise ValueError(f"retrieval gamma {shape!r} must be an integer")
+        raise UsageError(f"retrieval gamma {shape!r} must be an integer")
     n = shape or str(knobs.gamma)
     from hitree_jax.tree.shapes import MAX_TREE_NODES
     if not n.lstrip("-").isdigit() or not 1 <= int(n) <= MAX_TREE_NODES:
-      raise ValueError(f"gamma={n} must be an integer in [1, {MAX_TREE_NODES}] (draft tokens per round)")
+      raise UsageError(f"gamma={n} must be an integer in [1, {MAX_TREE_NODES}] (draft tokens per round)")
     # The retrieval level's law is close to the target's: sampling from it (iid) is accepted far
     # more often than its top token is (at T 0.6, 7.5K tokens: 0.98x ar against 0.68x).
     who = f"{_retrieval_name(knobs)},iid" if name == "retrieval" else draft
     return f"{who}/chain:{n}"
   defaults = HIERARCHY_DEFAULTS[name]
   if spec_lib.parse_level(draft).kind in ("ngram", "self"):
-    raise ValueError(f"--method={name} drafts with a draft model over a StreamingLLM cache: give "
+    raise UsageError(f"--method={name} drafts with a draft model over a StreamingLLM cache: give "
                      f"--draft=PATH (e.g. drafts/smollm2-draft.gguf), not {draft}; other stacks: "
                      "--method=hsd --levels=...")
   streaming = f"@streaming:{knobs.sinks}x{knobs.window}"
@@ -266,7 +267,7 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
   from hitree_jax.tree import shapes as tree_lib
   name, _, rest = spec.partition("/")
   if name not in METHODS or (name == "ar" and rest):
-    raise ValueError(f"method {spec!r} is not available; use ar, sd[/DRAFT[/GAMMA]], "
+    raise UsageError(f"method {spec!r} is not available; use ar, sd[/DRAFT[/GAMMA]], "
                      "tree[/DRAFT[/TREE]], retrieval[/GAMMA], triforce[/DRAFT], hitree[/DRAFT[/TREE]] "
                      "or hsd[/LEVELS]")
   if name == "ar":
@@ -274,7 +275,7 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
   if name == "hsd":
     levels = rest or knobs.levels
     if not levels:
-      raise ValueError("--method=hsd needs its levels: --levels=DRAFTER/TREE+WHO/GAMMA+... "
+      raise UsageError("--method=hsd needs its levels: --levels=DRAFTER/TREE+WHO/GAMMA+... "
                        "(e.g. ngram:3/chain:2+draft/4+retrieval:1024/6)")
   else:
     levels = _levels_of(name, rest, knobs)
@@ -295,10 +296,10 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
     paths = [n for n in model_named if n != "draft"]
     path = paths[0] if paths else spec_lib.parse_level(knobs.draft).name
     if len(set(paths)) > 1:
-      raise ValueError(f"{levels!r} names two draft models ({', '.join(sorted(set(paths)))}); a "
+      raise UsageError(f"{levels!r} names two draft models ({', '.join(sorted(set(paths)))}); a "
                        "stack has one")
     if path.startswith(("ngram", "self:")):
-      raise ValueError(f"{levels!r} names a draft model: give its path (--draft=PATH)")
+      raise UsageError(f"{levels!r} names a draft model: give its path (--draft=PATH)")
     from hitree_jax.loading import resolve
     draft_path = str(resolve(path))  # FileNotFoundError naming it, before any load
   token_tree = tree_lib.parse_tree_spec(f"chain:{shape}" if shape.isdigit() else shape)
@@ -313,12 +314,12 @@ def check_auto_draft(draft: str, feature_draft: str | None = None) -> str | None
   """Refuses what the planner cannot plan around; -> the EAGLE draft's folder, or None."""
   if spec_lib.parse_level(draft).kind != "draft":
     hint = (f" (an EAGLE draft joins with --feature_draft={draft})" if draft.startswith("eagle:") else "")
-    raise ValueError(f"--method=auto plans stacks around a draft model: give --draft=PATH (e.g. "
+    raise UsageError(f"--method=auto plans stacks around a draft model: give --draft=PATH (e.g. "
                      f"drafts/smollm2-draft.gguf), not {draft}{hint}")
   if feature_draft is None:
     return None
   if not feature_draft.startswith("eagle:"):
-    raise ValueError(f"--feature_draft={feature_draft}: the planner weighs an EAGLE draft, eagle:PATH "
+    raise UsageError(f"--feature_draft={feature_draft}: the planner weighs an EAGLE draft, eagle:PATH "
                      "(Medusa's heads are not planned: each head's acceptance falls with its depth, "
                      "which its latency model does not describe)")
   from hitree_jax.heads.saved import read_meta

@@ -39,6 +39,7 @@ from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.cache.streaming import StreamingCache
 from hitree_jax.decode.drafters import round_attend
 from hitree_jax.decode.sizes import MIN_RECENT_SLOTS as RECENT_SLOTS  # a level's recent cache in decoding
+from hitree_jax.errors import UsageError
 from hitree_jax.heads import eagle as eagle_lib
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import forward
@@ -66,7 +67,7 @@ class Chip:
     kind = device.device_kind
     bandwidth, peak = memory_plan.device_bandwidth_gb_s(kind), peak_tflops(kind)
     if bandwidth is None or peak is None:
-      raise ValueError(f"no bandwidth or peak flops known for {kind!r} (memory_plan.DEVICE_BANDWIDTH_GB_S, "
+      raise UsageError(f"no bandwidth or peak flops known for {kind!r} (memory_plan.DEVICE_BANDWIDTH_GB_S, "
                        "roofline.PEAK_TFLOPS)")
     return cls(kind, bandwidth, peak)
 

@@ -30,6 +30,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from hitree_jax.errors import UsageError
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import PARAM_AXES
 
@@ -50,14 +51,14 @@ def parse_mesh(spec: str) -> dict[str, int]:
   for piece in filter(None, (p.strip() for p in spec.split(","))):
     match = re.fullmatch(r"(\w+):(\d+)", piece)
     if not match:
-      raise ValueError(f"--mesh piece {piece!r}: expected AXIS:N, e.g. model:8 or data:2,model:4")
+      raise UsageError(f"--mesh piece {piece!r}: expected AXIS:N, e.g. model:8 or data:2,model:4")
     name, size = match.group(1), int(match.group(2))
     if name not in MESH_AXES:
-      raise ValueError(f"--mesh axis {name!r} is not one of {MESH_AXES}")
+      raise UsageError(f"--mesh axis {name!r} is not one of {MESH_AXES}")
     if name in axes:
-      raise ValueError(f"--mesh names the axis {name!r} twice")
+      raise UsageError(f"--mesh names the axis {name!r} twice")
     if size < 1:
-      raise ValueError(f"--mesh axis {name}:{size}: a size must be >= 1")
+      raise UsageError(f"--mesh axis {name}:{size}: a size must be >= 1")
     axes[name] = size
   return axes
 
@@ -74,7 +75,7 @@ def make_mesh(axes: dict[str, int] | str, devices=None) -> Mesh | None:
   needed = math.prod(shape)
   if needed > len(devices):
     spec = ",".join(f"{k}:{v}" for k, v in axes.items())
-    raise ValueError(f"--mesh={spec} needs {needed} devices; this machine has {len(devices)} "
+    raise UsageError(f"--mesh={spec} needs {needed} devices; this machine has {len(devices)} "
                      f"({devices[0].platform}). On CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
                      "simulates N devices")
   grid = np.array(devices[:needed]).reshape(shape)
@@ -117,11 +118,11 @@ def check(config: ModelConfig, mesh: Mesh | None, batch: int, slots: int) -> Non
   for what, size in (("query heads", config.num_heads), ("KV heads", config.num_kv_heads),
                      ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)):
     if size % model:
-      raise ValueError(f"--mesh model:{model} does not divide the target's {size} {what}")
+      raise UsageError(f"--mesh model:{model} does not divide the target's {size} {what}")
   if batch % data:
-    raise ValueError(f"--mesh data:{data} does not divide the batch of {batch} prompts")
+    raise UsageError(f"--mesh data:{data} does not divide the batch of {batch} prompts")
   if slots % sequence:
-    raise ValueError(f"--mesh sequence:{sequence} does not divide the cache's {slots} slots "
+    raise UsageError(f"--mesh sequence:{sequence} does not divide the cache's {slots} slots "
                      "(a multiple of 256: use a power of two)")
 
 

@@ -26,3 +26,10 @@ def find(path: str | os.PathLike, folder: str = "drafts", suffixes: tuple[str, .
       if candidate.exists():
         return candidate
   return given
+
+
+def names(folder: str, suffix: str = "") -> list[str]:
+  """The names of the `suffix` files the repository ships in `folder` (configs, ".py": methods,
+  models, ...), for an error to list."""
+  return sorted(p.name.removesuffix(suffix) for p in (ROOT / folder).glob(f"*{suffix}")
+                if not p.name.startswith((".", "_")))

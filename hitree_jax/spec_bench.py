@@ -14,6 +14,8 @@ import json
 import pathlib
 from typing import Sequence
 
+from hitree_jax.errors import UsageError
+
 QUESTIONS = pathlib.Path(__file__).resolve().parent.parent / "data" / "spec_bench" / "question.jsonl"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -36,7 +38,7 @@ def read(path: str | pathlib.Path | None = None) -> list[Question]:
   Raises ValueError naming the file and the line that is not a question."""
   path = pathlib.Path(path) if path is not None else QUESTIONS
   if not path.is_file():
-    raise ValueError(f"--prompts={path}: no such file (a JSONL of question_id, category and turns)")
+    raise UsageError(f"--prompts={path}: no such file (a JSONL of question_id, category and turns)")
   questions = []
   for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
     if not line.strip():
@@ -45,13 +47,13 @@ def read(path: str | pathlib.Path | None = None) -> list[Question]:
       row = json.loads(line)
       turns = row["turns"]
       if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t for t in turns)):
-        raise ValueError("'turns' must be a non-empty list of non-empty strings")
+        raise UsageError("'turns' must be a non-empty list of non-empty strings")
       questions.append(Question(int(row["question_id"]), str(row["category"]), tuple(turns)))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
-      raise ValueError(f"--prompts={path}: line {number} is not a question "
+      raise UsageError(f"--prompts={path}: line {number} is not a question "
                        f"(question_id, category, turns): {error}") from None
   if not questions:
-    raise ValueError(f"--prompts={path}: holds no questions")
+    raise UsageError(f"--prompts={path}: holds no questions")
   return questions
 
 
@@ -62,9 +64,9 @@ def select(questions: Sequence[Question], categories: Sequence[str] = (),
   known = {q.task for q in questions} | {q.category for q in questions}
   unknown = [c for c in categories if c not in known]
   if unknown:
-    raise ValueError(f"--categories: {', '.join(unknown)} not among {', '.join(sorted(known))}")
+    raise UsageError(f"--categories: {', '.join(unknown)} not among {', '.join(sorted(known))}")
   if per_category is not None and per_category < 1:
-    raise ValueError(f"--per_category={per_category} must be >= 1")
+    raise UsageError(f"--per_category={per_category} must be >= 1")
   chosen, taken = [], {}
   for q in questions:
     if categories and q.task not in categories and q.category not in categories:

@@ -24,6 +24,8 @@ import shutil
 import uuid
 import warnings
 
+from hitree_jax.errors import NotFound, UsageError
+
 # Without torch (a test-only package here) transformers advises that "PyTorch was not
 # found. Models won't be available": we use it for tokenizers only, so that advice is noise.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -49,7 +51,7 @@ def load_tokenizer(path: str | pathlib.Path):
   if checkpoint.is_checkpoint(path):
     path = path / "tokenizer"
   if not path.is_dir():
-    raise FileNotFoundError(f"no tokenizer at {path}")
+    raise NotFound(f"no tokenizer at {path}")
   return transformers.AutoTokenizer.from_pretrained(str(path))
 
 
@@ -65,7 +67,7 @@ def _read_gguf_tokenizer(path) -> tuple[str, dict, dict]:
   """transformers' `get_gguf_tokenizer`, reading with `gguf` (shared with the weights' loader)."""
   fields = gguf_loading.open_reader(path).fields
   if "tokenizer.ggml.tokens" not in fields:
-    raise FileNotFoundError(f"no tokenizer in {path}: it has no tokenizer.ggml.* metadata "
+    raise NotFound(f"no tokenizer in {path}: it has no tokenizer.ggml.* metadata "
                             "(save_gguf copies one with tokenizer_from=)")
   value = lambda key: fields[key].contents() if key in fields else None
   tokenizer, config = ({name: value(f"tokenizer.{key}") for key, name in renames.items()
@@ -86,7 +88,7 @@ def _cached_gguf_tokenizer(path: pathlib.Path):
   """`gguf_tokenizer(path)`, built once per file version and then loaded from the assets."""
   source = path.resolve()
   if not source.is_file():
-    raise FileNotFoundError(f"GGUF file not found: {path}")
+    raise NotFound(f"GGUF file not found: {path}")
   stat = source.stat()
   record = {"gguf": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
             "transformers": transformers.__version__}
@@ -136,9 +138,9 @@ def conversation_prompt(tokenizer, user_turns, answers) -> list[int]:
   """Token ids of a conversation in the model's chat template, ready for the next reply:
   user_turns[i] then answers[i] (the model's own, as text), ending on the last user turn."""
   if not tokenizer.chat_template:
-    raise ValueError("this tokenizer has no chat template; drop --chat")
+    raise UsageError("this tokenizer has no chat template; drop --chat")
   if len(answers) != len(user_turns) - 1:
-    raise ValueError(f"a conversation ready for a reply has one answer fewer than user turns, "
+    raise UsageError(f"a conversation ready for a reply has one answer fewer than user turns, "
                      f"not {len(answers)} for {len(user_turns)}")
   messages = []
   for i, text in enumerate(user_turns):

@@ -10,10 +10,14 @@ devices fails, so everything handed to such a program must be abstract (jax.Shap
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import math
 import os
+import pathlib
 import re
+
+from hitree_jax.errors import UsageError
 
 EXAMPLES = "v5e:1x1, v5e:2x2, v5e:2x4, v6e:2x4, v5p:2x2x1, v4:2x2x1"
 
@@ -21,6 +25,27 @@ EXAMPLES = "v5e:1x1, v5e:2x2, v5e:2x4, v6e:2x4, v5p:2x2x1, v4:2x2x1"
 def tpu_compiler_installed() -> bool:
   """Whether libtpu (the TPU compiler) is importable: `pip install "jax[tpu]"`."""
   return importlib.util.find_spec("libtpu") is not None
+
+
+GOOGLE_PCI_VENDOR = "0x1ae0"   # a TPU chip on the PCI bus (as jax's own hardware_utils looks)
+NVIDIA_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
+
+
+def tpu_attached() -> bool:
+  """Whether this machine has a TPU chip: a Google device on its PCI bus."""
+  return any(pathlib.Path(vendor).read_text().strip() == GOOGLE_PCI_VENDOR
+             for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"))
+
+
+def skip_absent_tpu() -> None:
+  """Keeps jax to the CPU where libtpu is installed (to compile for a TPU on paper) but no TPU
+  and no NVIDIA GPU is attached. Otherwise jax's start-up looks for a TPU and prints libtpu's
+  failure, a dozen lines that read as an error, before everything a launcher says. An explicit
+  JAX_PLATFORMS is kept; --topology compiles with the CPU as its host either way."""
+  if (os.environ.get("JAX_PLATFORMS") or not tpu_compiler_installed() or tpu_attached()
+      or any(os.path.exists(node) for node in NVIDIA_DEVICE_NODES)):
+    return
+  os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def devices(name: str) -> list:
@@ -31,7 +56,7 @@ def devices(name: str) -> list:
   """
   check_name(name)
   if not tpu_compiler_installed():
-    raise ValueError(f"--topology={name}: the TPU compiler is not installed (pip install \"jax[tpu]\", "
+    raise UsageError(f"--topology={name}: the TPU compiler is not installed (pip install \"jax[tpu]\", "
                      "or ./setup.sh --tpu)")
   # Without a TPU VM's metadata, libtpu logs an error looking for its peers; there are none. Nor is
   # there a TPU to guard: processes compiling at once need not take turns at libtpu's lockfile.
@@ -43,7 +68,7 @@ def devices(name: str) -> list:
   try:
     return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **bounds).devices)
   except Exception as error:  # the plugin's own error names what it did not accept
-    raise ValueError(f"--topology={name}: {error}") from None
+    raise UsageError(f"--topology={name}: {error}") from None
 
 
 def chips_of(name: str) -> list[int]:
@@ -61,7 +86,7 @@ def chip_kind(name: str) -> str:
 def check_name(name: str) -> None:
   """Refuses a name that is not a TPU slice's ("v5e:2x4"), naming it."""
   if not re.fullmatch(r"v\d+[a-z]*:\d+(x\d+)+", name):
-    raise ValueError(f"--topology={name!r}: expected a TPU slice such as {EXAMPLES}")
+    raise UsageError(f"--topology={name!r}: expected a TPU slice such as {EXAMPLES}")
 
 
 def _single_host(chips: list[int]) -> bool:
@@ -88,8 +113,8 @@ def mesh(name: str, spec: str | None = None):
   found = devices(name)
   axes = sharding.parse_mesh(spec or f"model:{len(found)}")
   if not axes:
-    raise ValueError(f"--mesh={spec!r}: name the mesh, e.g. model:{len(found)}")
+    raise UsageError(f"--mesh={spec!r}: name the mesh, e.g. model:{len(found)}")
   needed = math.prod(axes.values())
   if needed > len(found):
-    raise ValueError(f"--mesh={spec} needs {needed} devices; --topology={name} has {len(found)}")
+    raise UsageError(f"--mesh={spec} needs {needed} devices; --topology={name} has {len(found)}")
   return sharding.make_mesh(axes, found)

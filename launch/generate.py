@@ -17,6 +17,7 @@ import sys
 from absl import flags
 
 from hitree_jax import methods
+from hitree_jax.errors import NotFound, UsageError
 from . import common
 
 common.define_config_flag()
@@ -46,25 +47,31 @@ def check_prompt_flags() -> None:
   """Fails fast, before the slow model load, on a bad prompt source."""
   given = [n for n in ("prompt", "prompt_file", "book") if getattr(FLAGS, n) is not None]
   if len(given) != 1:
-    raise ValueError(f"give exactly one of --prompt, --prompt_file, --book (got {given or 'none'})")
-  if FLAGS.prompt_file and not pathlib.Path(FLAGS.prompt_file).is_file():
-    raise ValueError(f"--prompt_file={FLAGS.prompt_file}: no such file")
-  if FLAGS.prompt == "" or (FLAGS.prompt_file and not pathlib.Path(FLAGS.prompt_file).read_text()):
-    raise ValueError("the prompt is empty")
+    raise UsageError(f"give exactly one of --prompt, --prompt_file, --book (got {given or 'none'})")
+  if FLAGS.prompt == "" or (FLAGS.prompt_file and not prompt_file_text()):
+    raise UsageError("the prompt is empty")
   if FLAGS.book and FLAGS.chat:
-    raise ValueError("--chat does not apply to --book passages")
+    raise UsageError("--chat does not apply to --book passages")
   if FLAGS.book and FLAGS.prompt_tokens < 1:
-    raise ValueError(f"--prompt_tokens={FLAGS.prompt_tokens} must be >= 1")
+    raise UsageError(f"--prompt_tokens={FLAGS.prompt_tokens} must be >= 1")
+
+
+def prompt_file_text() -> str:
+  """--prompt_file's text, or an error naming the flag and the file: absent, or not UTF-8."""
+  path = pathlib.Path(FLAGS.prompt_file)
+  if not path.is_file():
+    raise NotFound(f"--prompt_file={path}: no such file")
+  try:
+    return path.read_text(encoding="utf-8")
+  except UnicodeDecodeError as e:
+    raise UsageError(f"--prompt_file={path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
 def prompt_ids(tokenizer) -> list[int]:
   if FLAGS.book:
     from hitree_jax.data import book_prompts
     return book_prompts(tokenizer, FLAGS.prompt_tokens, 1, corpus=FLAGS.book)[0]
-  if FLAGS.prompt_file:
-    text = pathlib.Path(FLAGS.prompt_file).read_text()
-  else:
-    text = FLAGS.prompt
+  text = prompt_file_text() if FLAGS.prompt_file else FLAGS.prompt
   if FLAGS.chat:
     from hitree_jax.tokenizer import chat_prompt
     return chat_prompt(tokenizer, text)
@@ -75,12 +82,12 @@ def check_prompt(ids: list[int], config, draft_config, is_draft_alone: bool) -> 
   """The prompt must fit the target's context, and the draft's, with the tokens asked for."""
   from hitree_jax.decode.prefill import make_batch
   if not ids:
-    raise ValueError("the prompt is empty (0 tokens)")
+    raise UsageError("the prompt is empty (0 tokens)")
   if not is_draft_alone:
     make_batch([ids], config, FLAGS.max_new_tokens)
   for name, c in (("the draft", draft_config), ("the model", config if is_draft_alone else None)):
     if c is not None and len(ids) + FLAGS.max_new_tokens > c.max_position_embeddings:
-      raise ValueError(f"the prompt has {len(ids)} tokens; with --max_new_tokens="
+      raise UsageError(f"the prompt has {len(ids)} tokens; with --max_new_tokens="
                        f"{FLAGS.max_new_tokens} that is {len(ids) + FLAGS.max_new_tokens} > "
                        f"{name}'s context of {c.max_position_embeddings}")
 
@@ -97,7 +104,7 @@ def main(argv):
   check_prompt_flags()
   sampling = common.sampling_from_flags(FLAGS)
   if FLAGS.max_new_tokens < 1:
-    raise ValueError(f"--max_new_tokens={FLAGS.max_new_tokens} must be >= 1")
+    raise UsageError(f"--max_new_tokens={FLAGS.max_new_tokens} must be >= 1")
   from hitree_jax import sharding
   from hitree_jax.loading import load_config, load_model, load_vocab, resolve
   from hitree_jax.tokenizer import load_tokenizer
@@ -111,7 +118,7 @@ def main(argv):
   draft_config = method.check_draft(config, tokenizer)
   is_draft_alone = load_vocab(FLAGS.model) is not None
   if is_draft_alone and method.name != "ar":
-    raise ValueError(f"--model={FLAGS.model} has a reduced vocabulary (a draft): "
+    raise UsageError(f"--model={FLAGS.model} has a reduced vocabulary (a draft): "
                      "it can run --method=ar, or serve as --draft of its target")
   check_prompt(ids, config, draft_config, is_draft_alone)
 

@@ -44,6 +44,7 @@ import time
 from absl import flags
 from ml_collections import config_flags
 
+from hitree_jax.errors import UsageError
 from . import common
 
 config_flags.DEFINE_config_file("config", None, "A shapes config: configs/llama2_7b_128k.py, "
@@ -228,20 +229,20 @@ def main(argv):
   del argv
   cfg = FLAGS.config
   if cfg is None:
-    raise ValueError("--config: name a shapes config, e.g. configs/llama2_7b_128k.py")
+    raise UsageError("--config: name a shapes config, e.g. configs/llama2_7b_128k.py")
   try:
     contexts = [int(c) for c in FLAGS.contexts]
     widths = [int(w) for w in FLAGS.widths]
   except ValueError:
-    raise ValueError(f"--contexts={','.join(FLAGS.contexts)} and --widths={','.join(FLAGS.widths)} must be "
+    raise UsageError(f"--contexts={','.join(FLAGS.contexts)} and --widths={','.join(FLAGS.widths)} must be "
                      "comma-separated integers") from None
   if min(contexts) <= cfg.budget:
-    raise ValueError(f"--contexts={','.join(FLAGS.contexts)}: each must exceed the retrieval budget "
+    raise UsageError(f"--contexts={','.join(FLAGS.contexts)}: each must exceed the retrieval budget "
                      f"({cfg.budget}), or there is nothing to retrieve from")
   if contexts != sorted(contexts) or min(widths) < 1 or FLAGS.repeats < 1:
-    raise ValueError("--contexts must be increasing, --widths and --repeats >= 1")
+    raise UsageError("--contexts must be increasing, --widths and --repeats >= 1")
   if FLAGS.bandwidth_gb_s is not None and not FLAGS.bandwidth_gb_s > 0:
-    raise ValueError(f"--bandwidth_gb_s={FLAGS.bandwidth_gb_s} must be > 0")
+    raise UsageError(f"--bandwidth_gb_s={FLAGS.bandwidth_gb_s} must be > 0")
   if FLAGS.topology is not None:
     return write(on_paper(cfg, contexts, widths), paper_markdown)
   mesh = common.mesh_from_flags(FLAGS)
@@ -253,7 +254,7 @@ def main(argv):
   target_config = ModelConfig.from_dict(dict(cfg.target))
   draft_config = ModelConfig.from_dict(dict(cfg.draft))
   if max(contexts) + max(widths) > target_config.max_position_embeddings:
-    raise ValueError(f"--contexts: {max(contexts)} + {max(widths)} tokens is past the target's "
+    raise UsageError(f"--contexts: {max(contexts)} + {max(widths)} tokens is past the target's "
                      f"{target_config.max_position_embeddings} positions")
   sharding.check(target_config, mesh, 1, max(contexts))
   device = jax.devices()[0]

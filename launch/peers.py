@@ -26,6 +26,8 @@ import pathlib
 import statistics
 import time
 
+from hitree_jax.errors import UsageError
+
 PEERS = ("hf", "llamacpp")
 LLAMACPP_CACHES = ("f16", "f32")  # what llama.cpp's KV cache may store (f16: its default)
 
@@ -101,7 +103,7 @@ class LlamaCppPeer:
   def __init__(self, gguf_path: pathlib.Path, threads: int, context: int, cache: str = "f16"):
     import llama_cpp
     if cache not in LLAMACPP_CACHES:
-      raise ValueError(f"llama.cpp cache {cache!r}: expected one of {', '.join(LLAMACPP_CACHES)}")
+      raise UsageError(f"llama.cpp cache {cache!r}: expected one of {', '.join(LLAMACPP_CACHES)}")
     types = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}
     self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=context, n_batch=512, n_threads=threads,
                                n_threads_batch=threads, type_k=types[cache], type_v=types[cache],
@@ -155,10 +157,10 @@ def check(names: list[str], llamacpp_ggufs: list[str]) -> None:
   for name in names:
     reason = missing(name)
     if reason:
-      raise ValueError(f"--peers={name}: {reason}")
+      raise UsageError(f"--peers={name}: {reason}")
   for path in llamacpp_ggufs:
     if not path.endswith(".gguf") or not pathlib.Path(path).is_file():
-      raise ValueError(f"--llamacpp_gguf={path}: expected an existing .gguf file "
+      raise UsageError(f"--llamacpp_gguf={path}: expected an existing .gguf file "
                        "(python -m launch.convert --out=X.gguf writes one)")
 
 
@@ -172,6 +174,6 @@ def make_peer(name: str, model_path: pathlib.Path, llamacpp_gguf: str | None, co
   threads = os.cpu_count() or 1
   if name == "hf":
     if model_path.suffix != ".gguf":
-      raise ValueError(f"--peers=hf loads a GGUF model; {model_path} is not one")
+      raise UsageError(f"--peers=hf loads a GGUF model; {model_path} is not one")
     return HFPeer(model_path, threads)
   return LlamaCppPeer(gguf_path, threads, context, llamacpp_cache)

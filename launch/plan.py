@@ -39,6 +39,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from hitree_jax import methods
+from hitree_jax.errors import UsageError
 from . import common
 
 common.define_model_flags()
@@ -118,7 +119,7 @@ def cost_of(levels, name: str, context: int, tail: int) -> dict[int, float]:
   elif level.name == "draft" and isinstance(level.cache, Streaming):
     costs = levels.draft_streaming(context, level.cache.sinks, level.cache.window, PAPER_WIDTHS)
   else:
-    raise ValueError(f"--acceptance: level {name!r} cannot be costed on paper (target, retrieval:B, "
+    raise UsageError(f"--acceptance: level {name!r} cannot be costed on paper (target, retrieval:B, "
                      "draft@streaming:SxW and eagle can)")
   return {c.width: c.seconds for c in costs}
 
@@ -126,11 +127,11 @@ def cost_of(levels, name: str, context: int, tail: int) -> dict[int, float]:
 def plan_on_paper() -> None:
   cfg = FLAGS.shapes
   if cfg is None or FLAGS.acceptance is None:
-    raise ValueError(f"--topology={FLAGS.topology} plans on paper: give --shapes (e.g. "
+    raise UsageError(f"--topology={FLAGS.topology} plans on paper: give --shapes (e.g. "
                      "configs/llama2_7b_128k.py) and --acceptance (e.g. "
                      "configs/acceptance/triforce_llama2_7b_128k.json)")
   if FLAGS.out is not None and not FLAGS.out.endswith(".json"):
-    raise ValueError(f"--out={FLAGS.out}: on paper the plan is written as a .json record")
+    raise UsageError(f"--out={FLAGS.out}: on paper the plan is written as a .json record")
   from hitree_jax import roofline, sharding, topology
   from hitree_jax.decode.prefill import cache_slots, round_up
   from hitree_jax.model.config import ModelConfig
@@ -187,15 +188,15 @@ def main(argv):
   if FLAGS.topology is not None:
     return plan_on_paper()
   if FLAGS.draft is None:
-    raise ValueError("--draft: give the draft model's path (e.g. drafts/smollm2-draft.gguf)")
+    raise UsageError("--draft: give the draft model's path (e.g. drafts/smollm2-draft.gguf)")
   if FLAGS.prompt_tokens < 1:
-    raise ValueError(f"--prompt_tokens={FLAGS.prompt_tokens} must be >= 1")
+    raise UsageError(f"--prompt_tokens={FLAGS.prompt_tokens} must be >= 1")
   if FLAGS.out is not None and not FLAGS.out.endswith(".py"):
-    raise ValueError(f"--out={FLAGS.out}: a config is a .py file")
+    raise UsageError(f"--out={FLAGS.out}: a config is a .py file")
   sampling = common.sampling_from_flags(FLAGS)
   from hitree_jax.planner import auto
   if FLAGS.min_gain < 0:
-    raise ValueError(f"--min_gain={FLAGS.min_gain} must be >= 0")
+    raise UsageError(f"--min_gain={FLAGS.min_gain} must be >= 0")
   eagle = methods.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   choice, profile, path = auto.plan_for(FLAGS.model, FLAGS.draft, FLAGS.prompt_tokens, sampling,
                                         FLAGS.profile_dir, FLAGS.book, log=logging.info,

@@ -24,6 +24,7 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
+from hitree_jax.errors import UsageError
 from . import common
 
 config_flags.DEFINE_config_file("config", None, "A shapes config: configs/llama2_7b_128k.py, "
@@ -48,10 +49,10 @@ def device_gib(spec: str) -> float:
   try:
     gib = float(spec)
   except ValueError:
-    raise ValueError(f"--device={spec!r}: expected one of {sorted(DEVICE_MEMORY_GIB)} or a number of "
+    raise UsageError(f"--device={spec!r}: expected one of {sorted(DEVICE_MEMORY_GIB)} or a number of "
                      "GiB") from None
   if not gib > 0:
-    raise ValueError(f"--device={spec}: GiB must be > 0")
+    raise UsageError(f"--device={spec}: GiB must be > 0")
   return gib
 
 
@@ -67,7 +68,7 @@ def main(argv):
   del argv
   cfg = FLAGS.config
   if cfg is None:
-    raise ValueError("--config: name a shapes config, e.g. configs/llama2_7b_128k.py")
+    raise UsageError("--config: name a shapes config, e.g. configs/llama2_7b_128k.py")
   from hitree_jax import sharding, topology
   tpu = FLAGS.topology is not None and topology.tpu_compiler_installed()
   if FLAGS.topology is not None:
@@ -76,11 +77,11 @@ def main(argv):
   slice_size = len(devices) if tpu else _slice_size(FLAGS.topology)
   axes = sharding.parse_mesh(FLAGS.mesh if FLAGS.mesh is not None else f"model:{slice_size or 8}")
   if not axes:
-    raise ValueError("--mesh: name the mesh to plan for, e.g. model:8")
+    raise UsageError("--mesh: name the mesh to plan for, e.g. model:8")
   gib = device_gib(FLAGS.device or _chip(FLAGS.topology) or "v5e")
   needed = math.prod(axes.values())
   if slice_size is not None and needed > slice_size:
-    raise ValueError(f"--mesh={FLAGS.mesh} needs {needed} devices; --topology={FLAGS.topology} has {slice_size}")
+    raise UsageError(f"--mesh={FLAGS.mesh} needs {needed} devices; --topology={FLAGS.topology} has {slice_size}")
   if not tpu and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     import jax
     jax.config.update("jax_num_cpu_devices", needed)  # simulated: the plan needs no accelerator
@@ -91,7 +92,7 @@ def main(argv):
   target = ModelConfig.from_dict(dict(cfg.target))
   draft = ModelConfig.from_dict(dict(cfg.draft))
   if draft.vocab_size != target.vocab_size:
-    raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) is not the target's ({target.vocab_size})")
+    raise UsageError(f"the draft's vocabulary ({draft.vocab_size}) is not the target's ({target.vocab_size})")
   mesh = sharding.make_mesh(axes, devices if tpu else jax.devices("cpu"))
   plan = memory_plan.plan(target, draft, lambda d: stack_of(cfg, d), mesh, cfg.prompt_tokens,
                           cfg.max_new_tokens, cfg.batch)

@@ -33,6 +33,7 @@ import time
 
 from absl import flags
 
+from hitree_jax.errors import UsageError
 from . import common, peers
 
 common.define_config_flag()
@@ -196,12 +197,12 @@ def main(argv):
     lengths = [int(n) for n in FLAGS.prompt_tokens]
     widths = [int(w) for w in FLAGS.widths]
   except ValueError:
-    raise ValueError(f"--prompt_tokens={','.join(FLAGS.prompt_tokens)} and --widths={','.join(FLAGS.widths)} "
+    raise UsageError(f"--prompt_tokens={','.join(FLAGS.prompt_tokens)} and --widths={','.join(FLAGS.widths)} "
                      "must be comma-separated integers") from None
   if min(lengths) < 16 or min(widths) < 1 or FLAGS.repeats < 1:
-    raise ValueError("--prompt_tokens must be >= 16, --widths and --repeats >= 1")
+    raise UsageError("--prompt_tokens must be >= 16, --widths and --repeats >= 1")
   if set(FLAGS.peers) - {"llamacpp"}:
-    raise ValueError(f"--peers={','.join(FLAGS.peers)}: step_cost times llamacpp only")
+    raise UsageError(f"--peers={','.join(FLAGS.peers)}: step_cost times llamacpp only")
   peers.check(FLAGS.peers, [FLAGS.llamacpp_gguf] if FLAGS.llamacpp_gguf else [])
   sampling = common.sampling_from_flags(FLAGS)
   import jax

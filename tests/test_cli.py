@@ -10,6 +10,7 @@ import zipfile
 
 import pytest
 
+from hitree_jax import errors, shipped
 from hitree_jax.tree import shapes as tree_lib
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -141,12 +142,76 @@ def test_config_sets_flags_and_the_command_line_wins():
     (["--book=austen", "--method=hsd", "--levels=ngram:3/chain:2+retrieval:512:x/4"],
      "expected retrieval:BUDGET or retrieval:BUDGET:RESELECT"),
     (["--book=austen", "--method=sd", "--reselect=64"], "--reselect does not apply to --method=sd"),
+    (["--prompt_file=no/such/prompt.txt"], "--prompt_file=no/such/prompt.txt: no such file"),
+    (["--prompt_file=tests/data/not_utf8.txt"], "--prompt_file=tests/data/not_utf8.txt: not UTF-8"),
+    (["--config=methods:no_such_preset", "--prompt=hi"], "unknown method preset 'no_such_preset'"),
 ])
 def test_user_mistakes_are_one_line_and_exit_2(args, message):
   proc = launch("generate", *args, env={"HITREE_COMPILE_CACHE": "off"})
   lines = [line for line in proc.stderr.splitlines() if not re.match(r"[IWE]\d{4} ", line)]
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+@pytest.mark.parametrize("module", ["plan_memory", "level_cost", "plan", "benchmark"])
+def test_a_missing_config_is_one_line_in_every_launcher(module):
+  proc = launch(module, "--config=configs/no_such.py")
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines() == [
+      f"error: --config=configs/no_such.py: no such file (a configs/*.py file, or a shipped "
+      f"config's name: {', '.join(shipped.names('configs', '.py'))})"]
+
+
+def test_a_mistake_is_the_only_line_even_where_libtpu_is_installed():
+  """With libtpu installed (a test package here) and no TPU, jax's start-up would print
+  libtpu's failure to find one before the error; the launcher keeps jax to the CPU instead."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  proc = subprocess.run([sys.executable, "-m", "launch.generate", "--model=no/such/folder",
+                         "--prompt=hi"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                        env={**env, "HITREE_COMPILE_CACHE": "off"})
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines() == [
+      "error: model 'no/such/folder' not found: expected one of ('smollm2',), a .gguf file, an HF "
+      "folder with config.json, or a checkpoint from launch.convert"]
+
+
+RUN_MAIN = """
+import sys
+from hitree_jax import errors
+from hitree_jax.launch import common
+def main(argv):
+  raise {error}("the bad value is 42")
+common.run(main)
+"""
+
+
+@pytest.mark.parametrize("error,switch,one_line", [
+    ("errors.UsageError", None, True),       # a user's mistake: one line, exit code 2
+    ("errors.NotFound", "0", True),          # 0 means off, as HITREE_HUGE_PAGES=0 does
+    ("errors.UsageError", "1", False),       # asked for: its traceback
+    ("ValueError", None, False),             # a bug keeps its traceback, whatever its type
+    ("KeyError", None, False),
+])
+def test_only_a_users_mistake_loses_its_traceback(error, switch, one_line):
+  env = {k: v for k, v in os.environ.items() if k != "HITREE_TRACEBACK"}
+  env["HITREE_HUGE_PAGES"] = "0"   # no re-execution: `python -c` has no file to run again
+  if switch is not None:
+    env["HITREE_TRACEBACK"] = switch
+  proc = subprocess.run([sys.executable, "-c", RUN_MAIN.format(error=error)],
+                        cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+  if one_line:
+    assert proc.returncode == 2 and proc.stderr == "error: the bad value is 42\n", proc.stderr
+  else:
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "42" in proc.stderr
+
+
+@pytest.mark.parametrize("value,default,expected", [
+    (None, False, False), (None, True, True), ("0", True, False), ("false", True, False),
+    ("", True, False), ("1", False, True), ("yes", False, True), ("Off", True, False),
+])
+def test_env_switches_read_one_way(value, default, expected):
+  environ = {} if value is None else {"HITREE_X": value}
+  assert errors.env_switch("HITREE_X", default, environ) is expected
 
 
 @pytest.mark.slow

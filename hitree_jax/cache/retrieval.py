@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from hitree_jax.cache.full import ROWS, KVCache, axes_field
+from hitree_jax.errors import UsageError
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import last_token_projections
 
@@ -156,12 +157,12 @@ def select(full: KVCache, queries: jax.Array, budget: int, chunk: int = 8,
   budget, chunk, tail, shards (choose_chunks) are static. full.max_len must be a multiple of chunk.
   """
   if chunk < 1 or budget % chunk or budget < 2 * chunk:
-    raise ValueError(f"budget={budget} must be a multiple of chunk={chunk} and hold >= 2 chunks "
+    raise UsageError(f"budget={budget} must be a multiple of chunk={chunk} and hold >= 2 chunks "
                      "(the sink and the last chunk)")
   if full.max_len % chunk:
-    raise ValueError(f"the full cache's {full.max_len} slots are not a multiple of chunk={chunk}")
+    raise UsageError(f"the full cache's {full.max_len} slots are not a multiple of chunk={chunk}")
   if tail < 0:
-    raise ValueError(f"tail={tail} must be >= 0")
+    raise UsageError(f"tail={tail} must be >= 0")
   chunks, keys, values = [], [], []
   for query, k_buf, v_buf in zip(queries, full.keys, full.values):
     chosen = choose_chunks(chunk_scores(query, k_buf, full.lengths, chunk), full.lengths, chunk, budget,

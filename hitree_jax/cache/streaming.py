@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from hitree_jax.cache.full import KV_AXES, ROWS, KVCache, axes_field
+from hitree_jax.errors import UsageError
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import apply_rope, rope_cos_sin
 
@@ -150,4 +151,4 @@ class StreamingCache:
 
 def _check(sinks: int, window: int):
   if sinks < 0 or window < 1:
-    raise ValueError(f"sinks={sinks} must be >= 0 and window={window} >= 1")
+    raise UsageError(f"sinks={sinks} must be >= 0 and window={window} >= 1")

@@ -39,6 +39,7 @@ from hitree_jax.cache.full import KVCache
 from hitree_jax.decode.levels import Lead, LevelCache, round_mask
 from hitree_jax.decode.sampling import SamplingParams, draw, probabilities
 from hitree_jax.decode.stack import CacheKind, Full, Retrieval
+from hitree_jax.errors import UsageError
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import forward, hidden_states
 from hitree_jax.model.vocab import mask_other, spread_probs
@@ -133,9 +134,9 @@ class NGramDrafter(Drafter):
 
   def check(self, tree: TokenTree, config: ModelConfig) -> None:
     if isinstance(tree, DynamicTree) or any(p != i - 1 for i, p in enumerate(tree.parents)):
-      raise ValueError("the n-gram drafter proposes a chain: use --tree=chain:N (or --method=sd)")
+      raise UsageError("the n-gram drafter proposes a chain: use --tree=chain:N (or --method=sd)")
     if self.max_ngram < 1:
-      raise ValueError(f"max_ngram={self.max_ngram} must be >= 1")
+      raise UsageError(f"max_ngram={self.max_ngram} must be >= 1")
 
   def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
     """Copies what followed the latest earlier match of the sequence's longest (<= n) suffix."""
@@ -181,12 +182,12 @@ class SelfDrafter(Drafter):
 
   def check(self, tree: TokenTree, config: ModelConfig) -> None:
     if not 1 <= self.num_layers < config.num_layers:
-      raise ValueError(f"self-draft layers={self.num_layers} must be in [1, {config.num_layers})")
+      raise UsageError(f"self-draft layers={self.num_layers} must be in [1, {config.num_layers})")
     check_dynamic_mode(tree, self.mode)
 
   def check_above(self, weights: str) -> None:
     if weights != "target":
-      raise ValueError("a self-draft reads the cache of the level above it: that level must have "
+      raise UsageError("a self-draft reads the cache of the level above it: that level must have "
                        "the target's weights (e.g. the retrieval level)")
 
   def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
@@ -243,7 +244,7 @@ def tree_positions(base, depth: int, fed):
 def check_dynamic_mode(tree, mode: str) -> None:
   """Refuses a draw mode that a dynamic tree (the draft's top-k at each node) cannot use."""
   if isinstance(tree, DynamicTree) and mode != "deterministic":
-    raise ValueError(f"a dynamic tree proposes the draft's top-{tree.width} tokens at each node: "
+    raise UsageError(f"a dynamic tree proposes the draft's top-{tree.width} tokens at each node: "
                      f"draw mode {mode!r} does not apply (use deterministic)")
 
 
@@ -342,13 +343,13 @@ class ModelDrafter(Drafter):
   def check(self, tree: TokenTree, config: ModelConfig) -> None:
     target_vocab = self.target_vocab_size or self.config.vocab_size
     if target_vocab != config.vocab_size:
-      raise ValueError(f"draft and target vocabularies differ: the draft's has {target_vocab} "
+      raise UsageError(f"draft and target vocabularies differ: the draft's has {target_vocab} "
                        f"tokens, the target's {config.vocab_size}; a draft must use the target's "
                        "tokenizer (or a reduced vocabulary mapped onto it)")
     if self.weights not in ("draft", "target"):
-      raise ValueError(f"a drafter's weights are 'draft' or 'target', not {self.weights!r}")
+      raise UsageError(f"a drafter's weights are 'draft' or 'target', not {self.weights!r}")
     if (self.weights == "draft") == isinstance(self.cache, Retrieval):
-      raise ValueError("a retrieval cache is the target's (built from its full cache); a draft "
+      raise UsageError("a retrieval cache is the target's (built from its full cache); a draft "
                        "model's cache is full or streaming")
     check_dynamic_mode(tree, self.mode)
 
@@ -452,4 +453,4 @@ def parse_draft_spec(spec: str):
       return SelfDrafter(int(arg), mode or "deterministic")
   except ValueError:
     pass
-  raise ValueError(f"bad draft spec {spec!r}: expected ngram, ngram:N or self:K[,iid|without_replacement|deterministic]")
+  raise UsageError(f"bad draft spec {spec!r}: expected ngram, ngram:N or self:K[,iid|without_replacement|deterministic]")

@@ -32,6 +32,7 @@ from hitree_jax.decode.result import GenerationResult
 from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.decode.sizes import StackSizes
 from hitree_jax.decode.stack import Retrieval, Stack
+from hitree_jax.errors import UsageError
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.tree.shapes import DynamicTree, TokenTree
 
@@ -63,11 +64,11 @@ def prefill(params, config: ModelConfig, prompts, max_new_tokens: int, stack: St
   sampling = sampling or SamplingParams.create()
   check_stack(stack, config)
   if stack.uses_draft_weights and draft is None:
-    raise ValueError("a stack with a draft model needs its weights: pass "
+    raise UsageError("a stack with a draft model needs its weights: pass "
                      "draft=DraftWeights.create(params, vocab)")
   if (stack.draft_config is not None and draft.target_ids is None
       and stack.draft_config.vocab_size != config.vocab_size):
-    raise ValueError(f"draft and target vocabularies differ: the draft's has "
+    raise UsageError(f"draft and target vocabularies differ: the draft's has "
                      f"{stack.draft_config.vocab_size} tokens, the target's {config.vocab_size}")
   if not stack.uses_draft_weights:
     draft = None

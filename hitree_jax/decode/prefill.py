@@ -20,6 +20,7 @@ import numpy as np
 
 from hitree_jax.cache.full import KVCache, causal_attend
 from hitree_jax.decode.programs import CPU_COPY_FREE, Programs, shape_key
+from hitree_jax.errors import UsageError
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import final_states, hidden_states, logits_from_hidden
 
@@ -41,27 +42,27 @@ def make_batch(prompts: Sequence[Sequence[int]], config: ModelConfig,
                max_new_tokens: int) -> PromptBatch:
   """Validates prompts (lists of token ids, lengths may differ) and pads them."""
   if isinstance(prompts, np.ndarray) and prompts.ndim != 2:
-    raise ValueError(f"prompts array must be [batch, length]; got shape {prompts.shape}")
+    raise UsageError(f"prompts array must be [batch, length]; got shape {prompts.shape}")
   if len(prompts) == 0:
-    raise ValueError("no prompts given")
+    raise UsageError("no prompts given")
   if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    raise UsageError(f"max_new_tokens={max_new_tokens} must be >= 1")
   rows = []
   for i, p in enumerate(prompts):
     p = np.asarray(p)
     if p.ndim != 1:
-      raise ValueError(f"prompt {i} must be a flat list of token ids; got shape {p.shape}")
+      raise UsageError(f"prompt {i} must be a flat list of token ids; got shape {p.shape}")
     if p.size == 0:
-      raise ValueError(f"prompt {i} is empty")
+      raise UsageError(f"prompt {i} is empty")
     if not np.issubdtype(p.dtype, np.integer):
-      raise ValueError(f"prompt {i} has dtype {p.dtype}; token ids must be integers")
+      raise UsageError(f"prompt {i} has dtype {p.dtype}; token ids must be integers")
     bad = p[(p < 0) | (p >= config.vocab_size)]
     if bad.size:
-      raise ValueError(f"prompt {i} has token id {int(bad[0])} outside the vocabulary "
+      raise UsageError(f"prompt {i} has token id {int(bad[0])} outside the vocabulary "
                        f"[0, {config.vocab_size})")
     total = p.size + max_new_tokens
     if total > config.max_position_embeddings:
-      raise ValueError(
+      raise UsageError(
           f"prompt {i} has {p.size} tokens; with max_new_tokens={max_new_tokens} that is "
           f"{total} > the model's context of {config.max_position_embeddings}")
     rows.append(p.astype(np.int32))

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hitree_jax.errors import UsageError
+
 
 @flax.struct.dataclass
 class SamplingParams:
@@ -24,14 +26,14 @@ class SamplingParams:
   def create(cls, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> "SamplingParams":
     """Validated settings; a bad value raises ValueError naming it."""
     if not 0.0 <= temperature < float("inf"):  # also rejects NaN
-      raise ValueError(f"temperature={temperature} must be finite and >= 0 (0 means greedy)")
+      raise UsageError(f"temperature={temperature} must be finite and >= 0 (0 means greedy)")
     if not 0.0 < top_p <= 1.0:
-      raise ValueError(f"top_p={top_p} must be in (0, 1]")
+      raise UsageError(f"top_p={top_p} must be in (0, 1]")
     if isinstance(top_k, bool) or not (isinstance(top_k, (int, np.integer)) or
                                        (isinstance(top_k, float) and top_k.is_integer())):
-      raise ValueError(f"top_k={top_k} must be a non-negative integer (0 disables it)")
+      raise UsageError(f"top_k={top_k} must be a non-negative integer (0 disables it)")
     if not 0 <= top_k < 2**31:
-      raise ValueError(f"top_k={top_k} must be a non-negative integer below 2**31 (0 disables it)")
+      raise UsageError(f"top_k={top_k} must be a non-negative integer below 2**31 (0 disables it)")
     return cls(temperature=jnp.float32(temperature), top_p=jnp.float32(top_p),
                top_k=jnp.int32(top_k))
 

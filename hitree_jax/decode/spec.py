@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from hitree_jax.decode.stack import Full, Retrieval, Streaming
+from hitree_jax.errors import UsageError
 
 DRAW_MODES = ("iid", "without_replacement", "deterministic")   # how a drafter draws children (verify.py)
 
@@ -47,7 +48,7 @@ class Level:
       return None
     budget, _, every = self.name.removeprefix("retrieval:").partition(":")
     if not budget.isdigit() or not (every.isdigit() or not every):
-      raise ValueError(f"{self.name!r}: expected retrieval:BUDGET or retrieval:BUDGET:RESELECT "
+      raise UsageError(f"{self.name!r}: expected retrieval:BUDGET or retrieval:BUDGET:RESELECT "
                        "(positive integers: slots, and tokens between re-selections)")
     return Retrieval(int(budget), reselect=int(every or 0))
 
@@ -98,14 +99,14 @@ def parse_level(text: str) -> Level:
     reindex = cache_text.endswith(":reindex")
     sinks, _, window = cache_text.removesuffix(":reindex").removeprefix("streaming:").partition("x")
     if not cache_text.startswith("streaming:") or not (sinks.isdigit() and window.isdigit()):
-      raise ValueError(f"cache {cache_text!r}: expected full or streaming:SINKSxWINDOW[:reindex] "
+      raise UsageError(f"cache {cache_text!r}: expected full or streaming:SINKSxWINDOW[:reindex] "
                        "(e.g. streaming:16x234)")
     cache = Streaming(int(sinks), int(window), reindex)
   if not name:
-    raise ValueError(f"level {text!r}: name its drafter or model")
+    raise UsageError(f"level {text!r}: name its drafter or model")
   level = Level(name, cache, mode)
   if cache is not None and level.kind != "draft":
-    raise ValueError(f"level {text!r}: {level.name} keeps no cache of its own to choose")
+    raise UsageError(f"level {text!r}: {level.name} keeps no cache of its own to choose")
   level.retrieval  # noqa: B018 (raises on a bad budget, naming it)
   return level
 
@@ -115,16 +116,16 @@ def parse(text: str) -> Levels:
   bottom, *middle = text.split("+")
   who, _, tree = bottom.rpartition("/")
   if not who or not tree:
-    raise ValueError(f"level {bottom!r}: expected DRAFTER/TREE (e.g. ngram:3/chain:2)")
+    raise UsageError(f"level {bottom!r}: expected DRAFTER/TREE (e.g. ngram:3/chain:2)")
   middles = []
   for piece in middle:
     name, _, gamma = piece.rpartition("/")
     if not name or not gamma.isdigit():
-      raise ValueError(f"level {piece!r}: expected retrieval:BUDGET/GAMMA or draft[@streaming:SxW]/GAMMA")
+      raise UsageError(f"level {piece!r}: expected retrieval:BUDGET/GAMMA or draft[@streaming:SxW]/GAMMA")
     level = parse_level(name)
     if level.mode != "deterministic":
-      raise ValueError(f"level {piece!r}: a middle level hands up its own samples; no draw mode")
+      raise UsageError(f"level {piece!r}: a middle level hands up its own samples; no draw mode")
     if level.kind in ("ngram", "self", "eagle", "medusa"):
-      raise ValueError(f"level {piece!r}: {level.name} only proposes (it must be the bottom level)")
+      raise UsageError(f"level {piece!r}: {level.name} only proposes (it must be the bottom level)")
     middles.append((level, int(gamma)))
   return Levels(parse_level(who), tree, tuple(middles))

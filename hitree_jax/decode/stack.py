@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from hitree_jax.errors import UsageError
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.tree import shapes as tree_lib
 
@@ -48,10 +49,10 @@ class Retrieval:
 
   def __post_init__(self):
     if self.chunk < 1 or self.budget % self.chunk or self.budget < 2 * self.chunk:
-      raise ValueError(f"retrieval budget={self.budget} must be a multiple of chunk={self.chunk} "
+      raise UsageError(f"retrieval budget={self.budget} must be a multiple of chunk={self.chunk} "
                        "holding at least 2 chunks (the sink and the last)")
     if self.reselect < 0:
-      raise ValueError(f"retrieval reselect={self.reselect} must be >= 0 (0: never)")
+      raise UsageError(f"retrieval reselect={self.reselect} must be >= 0 (0: never)")
 
   def __str__(self) -> str:
     return f"retrieval:{self.budget}" + (f":{self.reselect}" if self.reselect else "")
@@ -68,7 +69,7 @@ class Streaming:
 
   def __post_init__(self):
     if self.sinks < 0 or self.window < 1:
-      raise ValueError(f"streaming sinks={self.sinks} must be >= 0 and window={self.window} >= 1")
+      raise UsageError(f"streaming sinks={self.sinks} must be >= 0 and window={self.window} >= 1")
 
   def __str__(self) -> str:
     return f"streaming:{self.sinks}x{self.window}" + (":reindex" if self.reindex else "")
@@ -87,11 +88,11 @@ class Verifier:
 
   def __post_init__(self):
     if self.weights not in ("target", "draft"):
-      raise ValueError(f"a level's weights are 'target' or 'draft', not {self.weights!r}")
+      raise UsageError(f"a level's weights are 'target' or 'draft', not {self.weights!r}")
     if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
-      raise ValueError(f"gamma={self.gamma!r} must be a positive integer (tokens a level buffers)")
+      raise UsageError(f"gamma={self.gamma!r} must be a positive integer (tokens a level buffers)")
     if self.weights == "draft" and isinstance(self.cache, Retrieval):
-      raise ValueError("a retrieval cache is built from the target's full cache: use it with the "
+      raise UsageError("a retrieval cache is built from the target's full cache: use it with the "
                        "target's weights")
 
   def __str__(self) -> str:
@@ -110,14 +111,14 @@ class Stack:
   def __post_init__(self):
     object.__setattr__(self, "verifiers", tuple(self.verifiers))
     if (self.drafter is None) != (self.tree is None):
-      raise ValueError("a drafter needs a tree (or chain) to propose, and a tree needs a drafter")
+      raise UsageError("a drafter needs a tree (or chain) to propose, and a tree needs a drafter")
     if self.drafter is None and self.verifiers:
-      raise ValueError("intermediate levels verify a drafter's proposals: name a drafter")
+      raise UsageError("intermediate levels verify a drafter's proposals: name a drafter")
     if any(v.weights == "draft" for v in self.verifiers) and self.draft_config is None:
-      raise ValueError("a level with the draft's weights needs the draft's config: "
+      raise UsageError("a level with the draft's weights needs the draft's config: "
                        "Stack(draft=config) or a ModelDrafter at the bottom")
     if self.verifiers and isinstance(self.tree, tree_lib.DynamicTree):
-      raise ValueError("a dynamic tree is grown right under the target; in a hierarchy use a "
+      raise UsageError("a dynamic tree is grown right under the target; in a hierarchy use a "
                        "static tree (chain:N, kary:KxD, sequoia:B,D) at the bottom")
 
   @property

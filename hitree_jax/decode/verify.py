@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from hitree_jax.decode.sampling import draw
 from hitree_jax.decode.spec import DRAW_MODES
+from hitree_jax.errors import UsageError
 from hitree_jax.tree.shapes import TokenTree
 
 MODES = DRAW_MODES
@@ -62,7 +63,7 @@ def verify(key: jax.Array, tree: TokenTree, draft_tokens: jax.Array, target_prob
     default: `tree.children`, the same for every row.
   """
   if mode not in MODES:
-    raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+    raise UsageError(f"mode={mode!r}: expected one of {MODES}")
   batch = draft_tokens.shape[0]
   rows = jnp.arange(batch)
   if children is None:

@@ -31,6 +31,7 @@ from hitree_jax.decode.drafters import (DraftInputs, Drafter, Proposal, check_dy
 from hitree_jax.decode.features import feature_at
 from hitree_jax.decode.levels import commit, round_mask
 from hitree_jax.decode.stack import Full
+from hitree_jax.errors import UsageError
 from hitree_jax.heads import eagle, medusa
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.tree import dynamic as dynamic_tree
@@ -74,14 +75,14 @@ class EagleDrafter(Drafter):
   def check(self, tree, config: ModelConfig) -> None:
     target_vocab = self.target_vocab_size or self.config.vocab_size
     if target_vocab != config.vocab_size:
-      raise ValueError(f"draft and target vocabularies differ: the EAGLE draft's maps onto "
+      raise UsageError(f"draft and target vocabularies differ: the EAGLE draft's maps onto "
                        f"{target_vocab} tokens, the target has {config.vocab_size}")
     if (self.config.hidden_size, self.config.num_heads) != (config.hidden_size, config.num_heads):
-      raise ValueError(f"the EAGLE draft reads features of width {self.config.hidden_size} "
+      raise UsageError(f"the EAGLE draft reads features of width {self.config.hidden_size} "
                        f"({self.config.num_heads} heads); the target's are {config.hidden_size} "
                        f"({config.num_heads} heads): it was trained for another target")
     if self.taps and max(self.taps) >= config.num_layers - 1:
-      raise ValueError(f"the EAGLE draft reads layers {list(self.taps)} of its target; this target "
+      raise UsageError(f"the EAGLE draft reads layers {list(self.taps)} of its target; this target "
                        f"has {config.num_layers} layers: it was trained for another target")
     check_dynamic_mode(tree, self.mode)
 
@@ -186,10 +187,10 @@ class MedusaDrafter(Drafter):
   def check(self, tree, config: ModelConfig) -> None:
     target_vocab = self.target_vocab_size or self.vocab_size
     if target_vocab != config.vocab_size:
-      raise ValueError(f"draft and target vocabularies differ: the Medusa heads map onto "
+      raise UsageError(f"draft and target vocabularies differ: the Medusa heads map onto "
                        f"{target_vocab} tokens, the target has {config.vocab_size}")
     if tree.max_depth > self.num_heads:
-      raise ValueError(f"a tree of depth {tree.max_depth} needs as many Medusa heads; these "
+      raise UsageError(f"a tree of depth {tree.max_depth} needs as many Medusa heads; these "
                        f"have {self.num_heads}")
     check_dynamic_mode(tree, self.mode)
 
@@ -226,5 +227,5 @@ class MedusaDrafter(Drafter):
 
 def _check_features_above(drafter: Drafter, weights: str) -> None:
   if weights != "target":
-    raise ValueError(f"a {drafter} draft reads the features of the level above it: that level "
+    raise UsageError(f"a {drafter} draft reads the features of the level above it: that level "
                      "must have the target's weights (e.g. the retrieval level)")

@@ -15,6 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hitree_jax import shipped
+from hitree_jax.errors import NotFound, UsageError
 from hitree_jax.heads import eagle, medusa
 from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter
 from hitree_jax.model.config import ModelConfig
@@ -53,11 +54,11 @@ def read_meta(path, kind: str | None = None) -> dict:
   ValueError when it is not of `kind`."""
   meta = shipped.find(path) / META   # as given, else a shipped draft (drafts/NAME)
   if not meta.is_file():
-    raise FileNotFoundError(f"{kind or 'feature'} draft {str(path)!r} not found: expected a folder "
+    raise NotFound(f"{kind or 'feature'} draft {str(path)!r} not found: expected a folder "
                             f"with {META} (written by `python -m launch.distill --kind={kind or 'eagle'}`)")
   meta = json.loads(meta.read_text())
   if kind is not None and meta["kind"] != kind:
-    raise ValueError(f"{str(path)!r} holds {meta['kind']} heads, not {kind}: use {meta['kind']}:{path}")
+    raise UsageError(f"{str(path)!r} holds {meta['kind']} heads, not {kind}: use {meta['kind']}:{path}")
   return meta
 
 
@@ -78,7 +79,7 @@ def check_target(meta: dict, target_config: ModelConfig, path) -> None:
               num_kv_heads=target_config.num_kv_heads, target_vocab_size=target_config.vocab_size)
   wrong = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
   if wrong:
-    raise ValueError(f"{meta['kind']} draft {str(path)!r} was trained for another target: " + ", ".join(
+    raise UsageError(f"{meta['kind']} draft {str(path)!r} was trained for another target: " + ", ".join(
         f"{k} {got} (this target: {need})" for k, (got, need) in wrong.items()))
 
 

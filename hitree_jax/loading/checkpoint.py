@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from hitree_jax.errors import NotFound
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import without_decode_head
 
@@ -40,7 +41,7 @@ def save_checkpoint(path: str | pathlib.Path, config: ModelConfig, params, token
 def read_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:
   path = pathlib.Path(path).resolve()
   if not is_checkpoint(path):
-    raise FileNotFoundError(f"{path}: not a hitree_jax checkpoint (no {CONFIG_FILE})")
+    raise NotFound(f"{path}: not a hitree_jax checkpoint (no {CONFIG_FILE})")
   return ModelConfig.from_dict(json.loads((path / CONFIG_FILE).read_text())).replace(dtype=dtype)
 
 

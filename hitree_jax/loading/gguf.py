@@ -20,6 +20,7 @@ import pathlib
 import gguf
 import numpy as np
 
+from hitree_jax.errors import NotFound, UsageError
 from hitree_jax.loading.hf import params_from_state_dict
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.vocab import ReducedVocab
@@ -71,7 +72,7 @@ def open_reader(path: str | pathlib.Path) -> gguf.GGUFReader:
   """
   path = pathlib.Path(path).resolve()
   if not path.is_file():
-    raise FileNotFoundError(f"GGUF file not found: {path}")
+    raise NotFound(f"GGUF file not found: {path}")
   stat = path.stat()
   return _open_reader(str(path), stat.st_size, stat.st_mtime_ns)
 
@@ -134,7 +135,7 @@ def load_gguf(path: str | pathlib.Path, dtype: str = "float32"):
   config = read_config(path, dtype)
   vocab = read_vocab(path)
   if vocab is not None and vocab.size != config.vocab_size:
-    raise ValueError(f"{path}: reduced vocabulary of {vocab.size} ids for a model of "
+    raise UsageError(f"{path}: reduced vocabulary of {vocab.size} ids for a model of "
                      f"vocab_size={config.vocab_size}")
   state = {}
   for tensor in reader.tensors:
@@ -224,7 +225,7 @@ def _field_value(field: gguf.ReaderField):
 def _copy_tokenizer(writer: gguf.GGUFWriter, source: pathlib.Path) -> dict:
   """Copies every tokenizer field of `source`; returns the copied bos/eos ids."""
   if source.suffix != ".gguf" or not source.is_file():
-    raise ValueError(f"tokenizer_from={source}: expected an existing .gguf file")
+    raise UsageError(f"tokenizer_from={source}: expected an existing .gguf file")
   fields = gguf.GGUFReader(str(source)).fields
   for key, field in fields.items():
     if key.startswith(_TOKENIZER_PREFIX):
@@ -255,7 +256,7 @@ def save_gguf(path: str | pathlib.Path, config: ModelConfig, params: dict, *,
   """
   path = pathlib.Path(path)
   if vocab is not None and vocab.size != config.vocab_size:
-    raise ValueError(f"vocab has {vocab.size} ids but config.vocab_size={config.vocab_size}")
+    raise UsageError(f"vocab has {vocab.size} ids but config.vocab_size={config.vocab_size}")
   writer = gguf.GGUFWriter(str(path), "llama")
   _add_config(writer, config)
   copied = _copy_tokenizer(writer, pathlib.Path(tokenizer_from)) if tokenizer_from else None

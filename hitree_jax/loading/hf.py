@@ -14,6 +14,7 @@ from typing import Mapping
 import numpy as np
 import safetensors.numpy
 
+from hitree_jax.errors import NotFound, UsageError
 from hitree_jax.model.config import ModelConfig
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -45,7 +46,7 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig)
   if not config.tie_word_embeddings:
     params["lm_head"] = {"kernel": take("lm_head.weight", True)}
   if missing:
-    raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    raise UsageError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
   return params
 
 
@@ -53,7 +54,7 @@ def read_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig
   """The config of an HF folder, from its config.json."""
   config_file = pathlib.Path(path) / "config.json"
   if not config_file.is_file():
-    raise FileNotFoundError(f"{path}: no config.json (expected an HF model folder)")
+    raise NotFound(f"{path}: no config.json (expected an HF model folder)")
   hf_config = json.loads(config_file.read_text())
   if "tie_word_embeddings" not in hf_config:
     hf_config["tie_word_embeddings"] = False
@@ -66,7 +67,7 @@ def load_safetensors_dir(path: str | pathlib.Path, dtype: str = "float32"):
   config = read_config(folder, dtype)
   files = sorted(folder.glob("*.safetensors"))
   if not files:
-    raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    raise NotFound(f"{folder}: no *.safetensors files")
   state = {}
   for f in files:
     state.update(safetensors.numpy.load_file(str(f)))

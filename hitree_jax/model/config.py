@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from hitree_jax.errors import UsageError
+
 SUPPORTED_ROPE_SCALING = ("linear", "llama3")
 
 
@@ -38,21 +40,21 @@ class ModelConfig:
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(
+      raise UsageError(
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
-      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+      raise UsageError(f"head_dim={self.head_dim} must be even for RoPE")
     if self.dtype not in ("float32", "bfloat16"):
-      raise ValueError(f"dtype={self.dtype!r}: expected 'float32' or 'bfloat16'")
+      raise UsageError(f"dtype={self.dtype!r}: expected 'float32' or 'bfloat16'")
     if self.key_dtype not in (None, "float32", "bfloat16"):
-      raise ValueError(f"key_dtype={self.key_dtype!r}: expected 'float32', 'bfloat16' or None "
+      raise UsageError(f"key_dtype={self.key_dtype!r}: expected 'float32', 'bfloat16' or None "
                        "(the model's dtype)")
     if self.key_dtype == self.dtype:  # one config (and one compiled program) per cache layout
       object.__setattr__(self, "key_dtype", None)
     if self.rope_scaling is not None:
       kind = self.rope_scaling_dict.get("rope_type", self.rope_scaling_dict.get("type"))
       if kind not in SUPPORTED_ROPE_SCALING and kind != "default":
-        raise ValueError(
+        raise UsageError(
             f"rope_scaling type {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}")
 
   @property
@@ -114,7 +116,7 @@ class ModelConfig:
     """Builds a config from GGUF key/values (architecture `llama`)."""
     arch = meta.get("general.architecture")
     if arch != "llama":
-      raise ValueError(f"GGUF architecture {arch!r} is not supported; expected 'llama'")
+      raise UsageError(f"GGUF architecture {arch!r} is not supported; expected 'llama'")
     g = lambda key, default=None: meta.get(f"llama.{key}", default)
     hidden = int(g("embedding_length"))
     num_heads = int(g("attention.head_count"))

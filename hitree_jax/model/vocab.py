@@ -18,6 +18,8 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from hitree_jax.errors import UsageError
+
 OTHER = 0  # draft id of every target token outside the subset
 
 
@@ -30,17 +32,17 @@ class ReducedVocab:
     ids = np.asarray(self.target_ids)
     kept = ids[1:]
     if ids.ndim != 1 or ids[OTHER] != -1:
-      raise ValueError("target_ids must be 1-D with target_ids[0] == -1 (the 'other' token)")
+      raise UsageError("target_ids must be 1-D with target_ids[0] == -1 (the 'other' token)")
     if kept.size == 0 or kept.min() < 0 or kept.max() >= self.target_vocab_size:
-      raise ValueError(f"target ids must lie in [0, {self.target_vocab_size})")
+      raise UsageError(f"target ids must lie in [0, {self.target_vocab_size})")
     if len(np.unique(kept)) != kept.size:
-      raise ValueError("target ids of a reduced vocabulary must be distinct")
+      raise UsageError("target ids of a reduced vocabulary must be distinct")
 
   @classmethod
   def most_frequent(cls, counts: np.ndarray, size: int, always=(0, 1, 2)) -> "ReducedVocab":
     """The size-1 most frequent target tokens (plus `always`, e.g. the special tokens) + OTHER."""
     if not 2 <= size <= len(counts):
-      raise ValueError(f"draft vocabulary size={size} must be in [2, {len(counts)}]")
+      raise UsageError(f"draft vocabulary size={size} must be in [2, {len(counts)}]")
     chosen = list(dict.fromkeys([*always, *np.argsort(-counts, kind="stable").tolist()]))[:size - 1]
     return cls(np.array([-1, *sorted(chosen)], np.int32), len(counts))
 

@@ -15,6 +15,7 @@ import pathlib
 from typing import Sequence
 
 from hitree_jax.decode import spec
+from hitree_jax.errors import UsageError
 from hitree_jax.planner import latency, optimize
 from hitree_jax.planner import profile as profile_lib
 from hitree_jax.tree import shapes
@@ -170,7 +171,7 @@ class Choice:
     levels = self.levels
     if levels.startswith("eagle/"):
       if eagle is None:
-        raise ValueError(f"{levels!r} drafts with an EAGLE draft: give its path")
+        raise UsageError(f"{levels!r} drafts with an EAGLE draft: give its path")
       levels = f"eagle:{eagle}/{levels.removeprefix('eagle/')}"
     out = {"method": "hsd", "levels": levels, "draft": draft}
     if self.acceptance is not None:
@@ -209,17 +210,17 @@ def predict(profile: dict, greedy: bool, levels: str, tree: shapes.TokenTree | N
   name, label = str(parsed.drafter), parsed.tree
   drafter = next((d for d in c.drafters if d.name == name), None)
   if drafter is None:
-    raise ValueError(f"{levels!r}: the profile has no drafter {name!r} (it has {[d.name for d in c.drafters]})")
+    raise UsageError(f"{levels!r}: the profile has no drafter {name!r} (it has {[d.name for d in c.drafters]})")
   tree = tree if tree is not None else dict(drafter.trees).get(label)
   if tree is None:
     tree = _tree(label, c.profile("target", name))
   middles = tuple((str(level), gamma) for level, gamma in parsed.middles)
   if any(m not in dict(c.middles) for m, _ in middles):
-    raise ValueError(f"{levels!r}: the profile has no middle level among {[m for m, _ in middles]} "
+    raise UsageError(f"{levels!r}: the profile has no middle level among {[m for m, _ in middles]} "
                      f"(it has {[m for m, _ in c.middles]})")
   model = optimize.stack_model(c, drafter, tree, middles)
   if model is None:
-    raise ValueError(f"{levels!r}: the profile has no acceptance for a pair of its levels")
+    raise UsageError(f"{levels!r}: the profile has no acceptance for a pair of its levels")
   return latency.predict(model)
 
 
@@ -305,7 +306,7 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
   eagle_path = None if eagle is None else str(pathlib.Path(eagle).resolve())
   target_precision = precision(dtype, key_dtype)
   if loaded[0] is not None and precision(loaded[0].config.dtype, loaded[0].config.key_dtype) != target_precision:
-    raise ValueError(f"the loaded target is in {loaded[0].config.dtype} with keys in "
+    raise UsageError(f"the loaded target is in {loaded[0].config.dtype} with keys in "
                      f"{loaded[0].config.cache_key_dtype}, not the profile's {dtype} and {key_dtype or dtype}")
   path = profile_path(directory or default_dir(), model_path, draft_path, context, sampling, book, eagle_path,
                       target_precision)

@@ -67,6 +67,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from hitree_jax.errors import UsageError
 from hitree_jax.tree.shapes import TokenTree, chain, node_reach
 
 Cost = Callable[[int], float]
@@ -78,7 +79,7 @@ def accepted_law(tree: TokenTree, profile: Sequence[float], deeper: float = 1.0)
   (1: positions independent and alike; an EAGLE draft's deeper nodes read the features their
   parents predicted, and accept less): a node at depth d is reached deeper^(d-1) times as often."""
   if sum(profile) > 1 + 1e-6:
-    raise ValueError(f"a per-rank profile holds the verifier's probabilities of distinct tokens "
+    raise UsageError(f"a per-rank profile holds the verifier's probabilities of distinct tokens "
                      f"(summing to <= 1), not {list(profile)}")
   reach, depth = node_reach(tree, profile), tree.depth
   at_least = np.ones(tree.max_depth + 1)                      # P(accepted >= d), d = 0 .. depth
@@ -107,7 +108,7 @@ class Fill:
 def fill(gamma: int, yield_law: np.ndarray) -> Fill:
   """Rounds of i.i.d. yields (yield_law[y] = P(Y = y), y >= 1) until >= gamma tokens are held."""
   if gamma < 1:
-    raise ValueError(f"gamma={gamma} must be >= 1")
+    raise UsageError(f"gamma={gamma} must be >= 1")
   visit = np.zeros(gamma)                                     # q(c), c = 0 .. gamma - 1
   visit[0] = 1.0
   final = np.zeros(gamma + yield_law.size)
@@ -174,7 +175,7 @@ def predict(stack: StackModel, fixed_buffers: bool = False) -> Prediction:
   every buffer holds exactly gamma tokens (HSD's buffer targets; planner/optimize.py's search
   objective) instead of its law of overshoot."""
   if len(stack.costs) != len(stack.gammas) + 1 or len(stack.acceptance) != len(stack.costs):
-    raise ValueError("a stack of K verifying levels needs K costs, K acceptances and K - 1 gammas")
+    raise UsageError("a stack of K verifying levels needs K costs, K acceptances and K - 1 gammas")
   tree, over = stack.tree, stack.overheads
   # Level 1 verifies the drafter's tree: a fixed proposal.
   yield_law = tree_yield(tree, stack.acceptance[0], stack.deeper)

@@ -25,6 +25,7 @@ import pathlib
 import re
 
 from hitree_jax.decode import spec
+from hitree_jax.errors import UsageError
 from hitree_jax.planner import auto
 
 PAIR = re.compile(r"^[\w:@.+x-]+<-[\w:@.+x-]+$")
@@ -35,33 +36,33 @@ def load_acceptance(path: str | pathlib.Path) -> dict:
   record with greedy, alpha, greedy_profile and profile. Raises ValueError naming what is wrong."""
   path = pathlib.Path(path)
   if not path.is_file():
-    raise ValueError(f"--acceptance={path}: no such file")
+    raise UsageError(f"--acceptance={path}: no such file")
   try:
     data = json.loads(path.read_text())
   except json.JSONDecodeError as error:
-    raise ValueError(f"--acceptance={path}: not JSON ({error})") from None
+    raise UsageError(f"--acceptance={path}: not JSON ({error})") from None
   pairs = data.get("acceptance") if isinstance(data, dict) else None
   if not isinstance(pairs, dict) or not pairs:
-    raise ValueError(f"--acceptance={path}: expected an object with \"acceptance\": {{\"verifier<-proposer\": a}}")
+    raise UsageError(f"--acceptance={path}: expected an object with \"acceptance\": {{\"verifier<-proposer\": a}}")
   source = data.get("source") or (json.dumps(data["key"]) if "key" in data else None)
   if not source:
-    raise ValueError(f"--acceptance={path}: say where the figures come from in \"source\"")
+    raise UsageError(f"--acceptance={path}: say where the figures come from in \"source\"")
   return {"source": source, "acceptance": {pair: _record(path, pair, value) for pair, value in pairs.items()}}
 
 
 def _record(path, pair: str, value) -> dict:
   if not PAIR.match(pair):
-    raise ValueError(f"--acceptance={path}: {pair!r} is not a pair \"verifier<-proposer\"")
+    raise UsageError(f"--acceptance={path}: {pair!r} is not a pair \"verifier<-proposer\"")
   if isinstance(value, (int, float)):
     value = {"greedy": value, "alpha": value}
   if not isinstance(value, dict) or not ({"greedy", "alpha"} & value.keys()):
-    raise ValueError(f"--acceptance={path}: {pair}: give a number, or \"greedy\" and/or \"alpha\"")
+    raise UsageError(f"--acceptance={path}: {pair}: give a number, or \"greedy\" and/or \"alpha\"")
   greedy, alpha = value.get("greedy", value.get("alpha")), value.get("alpha", value.get("greedy"))
   record = {"greedy": greedy, "alpha": alpha,
             "greedy_profile": value.get("greedy_profile", [greedy]), "profile": value.get("profile", [alpha])}
   for name in ("greedy", "alpha"):
     if not 0 <= record[name] <= 1:
-      raise ValueError(f"--acceptance={path}: {pair}: {name} {record[name]} is not in [0, 1]")
+      raise UsageError(f"--acceptance={path}: {pair}: {name} {record[name]} is not in [0, 1]")
   return record
 
 

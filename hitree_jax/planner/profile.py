@@ -43,6 +43,7 @@ from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.programs import Programs, ahead_of_time
 from hitree_jax.decode.sampling import probabilities
 from hitree_jax.decode.stack import Streaming
+from hitree_jax.errors import UsageError
 from hitree_jax.heads import eagle as eagle_lib
 from hitree_jax.model.llama import forward
 from hitree_jax.model.vocab import spread_probs
@@ -135,7 +136,7 @@ class _Levels:
     """The EAGLE draft's one-layer cache of the prompt, run with the target's features (as prefill
     builds it in decoding)."""
     if self.eagle is None:
-      raise ValueError("level 'eagle' needs an EAGLE draft (eagle:PATH)")
+      raise UsageError("level 'eagle' needs an EAGLE draft (eagle:PATH)")
     if self._eagle_long is None:
       e = self.eagle
       tokens, chunk = prefill_lib.chunked_tokens(self.batch)
@@ -161,7 +162,7 @@ class _Levels:
 
   def draft_full(self, name: str):
     if self.draft is None:
-      raise ValueError(f"level {name!r} needs a draft model")
+      raise UsageError(f"level {name!r} needs a draft model")
     if self._draft_full is None:
       d = self.draft
       ids = self.prompt if d.vocab is None else d.vocab.to_draft(self.prompt).tolist()
@@ -188,7 +189,7 @@ class _Levels:
       cache = level.cache
       long = full if cache is None else long_caches.streaming_cache(full, cache.sinks, cache.window, None)
       return self.draft.config, self.draft.params, long, self.draft.vocab
-    raise ValueError(f"unknown level {name!r}: expected target, retrieval:B, self:K, draft, "
+    raise UsageError(f"unknown level {name!r}: expected target, retrieval:B, self:K, draft, "
                      "draft@streaming:SxW or eagle")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from hitree_jax.data import CORPORA, assets_dir
+from hitree_jax.errors import NotFound, UsageError
 
 HELD_OUT_BOOKS = {"austen": ("persuasion",), "shakespeare": ("hamlet", "tempest"),
                   "milton": ("paradise_regained",)}
@@ -20,12 +21,12 @@ CORPUS_WEIGHTS = {"austen": 0.5, "shakespeare": 0.35, "milton": 0.15}
 def split_texts(split: str) -> dict[str, str]:
   """{corpus: text} of the 'train' or 'eval' books of every corpus, in sorted file order."""
   if split not in ("train", "eval"):
-    raise ValueError(f"split={split!r}: expected 'train' or 'eval'")
+    raise UsageError(f"split={split!r}: expected 'train' or 'eval'")
   texts = {}
   for corpus in CORPORA:
     files = sorted((assets_dir() / "books" / corpus).glob("*.txt"))
     if not files:
-      raise FileNotFoundError(f"no books for {corpus!r}: run `python -m launch.fetch_assets`")
+      raise NotFound(f"no books for {corpus!r}: run `python -m launch.fetch_assets`")
     chosen = [f for f in files if (f.stem in HELD_OUT_BOOKS[corpus]) == (split == "eval")]
     texts[corpus] = "\n\n".join(f.read_text(encoding="utf-8").strip("\n") for f in chosen)
   return texts
@@ -34,7 +35,7 @@ def split_texts(split: str) -> dict[str, str]:
 def evenly_spaced_windows(ids: np.ndarray, window: int, n: int) -> np.ndarray:
   """n windows [n, window] starting at evenly spaced offsets of ids (overlap only if ids is short)."""
   if len(ids) < window:
-    raise ValueError(f"{len(ids)} tokens cannot fill a window of {window}")
+    raise UsageError(f"{len(ids)} tokens cannot fill a window of {window}")
   starts = np.linspace(0, len(ids) - window, n).astype(np.int64)
   return np.stack([ids[s:s + window] for s in starts]).astype(np.int32)
 

@@ -26,6 +26,7 @@ import optax
 import orbax.checkpoint as ocp
 from absl import logging
 
+from hitree_jax.errors import UsageError
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.vocab import OTHER, ReducedVocab, mask_other
 from hitree_jax.train import corpus, teacher
@@ -120,10 +121,10 @@ def student_from_teacher(teacher_params, teacher_config: ModelConfig, layers: Se
   """A draft made of the teacher's `layers` (in that order), final norm and the rows of its
   embedding (and head) for the reduced vocabulary; OTHER starts as the mean embedding."""
   if not layers or min(layers) < 0 or max(layers) >= teacher_config.num_layers:
-    raise ValueError(f"student layers {tuple(layers)} must be teacher layers in "
+    raise UsageError(f"student layers {tuple(layers)} must be teacher layers in "
                      f"[0, {teacher_config.num_layers})")
   if vocab.target_vocab_size != teacher_config.vocab_size:
-    raise ValueError(f"the reduced vocabulary maps onto {vocab.target_vocab_size} tokens, the "
+    raise UsageError(f"the reduced vocabulary maps onto {vocab.target_vocab_size} tokens, the "
                      f"teacher has {teacher_config.vocab_size}")
   to_draft = lambda i: None if i is None else int(vocab.draft_ids[i]) or None
   config = teacher_config.replace(num_layers=len(layers), vocab_size=vocab.size,
@@ -228,12 +229,12 @@ def check_settings(workdir: pathlib.Path, settings: dict, record: bool = True) -
     changed = {k: (kept.get(k), settings.get(k)) for k in sorted({*kept, *settings})
                if kept.get(k) != settings.get(k)}
     if changed:
-      raise ValueError(f"{workdir} holds a run made with other settings (" + ", ".join(
+      raise UsageError(f"{workdir} holds a run made with other settings (" + ", ".join(
           f"{k}: {old} there, {new} now" for k, (old, new) in changed.items()) +
           "): use another workdir, or delete it to start again")
     return
   if (workdir / "ckpt").is_dir() and any((workdir / "ckpt").iterdir()):
-    raise ValueError(f"{workdir} holds checkpoints without {SETTINGS} (a run of an older version): "
+    raise UsageError(f"{workdir} holds checkpoints without {SETTINGS} (a run of an older version): "
                      "use another workdir, or delete it to start again")
   if record:
     workdir.mkdir(parents=True, exist_ok=True)

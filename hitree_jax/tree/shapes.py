@@ -28,6 +28,8 @@ from typing import Sequence, Union
 
 import numpy as np
 
+from hitree_jax.errors import UsageError
+
 
 def _frozen(a: np.ndarray) -> np.ndarray:
   """Cached arrays are shared by every user of the tree: make them read-only."""
@@ -43,12 +45,12 @@ class TokenTree:
     parents = tuple(self.parents)
     for i, p in enumerate(parents):
       if isinstance(p, bool) or not isinstance(p, (int, np.integer)):
-        raise ValueError(f"node {i}: parent {p!r} must be an int (-1 = child of the root)")
+        raise UsageError(f"node {i}: parent {p!r} must be an int (-1 = child of the root)")
       if not -1 <= p < i:
-        raise ValueError(f"node {i}: parent {p} must be -1 (the root) or an earlier node "
+        raise UsageError(f"node {i}: parent {p} must be -1 (the root) or an earlier node "
                          f"in 0..{i - 1} (parents must precede their children)")
     if not parents:
-      raise ValueError("a token tree needs at least one node")
+      raise UsageError("a token tree needs at least one node")
     # Plain ints, so that equal topologies hash equally whatever int type built them.
     object.__setattr__(self, "parents", tuple(int(p) for p in parents))
 
@@ -123,7 +125,7 @@ class TokenTree:
 def _check_positive(**values: int) -> None:
   for name, v in values.items():
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-      raise ValueError(f"{name}={v!r} must be a positive integer")
+      raise UsageError(f"{name}={v!r} must be a positive integer")
 
 
 def _from_nested(roots: list) -> TokenTree:
@@ -177,7 +179,7 @@ class DynamicTree:
   def __post_init__(self):
     _check_positive(budget=self.budget, max_depth=self.max_depth, width=self.width)
     if self.budget > self.pool_size:
-      raise ValueError(
+      raise UsageError(
           f"dynamic tree: budget={self.budget} nodes do not fit in the {self.pool_size} candidates "
           f"that width={self.width} and depth={self.max_depth} grow (width + (depth - 1) * width^2); "
           "lower the budget or raise the depth or width")
@@ -200,9 +202,9 @@ class DynamicTree:
 def _check_acceptance(acceptance: Sequence[float]) -> np.ndarray:
   p = np.asarray(acceptance, np.float64)
   if p.ndim != 1 or p.size == 0:
-    raise ValueError(f"acceptance must be a non-empty 1-D sequence; got shape {p.shape}")
+    raise UsageError(f"acceptance must be a non-empty 1-D sequence; got shape {p.shape}")
   if not np.all((p >= 0.0) & (p <= 1.0)):  # also rejects NaN
-    raise ValueError(f"acceptance probabilities must lie in [0, 1]; got {p.tolist()}")
+    raise UsageError(f"acceptance probabilities must lie in [0, 1]; got {p.tolist()}")
   return p
 
 
@@ -258,7 +260,7 @@ def from_acceptance(acceptance: Sequence[float], budget: int, max_depth: int) ->
   _check_positive(budget=budget, max_depth=max_depth)
   p = _check_acceptance(acceptance)
   if p[0] <= 0.0:
-    raise ValueError(f"acceptance[0]={p[0]} must be > 0: the draft's top choice is never accepted")
+    raise UsageError(f"acceptance[0]={p[0]} must be > 0: the draft's top choice is never accepted")
   ranks = min(p.size, budget)
   n = np.arange(budget + 1)
   s = np.arange(budget + 1)
@@ -332,10 +334,10 @@ def parse_tree_spec(spec: str) -> TreeSpec:
       continue
     numbers = tuple(int(x) for x in match.groups())
     if min(numbers) < 1:
-      raise ValueError(f"bad tree spec {spec!r}: sizes must be positive; expected {forms}")
+      raise UsageError(f"bad tree spec {spec!r}: sizes must be positive; expected {forms}")
     nodes = _tree_nodes(kind, numbers)
     if nodes > MAX_TREE_NODES:
-      raise ValueError(f"tree spec {spec!r} asks for {nodes} nodes; a round verifies at most "
+      raise UsageError(f"tree spec {spec!r} asks for {nodes} nodes; a round verifies at most "
                        f"{MAX_TREE_NODES}")
     if kind == "chain":
       return chain(*numbers)
@@ -344,4 +346,4 @@ def parse_tree_spec(spec: str) -> TreeSpec:
     if kind == "dynamic":
       return DynamicTree(*numbers)
     return (kind, *numbers)
-  raise ValueError(f"bad tree spec {spec!r}: expected {forms}")
+  raise UsageError(f"bad tree spec {spec!r}: expected {forms}")
