@@ -21,6 +21,7 @@ import logging
 from hitree_jax import shipped
 from hitree_jax.decode import spec as spec_lib
 from hitree_jax.errors import UsageError
+from hitree_jax.tree.shapes import TokenTree
 
 METHODS = ("ar", "sd", "tree", "retrieval", "triforce", "hitree", "hsd")
 
@@ -347,6 +348,45 @@ def auto_method(model: str, draft: str, prompt_length: int, sampling, loaded: tu
   method = parse_method("hsd", Knobs(draft=draft, levels=flags["levels"], acceptance=flags.get("acceptance")),
                         float(sampling.temperature) == 0)
   return dataclasses.replace(method, label=f"auto={method.label}")
+
+
+PAPER_SHAPES = {"triforce": "TriForce", "hitree": "HiTree"}   # presets whose defaults are a paper's
+SLOW_PRESET = 0.9   # a preset predicted below this fraction of the planner's choice gets a note
+
+
+def preset_advice(method: Method, model: str, prompt_length: int, sampling, dtype: str = "float32",
+                  key_dtype: str | None = None, on_cpu: bool = False) -> str | None:
+  """One line for a user who typed a preset this machine runs slowly, or None: a preset keeps its
+  paper's shape (HiTree's kary:2x4 with gamma2 12 ran at about half `ar`'s speed on a 2-core CPU),
+  so a user must be told when `auto` would do better. With a profile of (model, draft) already
+  measured, the planner predicts both (nothing is measured here); without one, a paper's shape
+  on a CPU is named as such."""
+  if method.levels is None or method.draft_path is None:
+    return None
+  from hitree_jax.planner import auto
+  greedy = float(sampling.temperature) == 0
+  stored = auto.stored_plan(model, method.draft_path, prompt_length, sampling, dtype=dtype, key_dtype=key_dtype)
+  if stored is not None:
+    profile, path = stored
+    choice = auto.choose(profile, greedy)
+    try:
+      levels = auto.in_profile_names(method.levels, method.draft_path)
+      tree = method.tree if isinstance(method.tree, TokenTree) else None
+      speed = 1.0 / auto.predict(profile, greedy, levels, tree).seconds_per_token
+    except UsageError:   # a level or tree the profile has no figures for
+      speed = None
+    if speed is not None:
+      if speed >= SLOW_PRESET * choice.predicted_tokens_per_s:
+        return None
+      planned = f"hsd/{choice.levels}" if choice.levels else "ar"
+      return (f"--method={method.label} is predicted at {speed:.1f} tok/s here and `ar` at "
+              f"{choice.ar_tokens_per_s:.1f}; --method=auto would run {planned} at "
+              f"{choice.predicted_tokens_per_s:.1f} (profile {path})")
+  if on_cpu and method.name in PAPER_SHAPES:
+    return (f"--method={method.name} keeps {PAPER_SHAPES[method.name]}'s shape from its paper, made "
+            "for accelerators, and can run slower than `ar` on a CPU; --method=auto plans a stack "
+            "for this machine (measuring it once, a few minutes)")
+  return None
 
 
 def _label(name: str, rest: str, knobs: Knobs, shape: str, levels: str) -> str:

@@ -127,6 +127,12 @@ def main(argv):
   if planned:
     method = methods.auto_method(FLAGS.model, FLAGS.draft, len(ids), sampling, loaded=(model, None),
                                 feature_draft=FLAGS.feature_draft)
+  else:
+    import jax
+    advice = methods.preset_advice(method, FLAGS.model, len(ids), sampling, model.config.dtype,
+                                   FLAGS.key_dtype, on_cpu=jax.default_backend() == "cpu")
+    if advice:
+      print(f"note: {advice}", file=sys.stderr)
   method = method.load_draft(model.config, model.params)
   model_ids = ids if model.vocab is None else model.vocab.to_draft(ids).tolist()  # a draft alone
   result = method.generate(sharding.place_params(model.params, mesh), model.config, [model_ids],

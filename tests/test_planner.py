@@ -625,3 +625,38 @@ def test_measure_with_an_eagle_draft_and_its_plan_is_exact(tmp_path, eagle_trio)
     got = method.generate(target.params, target.config, [prompt], max_new_tokens=16, stop_at_eos=False)
     ar = engine.generate(target.params, target.config, [prompt], max_new_tokens=16, stop_at_eos=False)
     assert got.tokens == ar.tokens
+
+
+@pytest.mark.parametrize("spec,options", [
+    ("hitree", dict(budget=256)), ("triforce", dict(budget=256)), ("sd", dict(gamma=12)),
+    ("tree", dict(tree="kary:2x2")), ("hitree", {})])
+def test_a_preset_slower_than_the_plan_is_named_in_one_line(tmp_path, monkeypatch, spec, options):
+  """generate's note for a typed preset: from a stored profile (nothing measured), a preset
+  predicted below 90% of the planner's choice is named with both speeds; a preset the profile
+  cannot predict (retrieval:1024 at 512 tokens holds everything) gets the paper-shape line on a
+  CPU only."""
+  from hitree_jax import methods
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.planner import auto
+  monkeypatch.setenv("HITREE_PROFILES", str(tmp_path))
+  draft, sampling, profile = "drafts/smollm2-draft.gguf", SamplingParams.create(), synthetic_profile(512)
+  method = methods.method(spec, draft=draft, **options)
+  assert methods.preset_advice(method, "smollm2", 512, sampling, on_cpu=False) is None  # no profile yet
+  path, key = auto.where_kept("smollm2", draft, 512, sampling)
+  path.parent.mkdir(parents=True)
+  path.write_text(json.dumps({"key": key, "profile": profile}))
+  advice = methods.preset_advice(method, "smollm2", 600, sampling, on_cpu=True)  # 600: nearest is 512
+  choice = auto.choose(profile, True)
+  try:
+    speed = 1 / auto.predict(profile, True, auto.in_profile_names(method.levels, draft), method.tree).seconds_per_token
+  except ValueError:
+    assert spec == "hitree" and "retrieval:1024" in method.levels
+    assert advice.startswith("--method=hitree keeps HiTree's shape from its paper")
+    assert methods.preset_advice(method, "smollm2", 512, sampling, on_cpu=False) is None
+    return
+  if speed >= 0.9 * choice.predicted_tokens_per_s:
+    assert advice is None
+  else:
+    assert advice == (f"--method={method.label} is predicted at {speed:.1f} tok/s here and `ar` at "
+                      f"{choice.ar_tokens_per_s:.1f}; --method=auto would run hsd/{choice.levels} at "
+                      f"{choice.predicted_tokens_per_s:.1f} (profile {path})")

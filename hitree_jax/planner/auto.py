@@ -301,16 +301,12 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
   target in `dtype` and its caches' keys in `key_dtype`: stored, or measured and stored (a few
   minutes on a CPU). loaded: the models if already in memory (the target in that precision);
   eagle: an EAGLE draft's folder, profiled too (a profile of its own)."""
-  from hitree_jax.loading import load_model, resolve
-  model_path, draft_path = str(resolve(model)), str(resolve(draft))
-  eagle_path = None if eagle is None else str(pathlib.Path(eagle).resolve())
-  target_precision = precision(dtype, key_dtype)
-  if loaded[0] is not None and precision(loaded[0].config.dtype, loaded[0].config.key_dtype) != target_precision:
+  from hitree_jax.loading import load_model
+  if loaded[0] is not None and precision(loaded[0].config.dtype, loaded[0].config.key_dtype) != precision(dtype, key_dtype):
     raise UsageError(f"the loaded target is in {loaded[0].config.dtype} with keys in "
                      f"{loaded[0].config.cache_key_dtype}, not the profile's {dtype} and {key_dtype or dtype}")
-  path = profile_path(directory or default_dir(), model_path, draft_path, context, sampling, book, eagle_path,
-                      target_precision)
-  key = profile_key(model_path, draft_path, context, sampling, book, eagle_path, target_precision)
+  path, key = where_kept(model, draft, context, sampling, directory, book, eagle, dtype, key_dtype)
+  model_path, draft_path, eagle_path = key["model"], key["draft"], key.get("eagle")
 
   def run():
     from hitree_jax.data import book_prompts
@@ -328,6 +324,29 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
     return measure(target, drafter, prompts, continuations, sampling, space, eagle=feature_draft)
 
   return profile_lib.cached(path, key, run), path
+
+
+def where_kept(model: str, draft: str, context: int, sampling, directory=None, book: str = "austen",
+               eagle: str | None = None, dtype: str = "float32",
+               key_dtype: str | None = None) -> tuple[pathlib.Path, dict]:
+  """(where the profile of these models and settings is kept, the key it was measured for)."""
+  from hitree_jax.loading import resolve
+  model_path, draft_path = str(resolve(model)), str(resolve(draft))
+  eagle_path = None if eagle is None else str(pathlib.Path(eagle).resolve())
+  target_precision = precision(dtype, key_dtype)
+  path = profile_path(directory or default_dir(), model_path, draft_path, context, sampling, book, eagle_path,
+                      target_precision)
+  return path, profile_key(model_path, draft_path, context, sampling, book, eagle_path, target_precision)
+
+
+def stored_plan(model: str, draft: str, prompt_length: int, sampling, directory=None,
+                dtype: str = "float32", key_dtype: str | None = None) -> tuple[dict, pathlib.Path] | None:
+  """(the profile, its path) that `plan_for` would plan from, if it was measured already; None
+  where it was not (nothing is measured here)."""
+  path, key = where_kept(model, draft, nearest_context(prompt_length), sampling, directory,
+                         dtype=dtype, key_dtype=key_dtype)
+  profile = profile_lib.stored(path, key)
+  return None if profile is None else (profile, path)
 
 
 def plan_for(model: str, draft: str, prompt_length: int, sampling, directory=None, book: str = "austen",

@@ -459,13 +459,20 @@ def profile_key(model: str, draft: str | None) -> dict:
           "jax": jax.__version__}
 
 
+def stored(path: str | pathlib.Path, key: dict) -> dict | None:
+  """The profile stored at `path` if it was measured for `key`, else None."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    return None
+  record = json.loads(path.read_text())
+  return record["profile"] if record.get("key") == key else None
+
+
 def cached(path: str | pathlib.Path, key: dict, measure: Callable[[], dict]) -> dict:
   """The profile stored at `path` if it was measured for `key`, else measure() stored there."""
   path = pathlib.Path(path)
-  if path.exists():
-    stored = json.loads(path.read_text())
-    if stored.get("key") == key:
-      return stored["profile"]
+  if (profile := stored(path, key)) is not None:
+    return profile
   profile = measure()
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps({"key": key, "profile": profile}, indent=1))
