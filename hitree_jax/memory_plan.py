@@ -34,11 +34,12 @@ import numpy as np
 from hitree_jax import sharding
 from hitree_jax.cache.full import KVCache
 from hitree_jax.cache.retrieval import RetrievalCache
-from hitree_jax.decode import long_caches, loop, sizes
+from hitree_jax.decode import long_caches, loop
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.programs import CPU_COPY_FREE
 from hitree_jax.decode.drafters import DraftWeights
 from hitree_jax.decode.sampling import SamplingParams
+from hitree_jax.decode.sizes import StackSizes
 from hitree_jax.decode.stack import Full, Stack
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import init_params
@@ -162,8 +163,8 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
   """-> ([Program] of the prefill chunk, each retrieval selection and the decode loop, the
   arrays' per-device bytes)."""
   draft_config = stack.draft_config  # None for a stack without a draft model (EAGLE's, say)
-  layout = sizes.StackSizes(stack, config, draft_config, mesh)
-  width = layout.recent_slots
+  sizes = StackSizes(stack, config, draft_config, mesh)
+  width = sizes.recent_slots
   slots = prefill_lib.cache_slots(prompt_tokens, max_new_tokens, extra=width)
   tail = prefill_lib.round_up(max_new_tokens + width, 8)
   sharding.check(config, mesh, batch, slots)
@@ -171,19 +172,19 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
   draft = abstract_draft_weights(stack, config, draft_config, mesh)
   weights = loop.Weights(params, draft)
 
-  placed = lambda j, shape: abstract(shape, layout.long_axes(j, shape), mesh)
-  full = placed(layout.top, jax.eval_shape(lambda: KVCache.init(config, batch, slots)))
+  placed = lambda j, shape: abstract(shape, sizes.long_axes(j, shape), mesh)
+  full = placed(sizes.top, jax.eval_shape(lambda: KVCache.init(config, batch, slots)))
   draft_full = None
   if draft_config is not None:
     shape = jax.eval_shape(lambda: KVCache.init(draft_config, batch, slots))
     draft_full = abstract(shape, sharding.cache_axes(shape, heads=False), mesh)
   last_tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
   longs = []
-  for j in range(layout.top + 1):
-    if layout.is_drafter(j) and layout.drafter.prefills_own_cache:  # e.g. EAGLE's, from the prompt
-      shape = jax.eval_shape(lambda: KVCache.init(layout.config(j), batch, slots))
+  for j in range(sizes.top + 1):
+    if sizes.is_drafter(j) and sizes.drafter.prefills_own_cache:  # e.g. EAGLE's, from the prompt
+      shape = jax.eval_shape(lambda: KVCache.init(sizes.config(j), batch, slots))
     else:
-      shape = jax.eval_shape(lambda: long_caches.derived_long_cache(layout, j, full, draft_full, params,
+      shape = jax.eval_shape(lambda: long_caches.derived_long_cache(sizes, j, full, draft_full, params,
                                                                     last_tokens, tail))
     longs.append(None if shape is None else placed(j, shape))
   longs = tuple(longs)
@@ -200,18 +201,18 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
   programs.append(Program.of("prefill chunk", compiled))
   for j, long in enumerate(longs):  # the retrieval level's selection, from the full cache
     if isinstance(long, RetrievalCache):
-      kind = layout.cache_kind(j)
+      kind = sizes.cache_kind(j)
       compiled = long_caches.select_retrieval.lower(params, config, full, last_tokens, kind.budget, kind.chunk,
                                                     tail, sharding.sequence_shards(mesh)).compile()
       programs.append(Program.of(f"retrieval selection (level {j})", compiled))
-  features = (len(layout.feature_taps) + 1) * config.hidden_size   # what a feature drafter reads
+  features = (len(sizes.feature_taps) + 1) * config.hidden_size   # what a feature drafter reads
   first = (jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32),
-           jax.ShapeDtypeStruct((batch, features), jnp.dtype(config.dtype)) if layout.reads_features else None)
+           jax.ShapeDtypeStruct((batch, features), jnp.dtype(config.dtype)) if sizes.reads_features else None)
   history = slots   # the engine's token history is as wide as its caches
   settings, key = abstract_settings()
   start = loop.DecodeStart(first, settings, scalar(jnp.int32), key,
                            jax.ShapeDtypeStruct((batch, history), jnp.int32), lengths)
-  compiled = loop.decode_loop.lower(layout, weights, longs, start, max_new_tokens).compile()
+  compiled = loop.decode_loop.lower(sizes, weights, longs, start, max_new_tokens).compile()
   programs.append(Program.of("decode loop", compiled))
 
   caches = {}
@@ -220,12 +221,12 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
       continue
     kind = ("retrieval" if isinstance(long, RetrievalCache) else
             "full" if isinstance(long, KVCache) else "streaming")
-    who = ("target" if j == layout.top else "draft" if layout.weights(j) == "draft" else
-           "EAGLE" if j == 0 and layout.reads_features else f"level {j}")
+    who = ("target" if j == sizes.top else "draft" if sizes.weights(j) == "draft" else
+           "EAGLE" if j == 0 and sizes.reads_features else f"level {j}")
     caches[f"{who} {kind} cache"] = per_device_bytes(long)
-  if draft_full is not None and not any(layout.weights(j) == "draft" and
-                                        isinstance(layout.cache_kind(j), Full)
-                                        for j in range(layout.top)):
+  if draft_full is not None and not any(sizes.weights(j) == "draft" and
+                                        isinstance(sizes.cache_kind(j), Full)
+                                        for j in range(sizes.top)):
     caches["draft full cache (prefill only)"] = per_device_bytes(draft_full)
   arrays = dict(slots=slots, params=per_device_bytes(params),
                 draft_params=per_device_bytes(draft.params) if draft is not None else 0, caches=caches)

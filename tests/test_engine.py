@@ -324,8 +324,8 @@ def test_sampling_is_exact_over_several_rounds(monkeypatch, tree, draft, tempera
   if isinstance(draft, str):  # the target as its own draft model, with its own cache
     mode = {"target-iid": "iid", "target-wor": "without_replacement"}[draft]
     drafter, weights = model_draft(params, TINY, mode=mode)
-  layout = sizes.StackSizes(Stack(drafter, tree), TINY, TINY if weights is not None else None)
-  span = layout.round_extent
+  stack_sizes = sizes.StackSizes(Stack(drafter, tree), TINY, TINY if weights is not None else None)
+  span = stack_sizes.round_extent
   # A recent cache just wide enough for one round: every round is its own block.
   monkeypatch.setattr(sizes.StackSizes, "recent_slots", property(lambda self: self.round_extent))
   monkeypatch.setattr(prefill_lib, "CACHE_BUCKET", 16)  # long caches no longer than the run needs

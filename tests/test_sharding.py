@@ -129,7 +129,7 @@ def test_every_array_is_where_it_was_declared(params, draft):
   each level's long cache keeps its declared sharding: the target's full cache by row, KV head
   and slot, its retrieval cache by row and KV head, the draft's full cache by row and slot."""
   mesh = sharding.make_mesh("data:2,sequence:2,model:2")
-  layout = sizes.StackSizes(STACKS["4-level"], CONFIG, DRAFT, mesh)
+  stack_sizes = sizes.StackSizes(STACKS["4-level"], CONFIG, DRAFT, mesh)
   batch = prefill_lib.make_batch(PROMPTS, CONFIG, 30)
   weights = loop.Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
   expect(weights.target["layers_0"]["self_attn"]["q_proj"]["kernel"], mesh, (None, "model"))
@@ -139,16 +139,16 @@ def test_every_array_is_where_it_was_declared(params, draft):
   expect(weights.draft.params["layers_0"]["mlp"]["up_proj"]["kernel"], mesh, (None, None))
 
   programs = Programs()
-  full = layout.place_long(layout.top, KVCache.init(CONFIG, batch.batch, 512))
+  full = stack_sizes.place_long(stack_sizes.top, KVCache.init(CONFIG, batch.batch, 512))
   _, prefilled = prefill_lib.prefill(weights.target, CONFIG, full, batch, programs)
   expect(prefilled.keys[0], mesh, ("data", "model", None, "sequence"))  # the prefill program kept it
 
-  first, longs = long_caches.prefill_levels(layout, weights, CONFIG, batch, 512, 64, programs)
+  first, longs = long_caches.prefill_levels(stack_sizes, weights, CONFIG, batch, 512, 64, programs)
   seq = np.zeros((batch.batch, 512), np.int32)
   seq[:, :batch.tokens.shape[1]] = batch.tokens
   start = loop.DecodeStart(first, SamplingParams.create(), jnp.int32(-1), jax.random.key(0), jnp.asarray(seq),
                            jnp.asarray(batch.lengths))
-  out, _, _, after = engine.decode(engine.Prefilled(layout, weights, longs, start, 30), programs)
+  out, _, _, after = engine.decode(engine.Prefilled(stack_sizes, weights, longs, start, 30), programs)
   declared = {1: ("data", None, None, "sequence"), 2: ("data", "model", None, None),
               3: ("data", "model", None, "sequence")}               # keys, values [B, KVH, D, S]
   for caches in (longs, after):
@@ -203,12 +203,12 @@ def test_memory_plan_counts_what_the_arrays_hold(params, draft):
   the prefilled caches of a real generation hold; its decode program's arguments are those."""
   mesh, stack = sharding.make_mesh("data:2,model:4"), STACKS["triforce"]
   plan = memory_plan.plan(CONFIG, DRAFT, lambda _: stack, mesh, prompt_tokens=60, max_new_tokens=8, batch=2)
-  layout = sizes.StackSizes(stack, CONFIG, DRAFT, mesh)
+  stack_sizes = sizes.StackSizes(stack, CONFIG, DRAFT, mesh)
   batch = prefill_lib.make_batch(PROMPTS, CONFIG, 8)
   weights = loop.Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
-  slots = prefill_lib.cache_slots(60, 8, extra=layout.recent_slots)
-  first, longs = long_caches.prefill_levels(layout, weights, CONFIG, batch, slots,
-                                            prefill_lib.round_up(8 + layout.recent_slots, 8), Programs())
+  slots = prefill_lib.cache_slots(60, 8, extra=stack_sizes.recent_slots)
+  first, longs = long_caches.prefill_levels(stack_sizes, weights, CONFIG, batch, slots,
+                                            prefill_lib.round_up(8 + stack_sizes.recent_slots, 8), Programs())
   assert plan["slots"] == slots
   assert plan["params"] == bytes_per_device(weights.target) > 0
   assert plan["draft_params"] == bytes_per_device(weights.draft.params)
