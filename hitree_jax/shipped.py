@@ -1,9 +1,11 @@
-"""The files the repository ships beside the library (drafts/, configs/), found from any directory.
+"""The files the repository ships beside the library (drafts/, configs/, data/), found from any directory.
 
 A path that does not exist where it is given is looked up in the repository the package runs
 from (the clone, or the folder an editable install points to: ./setup.sh installs so), then in
-the shipped folder: `--draft=smollm2-draft`, `eagle:smollm2-eagle` and `--config=methods:sd`
-name the shipped draft, EAGLE draft and config from anywhere.
+the shipped folder; an installed wheel carries the same folders as package data
+(hitree_jax/files/, pyproject.toml), looked up the same way. So `--draft=smollm2-draft`,
+`eagle:smollm2-eagle` and `--config=methods:sd` name the shipped draft, EAGLE draft and config
+from anywhere.
 """
 
 from __future__ import annotations
@@ -12,15 +14,17 @@ import os
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent   # the repository (hitree_jax/..)
+PACKAGED = pathlib.Path(__file__).resolve().parent / "files"   # the same folders in a wheel
 
 
 def find(path: str | os.PathLike, folder: str = "drafts", suffixes: tuple[str, ...] = ("", ".gguf")) -> pathlib.Path:
-  """`path` if it exists (or is absolute), else ROOT/path, else ROOT/folder/path, each with
-  `suffixes` tried in turn; else `path` unchanged, for the caller's error to name."""
+  """`path` if it exists (or is absolute), else ROOT/path, else ROOT/folder/path (then the same
+  under PACKAGED), each with `suffixes` tried in turn; else `path` unchanged, for the caller's
+  error to name."""
   given = pathlib.Path(path).expanduser()
   if given.exists() or given.is_absolute() or not str(path):
     return given
-  for base in (ROOT, ROOT / folder):
+  for base in (ROOT, ROOT / folder, PACKAGED, PACKAGED / folder):
     for suffix in suffixes:
       candidate = base / f"{given}{suffix}"
       if candidate.exists():
@@ -31,5 +35,6 @@ def find(path: str | os.PathLike, folder: str = "drafts", suffixes: tuple[str, .
 def names(folder: str, suffix: str = "") -> list[str]:
   """The names of the `suffix` files the repository ships in `folder` (configs, ".py": methods,
   models, ...), for an error to list."""
-  return sorted(p.name.removesuffix(suffix) for p in (ROOT / folder).glob(f"*{suffix}")
+  where = ROOT / folder if (ROOT / folder).is_dir() else PACKAGED / folder
+  return sorted(p.name.removesuffix(suffix) for p in where.glob(f"*{suffix}")
                 if not p.name.startswith((".", "_")))

@@ -14,9 +14,10 @@ import json
 import pathlib
 from typing import Sequence
 
+from hitree_jax import shipped
 from hitree_jax.errors import UsageError
 
-QUESTIONS = pathlib.Path(__file__).resolve().parent.parent / "data" / "spec_bench" / "question.jsonl"
+QUESTIONS = shipped.find("spec_bench/question.jsonl", "data")
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 

@@ -280,7 +280,7 @@ def test_installed_package_runs_its_launchers_outside_the_repository(tmp_path):
   (wheel,) = (tmp_path / "dist").glob("hitree_jax-*.whl")
   with zipfile.ZipFile(wheel) as z:
     names = z.namelist()
-    meta = z.read(next(n for n in names if n.endswith("METADATA"))).decode()
+    meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     scripts = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
   assert "hitree_jax/launch/generate.py" in names and "hitree_jax/decode/engine.py" in names
   assert not any(n.startswith("launch/") for n in names)   # no top-level `launch` module
@@ -291,6 +291,19 @@ def test_installed_package_runs_its_launchers_outside_the_repository(tmp_path):
   install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                             str(target), str(wheel)], capture_output=True, text=True, timeout=600)
   assert install.returncode == 0, install.stderr[-3000:]
+  assert {"hitree_jax/files/drafts/smollm2-draft.gguf", "hitree_jax/files/drafts/smollm2-eagle/heads.json",
+          "hitree_jax/files/configs/methods.py", "hitree_jax/files/data/spec_bench/question.jsonl"} <= set(names)
+  found = ("import pathlib, sys; from hitree_jax import shipped, spec_bench; files = pathlib.Path(sys.argv[1]) / "
+           "'hitree_jax' / 'files'; assert shipped.__file__.startswith(sys.argv[1]); "
+           "assert shipped.find('smollm2-draft') == shipped.find('drafts/smollm2-draft.gguf') == "
+           "files / 'drafts' / 'smollm2-draft.gguf'; "
+           "assert shipped.find('smollm2-eagle') == files / 'drafts' / 'smollm2-eagle'; "
+           "assert shipped.find('methods', 'configs', ('', '.py')) == files / 'configs' / 'methods.py'; "
+           "assert spec_bench.QUESTIONS == files / 'data' / 'spec_bench' / 'question.jsonl'; "
+           "assert 'methods' in shipped.names('configs', '.py')")
+  proc = subprocess.run([sys.executable, "-c", found, str(target)], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(target)})
+  assert proc.returncode == 0, proc.stderr[-3000:]
   code = ("import sys, hitree_jax.launch.generate as g; assert g.__file__.startswith(sys.argv[1]), g.__file__; "
           "sys.argv = ['hitree-generate', '--prompt=']; g.run()")
   proc = subprocess.run([sys.executable, "-c", code, str(target)], cwd=tmp_path, capture_output=True,
@@ -306,11 +319,11 @@ def test_distill_recipe_is_the_shipped_drafts():
   recipe_module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(recipe_module)
   recipe = recipe_module.get_config()
-  shipped = json.loads((REPO / "drafts" / "smollm2-draft.json").read_text())
-  assert [int(x) for x in recipe.layers.split(",")] == shipped["layers"]
+  record = json.loads((REPO / "drafts" / "smollm2-draft.json").read_text())
+  assert [int(x) for x in recipe.layers.split(",")] == record["layers"]
   for name in ("vocab_size", "window", "eval_windows", "temperature", "top_p", "cost_context", "out"):
-    assert recipe[name] == shipped[name], name
-  command = dict(arg[2:].split("=", 1) for arg in shipped["command"].split()[3:])
+    assert recipe[name] == record[name], name
+  command = dict(arg[2:].split("=", 1) for arg in record["command"].split()[3:])
   assert int(command["steps"]) == recipe.steps and int(command["train_windows"]) == recipe.train_windows
   defaults = _flag_defaults("distill")
   for name, value in recipe.items():

@@ -21,7 +21,9 @@ def test_the_package_list_is_every_folder_of_the_library():
   listed = re.search(r"^packages = \[(.*?)\]", (REPO / "pyproject.toml").read_text(), re.M | re.S).group(1)
   listed = set(re.findall(r'"([^"]+)"', listed))   # (tomllib is Python 3.11's)
   folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "hitree_jax").rglob("__init__.py")}
-  assert listed == folders | {"hitree_jax.launch"}
+  data = {"hitree_jax.files.drafts", "hitree_jax.files.configs", "hitree_jax.files.configs.acceptance",
+          "hitree_jax.files.data", "hitree_jax.files.data.spec_bench"}   # the shipped folders, as package data
+  assert listed == folders | {"hitree_jax.launch"} | data
 
 
 def test_shipped_files_are_found_from_anywhere(tmp_path, monkeypatch):
