@@ -56,11 +56,15 @@ flags.DEFINE_list("taps", [], "--kind=eagle: teacher layers whose outputs the dr
                   "final states, fused (EAGLE-3: a low, a middle and a high layer, e.g. 2,15,27); "
                   "none: EAGLE's final states only.")
 flags.DEFINE_integer("num_heads", 4, "--kind=medusa: heads (the deepest tree they can fill).")
-flags.DEFINE_enum("train_text", "books", ["books", "own"], "Training text: book windows, or "
-                  "windows whose first --own_prompt_tokens are a book's and the rest the teacher's "
-                  "own continuation, sampled at --temperature / --top_p (the text a draft meets "
-                  "while decoding). Held-out evaluation stays on books.")
-flags.DEFINE_integer("own_prompt_tokens", 64, "--train_text=own: book tokens before each continuation.")
+flags.DEFINE_enum("train_text", "books", ["books", "own", "chat"], "Training text: book windows; "
+                  "own: windows whose first --own_prompt_tokens are a book's and the rest the "
+                  "teacher's own continuation, sampled at --temperature / --top_p (the text a draft "
+                  "meets while decoding; held-out evaluation stays on books); chat: the first "
+                  "--own_prompt_tokens are an instruction over a book passage in the chat template "
+                  "(summarise, continue, answer, rewrite, extract, ask) and the rest the teacher's "
+                  "answer, for a draft of a chat model (evaluated on the held-out books' instructions).")
+flags.DEFINE_integer("own_prompt_tokens", 64, "--train_text=own|chat: prompt tokens before each "
+                     "continuation or answer.")
 flags.DEFINE_bool("eval", False, "Evaluate --draft against --teacher instead of training.")
 flags.DEFINE_string("draft", None, "--eval: the draft, as --draft of launch.generate: PATH (a GGUF "
                     "from this launcher), eagle:PATH or medusa:PATH (a --kind=eagle|medusa folder) "
@@ -89,11 +93,36 @@ def command() -> str:
 
 
 def own_text():
-  """prepare_labels' own_text for --train_text=own (None for books)."""
+  """prepare_labels' own_text for --train_text=own or chat (None for books)."""
   if FLAGS.train_text == "books":
     return None
   from hitree_jax.decode.sampling import SamplingParams
   return FLAGS.own_prompt_tokens, SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
+
+
+def text_of(split: str) -> dict:
+  """prepare_labels' text arguments for a split: own text trains only (evaluation stays on
+  books); chat windows train and evaluate (a chat draft is judged on chat)."""
+  chat = FLAGS.train_text == "chat"
+  return dict(own_text=own_text() if split == "train" or chat else None, chat=chat)
+
+
+def draft_vocabulary(tokenizer, teacher_config, train_tokens):
+  """The --vocab_size most frequent tokens of the training text: the training books, or for a
+  chat draft its windows (the template's tokens and the teacher's answers, which books lack)."""
+  from hitree_jax.model.vocab import ReducedVocab
+  from hitree_jax.train import corpus
+  if FLAGS.train_text == "chat":
+    counts = np.bincount(np.ravel(train_tokens), minlength=teacher_config.vocab_size)
+  else:
+    counts = corpus.token_counts(tokenizer, teacher_config.vocab_size)
+  return ReducedVocab.most_frequent(counts, FLAGS.vocab_size)
+
+
+def held_out(labels: dict) -> np.ndarray | None:
+  """The windows a trained draft is evaluated on: the held-out chat windows a chat draft was
+  labelled with; None (held-out books) otherwise."""
+  return labels["eval"]["tokens"] if FLAGS.train_text == "chat" else None
 
 
 def taps() -> tuple[int, ...]:
@@ -106,21 +135,19 @@ def train_heads_main():
   import jax
   from hitree_jax.heads import eagle, medusa
   from hitree_jax.loading import load_model
-  from hitree_jax.model.vocab import ReducedVocab
   from hitree_jax.tokenizer import load_tokenizer
   from hitree_jax.heads import saved
-  from hitree_jax.train import corpus, distill, heads
+  from hitree_jax.train import distill, heads
 
   workdir = pathlib.Path(FLAGS.workdir)
   teacher = load_model(FLAGS.teacher)
   tokenizer = load_tokenizer(teacher.path)
-  vocab = ReducedVocab.most_frequent(corpus.token_counts(tokenizer, teacher.config.vocab_size),
-                                     FLAGS.vocab_size)
   labels = {split: distill.prepare_labels(workdir, split, teacher, tokenizer, window=FLAGS.window,
                                           n_windows=n, k=FLAGS.topk, features=True, taps=taps(),
                                           progress=Progress(f"labelling {split} windows").update,
-                                          own_text=own_text() if split == "train" else None)
+                                          **text_of(split))
             for split, n in (("train", FLAGS.train_windows), ("eval", FLAGS.eval_windows))}
+  vocab = draft_vocabulary(tokenizer, teacher.config, labels["train"]["tokens"])
   data = {split: (l["tokens"], l["features"], *distill.sparse_targets(l["ids"], l["log_probs"], vocab))
           for split, l in labels.items()}
   config = eagle.layer_config(teacher.config, vocab.size)
@@ -133,7 +160,7 @@ def train_heads_main():
   start = time.perf_counter()
   # Labels are shared by the kinds (one workdir); each kind's checkpoints are its own.
   run = FLAGS.kind + distill.taps_suffix(taps())
-  run += "" if FLAGS.train_text == "books" else "_own"
+  run += "" if FLAGS.train_text == "books" else f"_{FLAGS.train_text}"
   params, history = distill.train(workdir / run, config, params,
                                   data["train"], data["eval"], steps=FLAGS.steps, batch=FLAGS.batch,
                                   lr=FLAGS.lr, warmup=FLAGS.warmup, seed=FLAGS.seed, until=FLAGS.until,
@@ -150,7 +177,7 @@ def train_heads_main():
               **{k: final[k] for k in ("eval_loss", "eval_agreement") if k in final}})
   logging.info("%s draft written to %s; evaluating it", FLAGS.kind, out)
   record.update(out=str(out))
-  record.update(evaluate_heads(teacher, tokenizer, f"{FLAGS.kind}:{out}"))
+  record.update(evaluate_heads(teacher, tokenizer, f"{FLAGS.kind}:{out}", held_out(labels)))
   meta = saved.read_meta(out)
   meta["evaluation"] = {k: v for k, v in record.items() if k not in ("history", "train_s_this_run")}
   (out / saved.META).write_text(json.dumps(meta, indent=1))
@@ -160,21 +187,19 @@ def train_heads_main():
 def train_main():
   from hitree_jax.loading import load_model
   from hitree_jax.loading.gguf import save_gguf
-  from hitree_jax.model.vocab import ReducedVocab
   from hitree_jax.tokenizer import load_tokenizer
-  from hitree_jax.train import corpus, distill
+  from hitree_jax.train import distill
 
   workdir = pathlib.Path(FLAGS.workdir)
   layers = tuple(int(x) for x in FLAGS.layers)
   teacher = load_model(FLAGS.teacher)
   tokenizer = load_tokenizer(teacher.path)
-  vocab = ReducedVocab.most_frequent(corpus.token_counts(tokenizer, teacher.config.vocab_size),
-                                     FLAGS.vocab_size)
   labels = {split: distill.prepare_labels(workdir, split, teacher, tokenizer, window=FLAGS.window,
                                           n_windows=n, k=FLAGS.topk,
                                           progress=Progress(f"labelling {split} windows").update,
-                                          own_text=own_text() if split == "train" else None)
+                                          **text_of(split))
             for split, n in (("train", FLAGS.train_windows), ("eval", FLAGS.eval_windows))}
+  vocab = draft_vocabulary(tokenizer, teacher.config, labels["train"]["tokens"])
   data = {split: (vocab.to_draft(l["tokens"]), *distill.sparse_targets(l["ids"], l["log_probs"], vocab))
           for split, l in labels.items()}
   logging.info("draft vocabulary %d: covers %.3f of training tokens, %.3f of teacher top-1",
@@ -198,7 +223,7 @@ def train_main():
             quantize=FLAGS.quantize)
   record.update(out=str(out), out_mb=out.stat().st_size / 2**20)
   logging.info("draft written to %s (%.1f MB); evaluating it", out, record["out_mb"])
-  record.update(evaluate(teacher, tokenizer, load_model(str(out)), str(out)))
+  record.update(evaluate(teacher, tokenizer, load_model(str(out)), str(out), held_out(labels)))
   record["command"] = command()
   sidecar = out.with_suffix(".json")
   sidecar.write_text(json.dumps({k: v for k, v in record.items()
@@ -222,13 +247,16 @@ def jax_to_numpy(tree):
   return jax.tree.map(np.asarray, tree)
 
 
-def evaluate(teacher, tokenizer, draft, name: str) -> dict:
-  """Held-out agreement / acceptance / acceptance profile, and the measured per-token cost ratio."""
+def evaluate(teacher, tokenizer, draft, name: str, windows: np.ndarray | None = None) -> dict:
+  """Held-out agreement / acceptance / acceptance profile, and the measured per-token cost ratio;
+  on `windows` [N, T] if given (a chat draft's held-out instructions and answers), else on
+  held-out book windows."""
   from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.train import corpus, metrics
 
   sampling = SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
-  windows = corpus.token_windows(tokenizer, "eval", FLAGS.window, FLAGS.eval_windows)
+  if windows is None:
+    windows = corpus.token_windows(tokenizer, "eval", FLAGS.window, FLAGS.eval_windows)
   record = metrics.evaluate_draft(teacher, draft, draft.vocab, windows, sampling)
 
   # Cost: seconds per decoded token of `ar` on the same held-out prompt, draft vs target.
@@ -263,7 +291,7 @@ def finish_record(record: dict, name: str, target_ms: float, draft_ms: float) ->
   return record
 
 
-def evaluate_heads(teacher, tokenizer, spec: str) -> dict:
+def evaluate_heads(teacher, tokenizer, spec: str, windows: np.ndarray | None = None) -> dict:
   """evaluate()'s figures for a draft on the target's features (eagle:PATH: reading true
   features and its own predictions; medusa:PATH: per head), and its cost: one timed proposal
   of a one-token chain (after `sd`'s prefill) against `ar`'s decode step on the same prompt."""
@@ -279,7 +307,8 @@ def evaluate_heads(teacher, tokenizer, spec: str) -> dict:
   meta, params, vocab = saved.load(path, teacher.params, teacher.config, kind)
   drafter = saved.drafter(meta, teacher.config)
   sampling = SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
-  windows = corpus.token_windows(tokenizer, "eval", FLAGS.window, FLAGS.eval_windows)
+  if windows is None:
+    windows = corpus.token_windows(tokenizer, "eval", FLAGS.window, FLAGS.eval_windows)
   if kind == "eagle":
     record = metrics.evaluate_eagle(teacher, params, drafter.config, vocab, windows, sampling,
                                     taps=drafter.taps)
@@ -341,7 +370,7 @@ def check_flags() -> None:
     raise app.UsageError(f"--out={FLAGS.out}: {FLAGS.kind} heads are saved as a folder (no file suffix)")
   if FLAGS.num_heads < 1:
     raise app.UsageError(f"--num_heads={FLAGS.num_heads} must be >= 1")
-  if FLAGS.train_text == "own" and not 1 <= FLAGS.own_prompt_tokens < FLAGS.window:
+  if FLAGS.train_text != "books" and not 1 <= FLAGS.own_prompt_tokens < FLAGS.window:
     raise app.UsageError(f"--own_prompt_tokens={FLAGS.own_prompt_tokens} must be in [1, --window="
                          f"{FLAGS.window})")
   n = teacher_num_layers()

@@ -284,6 +284,34 @@ def test_distill_trains_heads_that_generate_like_ar(tmp_path, kind):
   assert proc.returncode != 0 and "expected a folder with heads.json" in proc.stderr
 
 
+@pytest.mark.slow
+def test_distill_trains_a_chat_draft_on_the_teachers_answers_to_instructions(tmp_path):
+  """--train_text=chat: the teacher answers instructions over book passages, in the chat template;
+  the draft trains on those answers and is evaluated on held-out ones, and its vocabulary is
+  that text's (the chat template's tokens, which the books' most frequent 511 lack)."""
+  import numpy as np
+  from hitree_jax.heads import saved
+  from hitree_jax.loading import load_model
+  out, work = tmp_path / "eagle_chat", tmp_path / "work"
+  proc = launch("distill", "--kind=eagle", "--teacher=smollm2", f"--workdir={work}", f"--out={out}",
+                "--vocab_size=512", "--window=80", "--train_windows=4", "--eval_windows=1", "--steps=2",
+                "--batch=2", "--cost_context=32", "--train_text=chat", "--own_prompt_tokens=64", "--json")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "--train_text=chat" in json.loads((out / "heads.json").read_text())["command"]
+  for split, n in (("train", 4), ("eval", 1)):   # both splits are chat windows, answered by the teacher
+    (text,) = work.glob(f"labels_{split}_{n}x80_top32_features_chat64_t0.6_p0.9_text.npy")
+    answers = np.load(text)
+    assert answers.shape == (n, 80) and answers[:, 64:].any()
+  from hitree_jax.model.vocab import ReducedVocab
+  from hitree_jax.tokenizer import chat_prompt, load_tokenizer
+  from hitree_jax.train import corpus
+  target = load_model("smollm2")
+  _, _, vocab = saved.load(str(out), target.params, target.config, "eagle")
+  template = set(chat_prompt(load_tokenizer(target.path), ""))
+  books = ReducedVocab.most_frequent(corpus.token_counts(load_tokenizer(target.path), 49152), 512)
+  assert template <= set(vocab.target_ids.tolist()) and not template <= set(books.target_ids.tolist())
+
+
 def test_reselection_in_presets_and_levels():
   from hitree_jax.decode.stack import Retrieval
   from hitree_jax.model.config import ModelConfig

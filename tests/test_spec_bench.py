@@ -50,3 +50,50 @@ def test_a_users_file_in_the_same_format_and_bad_ones_are_named(tmp_path):
     spec_bench.read(mine)
   with pytest.raises(ValueError, match="no such file"):
     spec_bench.read(tmp_path / "absent.jsonl")
+
+
+# ---- chat training text (launch.distill --train_text=chat): never Spec-Bench's questions ----
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  from hitree_jax.loading import resolve
+  from hitree_jax.tokenizer import load_tokenizer
+  return load_tokenizer(resolve("smollm2"))
+
+
+def chat_recipe():
+  import importlib.util
+  from hitree_jax import shipped
+  spec = importlib.util.spec_from_file_location("recipe", shipped.find("distill_eagle_chat", "configs", (".py",)))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def test_chat_windows_are_instructions_over_book_passages_of_one_length(tokenizer):
+  from hitree_jax.train import instructions
+  windows, texts = instructions.chat_windows(tokenizer, "train", 96, 12, 72)
+  assert windows.shape == (12, 96) and not windows[:, 72:].any()   # the teacher writes the rest
+  for i, (row, text) in enumerate(zip(windows, texts)):
+    prompt = tokenizer.decode(row[:72].tolist())
+    assert text.startswith(instructions.TASKS[i % len(instructions.TASKS)] + "\n\n")   # tasks take turns
+    assert text in prompt and prompt.endswith("<|im_start|>assistant\n")             # the chat template
+    assert row[:72].tolist() == instructions.chat_prompt(tokenizer, text)
+  held_out, _ = instructions.chat_windows(tokenizer, "eval", 96, 2, 72)
+  persuasion = (instructions.corpus.split_texts("eval")["austen"])
+  assert tokenizer.decode(held_out[0, :72].tolist()).split("\n\n", 2)[-1][:40] in persuasion
+  with pytest.raises(ValueError, match="--own_prompt_tokens=40 must leave at least 16 passage tokens"):
+    instructions.chat_windows(tokenizer, "train", 96, 2, 40)
+
+
+def test_no_training_instruction_shares_13_words_with_a_spec_bench_question(tokenizer):
+  """The chat recipe's training and held-out instructions against all 480 questions' turns; and a
+  negative control: a question copied into a passage is caught."""
+  from hitree_jax.train import instructions
+  recipe = chat_recipe()
+  turns = [turn for q in spec_bench.read() for turn in q.turns]
+  for split, n in (("train", recipe.train_windows), ("eval", recipe.eval_windows)):
+    _, texts = instructions.chat_windows(tokenizer, split, recipe.window, n, recipe.own_prompt_tokens)
+    assert len(texts) == n and instructions.overlap(texts, turns) == set()
+  planted = texts[0] + " " + turns[123]
+  assert instructions.overlap([planted], turns) == instructions.shingles(turns[123])

@@ -29,7 +29,7 @@ from absl import logging
 from hitree_jax.errors import UsageError
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.vocab import OTHER, ReducedVocab, mask_other
-from hitree_jax.train import corpus, teacher
+from hitree_jax.train import corpus, instructions, teacher
 
 # progress(done, total, detail): called with done=0 as a loop starts, then after each unit of it.
 # Launchers turn it into log lines with an ETA; the library only counts.
@@ -38,25 +38,34 @@ ProgressFn = Callable[[int, int, str], None]
 
 def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, *, window: int,
                    n_windows: int, k: int, progress: ProgressFn | None = None,
-                   features: bool = False, own_text=None, taps: tuple[int, ...] = ()) -> dict:
+                   features: bool = False, own_text=None, taps: tuple[int, ...] = (),
+                   chat: bool = False) -> dict:
   """{'tokens' [N,T], 'ids' [N,T,k], 'log_probs' [N,T,k]} for a split, computed once per workdir;
   with features also 'features' [N,T,E] (the teacher's hidden states, float16; with taps
   [N,T,(len(taps)+1)E], those layers' states first: heads/eagle.py).
   own_text: (prompt tokens, SamplingParams): each window keeps that many book tokens and the
-  rest is the teacher's own sampled continuation (teacher.own_continuations), cached too."""
+  rest is the teacher's own sampled continuation (teacher.own_continuations), cached too.
+  chat: those first tokens are an instruction over a passage in the chat template instead
+  (train/instructions.py), and the rest the teacher's answer; own_text is then required."""
+  if chat and own_text is None:
+    raise UsageError("chat windows need own_text: the teacher writes their answers")
   name = f"labels_{split}_{n_windows}x{window}_top{k}" + ("_features" if features else "")
   name += taps_suffix(taps)
   if own_text is not None:
-    name += f"_own{own_text[0]}_t{float(own_text[1].temperature):g}_p{float(own_text[1].top_p):g}"
+    name += f"_{'chat' if chat else 'own'}{own_text[0]}_t{float(own_text[1].temperature):g}_p{float(own_text[1].top_p):g}"
   path = pathlib.Path(workdir) / f"{name}.npz"
   if path.is_file():
     with np.load(path) as f:
       return dict(f)
-  windows = corpus.token_windows(tokenizer, split, window, n_windows)
+  if chat:
+    windows, _ = instructions.chat_windows(tokenizer, split, window, n_windows, own_text[0])
+  else:
+    windows = corpus.token_windows(tokenizer, split, window, n_windows)
   if own_text is not None:
     text_path = path.with_name(f"{name}_text.npy")
     if not text_path.is_file():
-      logging.info("the teacher continues %d %s windows after %d book tokens", n_windows, split, own_text[0])
+      logging.info("the teacher continues %d %s windows after %d %s tokens", n_windows, split, own_text[0],
+                   "instruction" if chat else "book")
       path.parent.mkdir(parents=True, exist_ok=True)
       np.save(text_path, teacher.own_continuations(teacher_model.params, teacher_model.config, windows,
                                                    own_text[0], own_text[1], progress=progress))
