@@ -181,6 +181,19 @@ def _verifier(level: spec_lib.Level, gamma: int):
   return Verifier("draft", level.cache or Full(), gamma)
 
 
+def with_heads_kind(draft: str) -> str:
+  """`draft`, or KIND:`draft` where it names a folder of trained heads (its heads.json says the
+  kind) by path or shipped name: --draft=smollm2-eagle reads as eagle:smollm2-eagle."""
+  name, comma, mode = draft.partition(",")
+  if spec_lib.parse_level(name).kind != "draft":
+    return draft
+  meta = shipped.find(name) / "heads.json"
+  if not meta.is_file():
+    return draft
+  import json
+  return f"{json.loads(meta.read_text())['kind']}:{name}{comma}{mode}"
+
+
 def _split_draft_and_shape(rest: str) -> tuple[str, str | None]:
   """'DRAFT[/SHAPE]' where DRAFT may be a path with slashes: SHAPE is a number or a tree spec."""
   head, _, tail = rest.rpartition("/")
@@ -223,6 +236,7 @@ def join_method_specs(items: list[str]) -> list[str]:
 def _levels_of(name: str, rest: str, knobs: Knobs) -> str:
   """Expands a preset (sd, tree, retrieval, triforce, hitree) into its --levels spec."""
   draft, shape = _split_draft_and_shape(rest) if rest else (knobs.draft, None)
+  draft = with_heads_kind(draft)
   if name in ("sd", "tree", "retrieval"):
     if name == "tree":
       return f"{draft}/{shape or knobs.tree or 'kary:2x2'}"
@@ -273,6 +287,7 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
                      "or hsd[/LEVELS]")
   if name == "ar":
     return Method("ar")
+  knobs = dataclasses.replace(knobs, draft=with_heads_kind(knobs.draft))
   if name == "hsd":
     levels = rest or knobs.levels
     if not levels:

@@ -145,7 +145,7 @@ def test_config_sets_flags_and_the_command_line_wins():
     (["--prompt_file=no/such/prompt.txt"], "--prompt_file=no/such/prompt.txt: no such file"),
     (["--prompt_file=tests/data/not_utf8.txt"], "--prompt_file=tests/data/not_utf8.txt: not UTF-8"),
     (["--config=methods:no_such_preset", "--prompt=hi"], "unknown method preset 'no_such_preset'"),
-    (["--book=austen", "--method=sd", "--draft=smollm2-eagle"],
+    (["--book=austen", "--model=smollm2-eagle"],
      "'smollm2-eagle' holds eagle heads, not a model: use --draft=eagle:smollm2-eagle"),
 ])
 def test_user_mistakes_are_one_line_and_exit_2(args, message):

@@ -33,6 +33,10 @@ def test_shipped_files_are_found_from_anywhere(tmp_path, monkeypatch):
   assert shipped.find("drafts/smollm2-draft.gguf") == REPO / "drafts" / "smollm2-draft.gguf"
   assert shipped.find("methods", "configs", ("", ".py")) == REPO / "configs" / "methods.py"
   assert methods.method("sd", draft="smollm2-draft").draft_path == str(REPO / "drafts" / "smollm2-draft.gguf")
+  # a folder of trained heads by name reads as its kind: eagle:smollm2-eagle, medusa:smollm2-medusa
+  assert methods.method("sd", draft="smollm2-eagle").heads == "eagle:smollm2-eagle"
+  assert methods.method("tree", draft="smollm2-medusa,iid", tree="kary:2x2").heads == "medusa:smollm2-medusa"
+  assert methods.method("sd/smollm2-eagle/2").levels == "eagle:smollm2-eagle/chain:2"
   (tmp_path / "smollm2-draft").write_text("mine")   # a file where it is given wins
   assert shipped.find("smollm2-draft") == pathlib.Path("smollm2-draft")
   assert shipped.find("no-such-draft") == pathlib.Path("no-such-draft")
