@@ -94,3 +94,17 @@ def test_the_engine_never_asks_a_drafters_type():
         assert not node.module.startswith("hitree_jax.heads"), f"{path.name} imports {node.module}"
       if path.name != "drafters.py" and isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance":
         assert not names & {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}, path.name
+
+
+def test_a_drafter_that_reads_the_level_above_refuses_a_draft_models_level():
+  """Self-drafts read the level above's cache, EAGLE and Medusa its features: all three need the
+  target's weights there (engine.check_stack asks check_above); the others read nothing above."""
+  from hitree_jax.decode.drafters import ModelDrafter, NGramDrafter, SelfDrafter
+  from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter
+  reading = {SelfDrafter(1): "cache", EagleDrafter(CONFIG): "features", MedusaDrafter(2, 64): "features"}
+  for drafter, what in reading.items():
+    drafter.check_above("target")
+    with pytest.raises(ValueError, match=f"the {drafter} drafter reads the {what} of the level above it"):
+      drafter.check_above("draft")
+  for drafter in (NGramDrafter(), ModelDrafter(CONFIG)):
+    drafter.check_above("draft")

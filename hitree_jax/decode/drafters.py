@@ -92,6 +92,8 @@ class Drafter(abc.ABC):
   needs_draft_weights = False   # generation must be handed DraftWeights (a model's, or heads')
   draft_model = None       # the draft model's config, when its weights are a draft model's
   prefills_own_cache = False    # True: prefill_cache builds its long cache from the prompt
+  reads_from_above = None  # "cache" or "features": what it reads of the level above, whose
+                           # weights must then be the target's
 
   @abc.abstractmethod
   def check(self, tree: TokenTree | DynamicTree, config: ModelConfig) -> None:
@@ -99,6 +101,9 @@ class Drafter(abc.ABC):
 
   def check_above(self, weights: str) -> None:
     """Refuses a level above it, of these weights ("target" or "draft"), that it cannot read."""
+    if self.reads_from_above is not None and weights != "target":
+      raise UsageError(f"the {self} drafter reads the {self.reads_from_above} of the level above "
+                       "it: that level must have the target's weights (e.g. the retrieval level)")
 
   def level_config(self, target: ModelConfig, draft: ModelConfig | None) -> ModelConfig:
     """The config of the model its long cache belongs to."""
@@ -177,6 +182,8 @@ class SelfDrafter(Drafter):
   num_layers: int
   mode: str = "deterministic"  # children = the draft's top-k; or "iid" / "without_replacement" samples
 
+  reads_from_above = "cache"   # its first layers run over the level above's cache
+
   def __str__(self) -> str:
     return f"self:{self.num_layers}"
 
@@ -184,11 +191,6 @@ class SelfDrafter(Drafter):
     if not 1 <= self.num_layers < config.num_layers:
       raise UsageError(f"self-draft layers={self.num_layers} must be in [1, {config.num_layers})")
     check_dynamic_mode(tree, self.mode)
-
-  def check_above(self, weights: str) -> None:
-    if weights != "target":
-      raise UsageError("a self-draft reads the cache of the level above it: that level must have "
-                       "the target's weights (e.g. the retrieval level)")
 
   def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
     """One forward of the first k layers per depth, on a scratch cache of (lead, nodes) that

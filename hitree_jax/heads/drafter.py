@@ -48,15 +48,13 @@ class EagleDrafter(Drafter):
   taps: tuple[int, ...] = ()            # the target's layers it reads beside the final states (EAGLE-3)
 
   reads_features = True
+  reads_from_above = "features"
   keeps_tree = False            # the accepted path is re-run with the target's features
   needs_draft_weights = True    # its layer and fuse (DraftWeights.params), the target's head
   prefills_own_cache = True     # from the prompt's features
 
   def __str__(self) -> str:
     return "eagle"
-
-  def check_above(self, weights: str) -> None:
-    _check_features_above(self, weights)
 
   def level_config(self, target: ModelConfig, draft: ModelConfig | None) -> ModelConfig:
     return self.config
@@ -171,13 +169,11 @@ class MedusaDrafter(Drafter):
   target_vocab_size: int | None = None  # set when its vocabulary is a subset (vocab.py)
 
   reads_features = True
+  reads_from_above = "features"
   needs_draft_weights = True    # its heads (DraftWeights.params), the target's head
 
   def __str__(self) -> str:
     return f"medusa:{self.num_heads}"
-
-  def check_above(self, weights: str) -> None:
-    _check_features_above(self, weights)
 
   def abstract_heads(self, config: ModelConfig) -> dict:
     dtype = jnp.dtype(config.dtype)
@@ -223,9 +219,3 @@ class MedusaDrafter(Drafter):
     tokens, trees = dynamic_tree.grow(tree, inp.draft.to_draft(inp.lead.root), run, None)
     return Proposal(tokens=jnp.maximum(inp.draft.to_target(tokens), 0), q=None, start=inp.end,
                     depth=trees.depth, attend=trees.attend, children=trees.children)
-
-
-def _check_features_above(drafter: Drafter, weights: str) -> None:
-  if weights != "target":
-    raise UsageError(f"a {drafter} draft reads the features of the level above it: that level "
-                     "must have the target's weights (e.g. the retrieval level)")
