@@ -23,8 +23,8 @@ def launch(module, *args, env=None, cwd=REPO, timeout=600):
                         env={**os.environ, **(env or {})})
 
 
-def code_blocks(language: str) -> list[str]:
-  return re.findall(rf"```{language}\n(.*?)```", README, re.S)
+def code_blocks(language: str, text: str = README) -> list[str]:
+  return re.findall(rf"```{language}\n(.*?)```", text, re.S)
 
 
 # ---- the README stands alone ----
@@ -45,12 +45,13 @@ def test_readme_first_block_is_the_two_ci_commands():
   assert commands[1].startswith("./setup.sh --test && ") and "pytest" in commands[1]
 
 
-def test_readme_launcher_flags_exist():
-  """Every --flag in the README's command examples is a flag of the launcher it is given to."""
+@pytest.mark.parametrize("doc", ["README.md", "docs/own_model.md"])
+def test_launcher_flags_in_the_docs_exist(doc):
+  """Every --flag in the command examples is a flag of the launcher it is given to."""
   import shlex
   known = {}
-  for block in code_blocks("bash"):
-    for line in block.splitlines():
+  for block in code_blocks("bash", (REPO / doc).read_text()):
+    for line in block.replace("\\\n", " ").splitlines():  # continuation lines joined
       words = shlex.split(line, comments=True)
       for i, word in enumerate(words):
         if word == "-m" and words[i + 1].startswith("launch."):

@@ -169,6 +169,37 @@ def test_gguf_stores_q_and_k_in_llama_cpp_row_order(tmp_path):
   assert tensors["blk.1.attn_q.weight"].tensor_type == gguf.GGMLQuantizationType.F32
 
 
+def with_random_biases(params, seed=2):
+  """init_params' biases are zeros, where a dropped or unpermuted one would not show."""
+  rng = np.random.default_rng(seed)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: rng.standard_normal(x.shape).astype(np.float32)
+      if jax.tree_util.keystr(path).endswith("['bias']") else x, params)
+
+
+def test_attention_biases_round_trip_through_gguf_and_orbax(tmp_path):
+  """Qwen2's q/k/v biases and a biased Llama's o_proj one: llama.cpp's optional `.bias` tensors,
+  q/k's in its row order (as convert_hf_to_gguf.py permutes them); orbax keeps them as they are."""
+  config = tiny_config(qkv_bias=True, o_bias=True)
+  params = with_random_biases(tiny_params(config))
+  save_gguf(tmp_path / "m.gguf", config, params, quantize=False)
+  tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+  attn = params["layers_1"]["self_attn"]
+  np.testing.assert_array_equal(np.asarray(tensors["blk.1.attn_q.bias"].data),
+                                llama_cpp_permute(np.asarray(attn["q_proj"]["bias"]), 4))
+  np.testing.assert_array_equal(np.asarray(tensors["blk.1.attn_output.bias"].data),
+                                np.asarray(attn["o_proj"]["bias"]))
+  save_checkpoint(tmp_path / "ckpt", config, params)
+  for config2, params2, *_ in (load_gguf(tmp_path / "m.gguf"), load_checkpoint(tmp_path / "ckpt")):
+    assert config2 == config
+    assert jax.tree.structure(params2) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+      np.testing.assert_allclose(b, np.asarray(a), atol=1e-6, rtol=0)
+  qwen2 = config.replace(o_bias=False)  # q/k/v only: the file says which biases it holds
+  save_gguf(tmp_path / "q.gguf", qwen2, with_random_biases(tiny_params(qwen2)))
+  assert load_gguf(tmp_path / "q.gguf")[0] == qwen2
+
+
 def q8_blocks(leaf_path, w):
   """w as in params -> [rows, blocks, 32] along each stored row (the input dim of [out, in])."""
   w = np.asarray(w)

@@ -394,6 +394,20 @@ def test_cache_axes_are_declared_with_the_fields_and_an_undeclared_array_is_refu
     sharding.cache_axes(tagged)
 
 
+def test_a_model_with_attention_biases_shards_and_decodes_as_on_one_device():
+  """Qwen2's q/k/v biases (and a biased Llama's o_proj one) split with their projections' heads."""
+  from tests.test_loading import with_random_biases
+  biased = CONFIG.replace(qkv_bias=True, o_bias=True)
+  params = with_random_biases(peaked(biased, 0))
+  axes = sharding.param_axes(params)["layers_0"]["self_attn"]
+  assert (axes["q_proj"]["bias"], axes["k_proj"]["bias"], axes["o_proj"]["bias"]) == (
+      ("heads",), ("kv_heads",), ("embed",))
+  one_device = engine.generate(params, biased, PROMPTS, max_new_tokens=12).tokens
+  sharded = engine.generate(params, biased, PROMPTS, max_new_tokens=12,
+                            mesh=sharding.make_mesh("data:2,model:4"))
+  assert sharded.tokens == one_device
+
+
 def test_every_parameter_has_declared_axes_and_an_undeclared_one_is_refused():
   """model/llama.py declares each parameter's logical axes beside its modules (PARAM_AXES)."""
   from hitree_jax.model.llama import init_params, with_decode_head

@@ -89,6 +89,8 @@ def read_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig
   tensor_names = {t.name for t in reader.tensors}
   meta = read_metadata(reader)
   config = ModelConfig.from_gguf_metadata(meta, dtype=dtype, tied="output.weight" not in tensor_names)
+  config = config.replace(qkv_bias="blk.0.attn_q.bias" in tensor_names,  # llama.cpp's optional
+                          o_bias="blk.0.attn_output.bias" in tensor_names)  # attention biases
   return _own_token_ids(config, meta)
 
 
@@ -144,9 +146,9 @@ def load_gguf(path: str | pathlib.Path, dtype: str = "float32"):
       continue  # e.g. rope_freqs: recomputed from the config
     w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
     w = w.reshape(tuple(reversed([int(d) for d in tensor.shape])))  # ggml order -> [out, in]
-    if name.endswith("q_proj.weight"):
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
       w = unpermute_rope_rows(w, config.num_heads)
-    elif name.endswith("k_proj.weight"):
+    elif name.endswith(("k_proj.weight", "k_proj.bias")):
       w = unpermute_rope_rows(w, config.num_kv_heads)
     state[name] = w
   return config, params_from_state_dict(state, config), vocab
@@ -155,7 +157,9 @@ def load_gguf(path: str | pathlib.Path, dtype: str = "float32"):
 # ---- writing ----
 
 def gguf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
-  """Our params -> llama.cpp tensor names, numpy [out, in] (ggml order reversed), q/k permuted."""
+  """Our params -> llama.cpp tensor names, numpy [out, in] (ggml order reversed), q/k permuted;
+  attention biases [out] (Qwen2's, a biased Llama's) as `.bias`, q/k's permuted like their rows
+  (llama.cpp's convert_hf_to_gguf.py does the same)."""
   f32 = lambda x: np.asarray(x, np.float32)
   weight = lambda p: np.ascontiguousarray(f32(p["kernel"]).T)  # kernel [in, out] -> [out, in]
   out = {"token_embd.weight": f32(params["embed_tokens"]["embedding"]),
@@ -167,12 +171,16 @@ def gguf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     layer = params[f"layers_{i}"]
     for group in ("self_attn", "mlp"):
       for proj, p in layer[group].items():
-        out[f"blk.{i}.{hf_to_gguf[f'{group}.{proj}']}.weight"] = weight(p)
+        name = f"blk.{i}.{hf_to_gguf[f'{group}.{proj}']}"
+        out[f"{name}.weight"] = weight(p)
+        if "bias" in p:
+          out[f"{name}.bias"] = f32(p["bias"])
     for norm in ("input_layernorm", "post_attention_layernorm"):
       out[f"blk.{i}.{hf_to_gguf[norm]}.weight"] = f32(layer[norm]["weight"])
-    q, k = f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight"
-    out[q] = permute_rope_rows(out[q], config.num_heads)
-    out[k] = permute_rope_rows(out[k], config.num_kv_heads)
+    for name, n_heads in (("attn_q", config.num_heads), ("attn_k", config.num_kv_heads)):
+      for key in (f"blk.{i}.{name}.weight", f"blk.{i}.{name}.bias"):
+        if key in out:
+          out[key] = permute_rope_rows(out[key], n_heads)
   return out
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face Llama weights -> our parameter tree.
+"""Hugging Face Llama-family weights (Llama, Mistral, Qwen2) -> our parameter tree.
 
 `params_from_state_dict` is the single place that knows HF's tensor names; the
 safetensors and GGUF loaders both produce an HF-named state dict and go
@@ -21,33 +21,61 @@ _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-def params_from_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig) -> dict:
-  """HF names -> nested params; linear weights [out, in] become kernels [in, out]."""
+def tolerated(name: str, config: ModelConfig) -> bool:
+  """Tensors a checkpoint may hold that the model recomputes or shares: RoPE's inverse
+  frequencies (older transformers saved them) and a tied model's `lm_head` (the embedding)."""
+  return name.endswith("rotary_emb.inv_freq") or (
+      config.tie_word_embeddings and name == "lm_head.weight")
+
+
+def params_from_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig,
+                           source: str = "checkpoint") -> dict:
+  """HF names -> nested params; linear weights [out, in] become kernels [in, out].
+
+  Every tensor is accounted for: one the model lacks or one it does not use (a Qwen2's biases
+  under a config without them) is a ValueError naming it, rather than wrong text later.
+  """
   dtype = np.dtype("float32")  # converted on the device to config.dtype (numpy has no bfloat16)
-  missing = []
+  missing, used = [], set()
 
   def take(name, transpose=False):
     if name not in state:
       missing.append(name)
       return None
+    used.add(name)
     w = np.asarray(state[name], dtype=dtype)
     return np.ascontiguousarray(w.T) if transpose else w
 
+  def linear(name, bias):  # {"kernel" [in, out], "bias" [out] when the config has one}
+    p = {"kernel": take(name + ".weight", True)}
+    if bias:
+      p["bias"] = take(name + ".bias")
+    return p
+
+  biased = {"q_proj": config.qkv_bias, "k_proj": config.qkv_bias, "v_proj": config.qkv_bias,
+            "o_proj": config.o_bias}
   params = {"embed_tokens": {"embedding": take("model.embed_tokens.weight")},
             "norm": {"weight": take("model.norm.weight")}}
   for i in range(config.num_layers):
     p = f"model.layers.{i}."
     params[f"layers_{i}"] = {
-        "self_attn": {n: {"kernel": take(p + f"self_attn.{n}.weight", True)} for n in _ATTN},
-        "mlp": {n: {"kernel": take(p + f"mlp.{n}.weight", True)} for n in _MLP},
+        "self_attn": {n: linear(p + f"self_attn.{n}", biased[n]) for n in _ATTN},
+        "mlp": {n: linear(p + f"mlp.{n}", False) for n in _MLP},
         "input_layernorm": {"weight": take(p + "input_layernorm.weight")},
         "post_attention_layernorm": {"weight": take(p + "post_attention_layernorm.weight")},
     }
   if not config.tie_word_embeddings:
     params["lm_head"] = {"kernel": take("lm_head.weight", True)}
   if missing:
-    raise UsageError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    raise UsageError(f"{source} lacks {missing[0]}{_and_more(missing)}")
+  unused = sorted(n for n in state if n not in used and not tolerated(n, config))
+  if unused:
+    raise UsageError(f"{source}: {unused[0]}: a tensor this model does not use{_and_more(unused)}")
   return params
+
+
+def _and_more(names: list[str]) -> str:
+  return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
 def read_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:
@@ -55,10 +83,13 @@ def read_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig
   config_file = pathlib.Path(path) / "config.json"
   if not config_file.is_file():
     raise NotFound(f"{path}: no config.json (expected an HF model folder)")
-  hf_config = json.loads(config_file.read_text())
+  try:
+    hf_config = json.loads(config_file.read_text())
+  except json.JSONDecodeError as e:
+    raise UsageError(f"{config_file} is not valid JSON: {e}") from None
   if "tie_word_embeddings" not in hf_config:
     hf_config["tie_word_embeddings"] = False
-  return ModelConfig.from_hf(hf_config, dtype=dtype)
+  return ModelConfig.from_hf(hf_config, dtype=dtype, source=f"config.json at {path}")
 
 
 def load_safetensors_dir(path: str | pathlib.Path, dtype: str = "float32"):
@@ -71,6 +102,4 @@ def load_safetensors_dir(path: str | pathlib.Path, dtype: str = "float32"):
   state = {}
   for f in files:
     state.update(safetensors.numpy.load_file(str(f)))
-  if config.tie_word_embeddings:
-    state.pop("lm_head.weight", None)
-  return config, params_from_state_dict(state, config)
+  return config, params_from_state_dict(state, config, source=str(folder))

@@ -12,6 +12,14 @@ from typing import Any, Mapping
 from hitree_jax.errors import UsageError
 
 SUPPORTED_ROPE_SCALING = ("linear", "llama3")
+# HF `model_type`s whose config.json and tensors this model reproduces exactly.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# config.json keys without a default: their absence is a broken folder, named in one line.
+REQUIRED_HF_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                    "num_hidden_layers", "num_attention_heads")
+# (bos, eos) ids transformers' config class of each type assumes when config.json leaves them out
+# (save_pretrained writes only what differs from them).
+HF_DEFAULT_TOKEN_IDS = {"llama": (1, 2), "mistral": (1, 2), "qwen2": (None, None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +35,10 @@ class ModelConfig:
   rms_norm_eps: float = 1e-5
   max_position_embeddings: int = 2048
   tie_word_embeddings: bool = False
+  # Biases on the attention projections: Qwen2's q/k/v (qkv_bias); HF Llama's `attention_bias`
+  # puts one on q, k, v and o (qkv_bias and o_bias). The MLP never has any.
+  qkv_bias: bool = False
+  o_bias: bool = False
   # HF `rope_scaling`, frozen as sorted (key, value) pairs so the config hashes.
   rope_scaling: tuple[tuple[str, Any], ...] | None = None
   bos_token_id: int | None = 1
@@ -80,8 +92,17 @@ class ModelConfig:
     return cls(**d)
 
   @classmethod
-  def from_hf(cls, hf: Mapping[str, Any], dtype: str = "float32") -> "ModelConfig":
-    """Builds a config from an HF `config.json` dict (LlamaForCausalLM)."""
+  def from_hf(cls, hf: Mapping[str, Any], dtype: str = "float32",
+              source: str = "config.json") -> "ModelConfig":
+    """Builds a config from an HF `config.json` dict of a Llama, Mistral or Qwen2 model.
+
+    A model type or a setting this model does not implement is refused in one line naming it
+    (`source` says which file): loaded anyway, the model would generate wrong text silently.
+    A Mistral's `sliding_window` caps max_position_embeddings (hf_max_positions says why).
+    """
+    _check_hf_keys(hf, source)
+    max_positions = hf_max_positions(hf)
+    _check_hf_implemented(hf, max_positions, source)
     num_heads = hf["num_attention_heads"]
     # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older
     # config.json files write `rope_theta` and `rope_scaling`.
@@ -89,9 +110,11 @@ class ModelConfig:
     rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
     if rope.get("rope_type", rope.get("type", "default")) == "default":
       rope = {}
-    eos = hf.get("eos_token_id", 2)
+    default_bos, default_eos = HF_DEFAULT_TOKEN_IDS[hf["model_type"]]
+    eos = hf.get("eos_token_id", default_eos)
     if isinstance(eos, (list, tuple)):
       eos = eos[0]
+    qkv_bias, o_bias = hf_attention_biases(hf)
     return cls(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -102,10 +125,12 @@ class ModelConfig:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
         rope_theta=float(rope_theta),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
         rope_scaling=_freeze_rope_scaling(rope),
-        bos_token_id=hf.get("bos_token_id", 1),
+        bos_token_id=hf.get("bos_token_id", default_bos),
         eos_token_id=eos,
         dtype=dtype,
     )
@@ -140,6 +165,54 @@ class ModelConfig:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         dtype=dtype,
     )
+
+
+def hf_max_positions(hf: Mapping[str, Any]) -> int:
+  """max_position_embeddings, capped at a Mistral's `sliding_window`.
+
+  Sliding-window attention over a sequence that fits in the window is full attention, so this
+  (full-attention) model is exact up to the window; the engine refuses prompt + new tokens
+  beyond max_position_embeddings, with a clear error. `sliding_window: null` is plain Llama.
+  """
+  positions = hf.get("max_position_embeddings", 2048)
+  window = hf.get("sliding_window") if hf["model_type"] == "mistral" else None
+  return positions if window is None else min(positions, window)
+
+
+def hf_attention_biases(hf: Mapping[str, Any]) -> tuple[bool, bool]:
+  """(qkv_bias, o_bias): Qwen2 biases q, k and v; a Llama with `attention_bias` all four."""
+  if hf["model_type"] == "qwen2":
+    return True, False
+  both = hf["model_type"] == "llama" and bool(hf.get("attention_bias", False))
+  return both, both
+
+
+def _check_hf_keys(hf: Mapping[str, Any], source: str) -> None:
+  """A missing required key, then an unsupported model_type, each in one line."""
+  for key in REQUIRED_HF_KEYS:
+    if hf.get(key) is None:
+      raise UsageError(f"{source} lacks {key!r}")
+  if hf["model_type"] not in SUPPORTED_MODEL_TYPES:
+    raise UsageError(f"{source}: model_type {hf['model_type']!r} is not supported; supported: "
+                     f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def _check_hf_implemented(hf: Mapping[str, Any], max_positions: int, source: str) -> None:
+  """Refuses settings the model code does not implement, naming the key."""
+  act = hf.get("hidden_act", "silu")
+  if act not in ("silu", "swish"):  # transformers' "swish" is SiLU too
+    raise UsageError(f"{source}: hidden_act {act!r} is not supported (the MLP is SwiGLU: 'silu')")
+  if hf.get("mlp_bias"):
+    raise UsageError(f"{source}: mlp_bias=true is not supported (the MLP has no biases)")
+  if hf.get("quantization_config"):
+    raise UsageError(f"{source}: quantization_config is not supported (quantized HF weights); "
+                     "use the unquantized folder")
+  window = hf.get("sliding_window")
+  slides = hf["model_type"] == "qwen2" and hf.get("use_sliding_window") and window is not None
+  if slides and window < max_positions:
+    raise UsageError(f"{source}: use_sliding_window=true with sliding_window={window} < "
+                     f"max_position_embeddings={max_positions} is not supported (sliding-window "
+                     "attention is not implemented)")
 
 
 def _freeze_rope_scaling(scaling: Mapping[str, Any] | None):

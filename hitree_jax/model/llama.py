@@ -1,4 +1,5 @@
-"""A pure-functional Flax (linen) Llama.
+"""A pure-functional Flax (linen) Llama; also Mistral's and Qwen2's decoder (ModelConfig.from_hf:
+Qwen2 adds biases to q/k/v, a Mistral's sliding window caps its positions).
 
 The model knows nothing about speculation. One call takes T new tokens with
 explicit positions, writes their keys/values into the cache at explicit slots,
@@ -196,6 +197,10 @@ PARAM_AXES = {
     ("k_proj", "kernel"): ("embed", "kv_heads"),
     ("v_proj", "kernel"): ("embed", "kv_heads"),
     ("o_proj", "kernel"): ("heads", "embed"),
+    ("q_proj", "bias"): ("heads",),                # [H * D]: with the kernel's heads (qkv_bias)
+    ("k_proj", "bias"): ("kv_heads",),
+    ("v_proj", "bias"): ("kv_heads",),
+    ("o_proj", "bias"): ("embed",),                # o_bias
     ("gate_proj", "kernel"): ("embed", "mlp"),
     ("up_proj", "kernel"): ("embed", "mlp"),
     ("down_proj", "kernel"): ("mlp", "embed"),
@@ -218,8 +223,8 @@ class RMSNorm(nn.Module):
     return weight * x32.astype(self.dtype)
 
 
-def _dense(features: int, name: str, dtype) -> nn.Dense:
-  return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=dtype, name=name)
+def _dense(features: int, name: str, dtype, bias: bool = False) -> nn.Dense:
+  return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
 class Attention(nn.Module):
@@ -232,15 +237,18 @@ class Attention(nn.Module):
     c = self.config
     dtype = jnp.dtype(c.dtype)
     b, t, _ = x.shape
-    q = _dense(c.num_heads * c.head_dim, "q_proj", dtype)(x).reshape(b, t, c.num_heads, c.head_dim)
-    k = _dense(c.num_kv_heads * c.head_dim, "k_proj", dtype)(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = _dense(c.num_kv_heads * c.head_dim, "v_proj", dtype)(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+
+    def project(heads, name):  # x [B,T,E] -> [B,T,heads,D]
+      return _dense(heads * c.head_dim, name, dtype, c.qkv_bias)(x).reshape(b, t, heads, c.head_dim)
+
+    q = project(c.num_heads, "q_proj")
+    k, v = project(c.num_kv_heads, "k_proj"), project(c.num_kv_heads, "v_proj")
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_buf = write_slots(k_buf, k, write_at)
     v_buf = write_slots(v_buf, v, write_at)
 
     out = attention(q, k_buf, v_buf, attend, context).reshape(b, t, c.num_heads * c.head_dim)
-    return _dense(c.hidden_size, "o_proj", dtype)(out), k_buf, v_buf
+    return _dense(c.hidden_size, "o_proj", dtype, c.o_bias)(out), k_buf, v_buf
 
 
 class MLP(nn.Module):
