@@ -323,3 +323,30 @@ def test_copied_smollm2_tokenizer_encodes_the_same(tmp_path):
   assert ours.encode(text) == reference.encode(text)
   assert len(ours) == len(reference) == 49152 and ours.chat_template == reference.chat_template
   assert (ours.bos_token, ours.eos_token) == (reference.bos_token, reference.eos_token)
+
+
+@pytest.mark.parametrize("extra,loads", [("rope_freqs.weight", True), ("blk.0.ffn_gate_exps.weight", False)])
+def test_a_gguf_tensor_the_model_does_not_use_is_named(tmp_path, extra, loads):
+  """llama.cpp's rope_freqs is what the config's rope scaling gives (recomputed); any other
+  tensor the model has no place for (here a mixture-of-experts gate) is refused, naming it."""
+  from hitree_jax.errors import UsageError
+  config = tiny_config()
+  save_gguf(tmp_path / "m.gguf", config, tiny_params(config), quantize=False)
+  reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+  writer = gguf.GGUFWriter(str(tmp_path / "extra.gguf"), "llama")
+  for key, field in reader.fields.items():
+    if not key.startswith("GGUF.") and key != "general.architecture":
+      writer.add_key_value(key, field.contents(), field.types[0],
+                           sub_type=field.types[-1] if len(field.types) > 1 else None)
+  for tensor in reader.tensors:
+    writer.add_tensor(tensor.name, np.array(tensor.data))
+  writer.add_tensor(extra, np.ones(8, np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  if loads:
+    assert load_gguf(tmp_path / "extra.gguf")[0] == config
+  else:
+    with pytest.raises(UsageError, match=f"extra.gguf: {extra}: a tensor this model does not use"):
+      load_gguf(tmp_path / "extra.gguf")

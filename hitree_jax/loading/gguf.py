@@ -103,6 +103,9 @@ def read_metadata(reader: gguf.GGUFReader) -> dict:
   return meta
 
 
+RECOMPUTED = ("rope_freqs.weight",)   # llama.cpp's copy of what the config's rope scaling gives
+
+
 def hf_name(gguf_name: str) -> str | None:
   base, _, suffix = gguf_name.rpartition(".")  # suffix: weight / bias
   if base.startswith("blk."):
@@ -140,10 +143,14 @@ def load_gguf(path: str | pathlib.Path, dtype: str = "float32"):
     raise UsageError(f"{path}: reduced vocabulary of {vocab.size} ids for a model of "
                      f"vocab_size={config.vocab_size}")
   state = {}
+  unknown = [t.name for t in reader.tensors if hf_name(t.name) is None and t.name not in RECOMPUTED]
+  if unknown:
+    raise UsageError(f"{path}: {unknown[0]}: a tensor this model does not use"
+                     + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
   for tensor in reader.tensors:
     name = hf_name(tensor.name)
     if name is None:
-      continue  # e.g. rope_freqs: recomputed from the config
+      continue  # RECOMPUTED
     w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
     w = w.reshape(tuple(reversed([int(d) for d in tensor.shape])))  # ggml order -> [out, in]
     if name.endswith(("q_proj.weight", "q_proj.bias")):
