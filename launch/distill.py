@@ -36,7 +36,7 @@ flags.DEFINE_string("teacher", "smollm2", "The target model to imitate (any --mo
 flags.DEFINE_string("workdir", "runs/draft", "Labels, orbax checkpoints and logs (resumable).")
 flags.DEFINE_string("out", "drafts/smollm2-draft.gguf", "Where the trained draft is written: a GGUF "
                     "(--kind=draft) or a folder (--kind=eagle; by default drafts/smollm2-eagle).")
-flags.DEFINE_list("layers", ["0", "1", "29"], "Teacher layers the student starts from, in order.")
+flags.DEFINE_list("layers", ["0", "1", "29"], "--kind=draft: teacher layers the student starts from, in order.")
 flags.DEFINE_integer("vocab_size", 8192, "Draft vocabulary: most frequent training tokens (+ other).")
 flags.DEFINE_integer("window", 256, "Tokens per training window.")
 flags.DEFINE_integer("train_windows", 1920, "Training windows (window tokens each).")
@@ -374,7 +374,8 @@ def check_flags() -> None:
     raise app.UsageError(f"--own_prompt_tokens={FLAGS.own_prompt_tokens} must be in [1, --window="
                          f"{FLAGS.window})")
   n = teacher_num_layers()
-  check_layers("layers", FLAGS.layers, n, allow_empty=False)
+  if FLAGS.kind == "draft":   # EAGLE and Medusa start from no teacher layers
+    check_layers("layers", FLAGS.layers, n, allow_empty=False)
   if FLAGS.taps and FLAGS.kind != "eagle":
     raise app.UsageError(f"--taps={','.join(FLAGS.taps)} is for --kind=eagle (got --kind={FLAGS.kind})")
   check_layers("taps", FLAGS.taps, n - 1, allow_empty=True)
