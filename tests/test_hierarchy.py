@@ -148,7 +148,7 @@ def test_second_generation_compiles_nothing(params, draft):
 
 @pytest.mark.parametrize("stack,message", [
     (Stack(SelfDrafter(1), tree_lib.chain(2), (Verifier("draft", Full(), 2),), draft=DRAFT),
-     "self-draft reads the cache of the level above"),
+     "the self:1 drafter reads the cache of the level above"),
     (Stack(ModelDrafter(DRAFT, cache=Retrieval(16, 4)), tree_lib.chain(2)), "retrieval cache"),
 ])
 def test_bad_stacks_are_refused(params, draft, stack, message):
