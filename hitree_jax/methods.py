@@ -345,14 +345,16 @@ def check_auto_draft(draft: str, feature_draft: str | None = None) -> str | None
 
 
 def auto_method(model: str, draft: str, prompt_length: int, sampling, loaded: tuple = (None, None),
-                feature_draft: str | None = None, log=logging.getLogger(__name__).info) -> Method:
+                feature_draft: str | None = None, log=logging.getLogger(__name__).info,
+                text: str = "austen") -> Method:
   """--method=auto: the stack the planner chooses (hitree_jax/planner/auto.py) around the draft
-  model `draft` (and the EAGLE draft `feature_draft`, eagle:PATH), for this prompt length and
-  sampling, from the profile measured on first use."""
+  model `draft` (and the EAGLE draft `feature_draft`, eagle:PATH), for this prompt length,
+  sampling and kind of text (a book corpus, or "chat" for prompts in the chat template), from the
+  profile measured on first use."""
   from hitree_jax.planner import auto
   eagle = check_auto_draft(draft, feature_draft)
   precision = {} if loaded[0] is None else {"dtype": loaded[0].config.dtype, "key_dtype": loaded[0].config.key_dtype}
-  choice, _, path = auto.plan_for(model, draft, prompt_length, sampling, loaded=loaded,
+  choice, _, path = auto.plan_for(model, draft, prompt_length, sampling, book=text, loaded=loaded,
                                   log=lambda message: log("%s", message), eagle=eagle, **precision)
   log("--method=auto: %s, %.1f tok/s predicted (ar %.1f; profile %s)",
                f"hsd/{choice.levels}" if choice.levels else "ar", choice.predicted_tokens_per_s,
@@ -370,7 +372,7 @@ SLOW_PRESET = 0.9   # a preset predicted below this fraction of the planner's ch
 
 
 def preset_advice(method: Method, model: str, prompt_length: int, sampling, dtype: str = "float32",
-                  key_dtype: str | None = None, on_cpu: bool = False) -> str | None:
+                  key_dtype: str | None = None, on_cpu: bool = False, text: str = "austen") -> str | None:
   """One line for a user who typed a preset this machine runs slowly, or None: a preset keeps its
   paper's shape (HiTree's kary:2x4 with gamma2 12 ran at about half `ar`'s speed on a 2-core CPU),
   so a user must be told when `auto` would do better. With a profile of (model, draft) already
@@ -380,7 +382,8 @@ def preset_advice(method: Method, model: str, prompt_length: int, sampling, dtyp
     return None
   from hitree_jax.planner import auto
   greedy = float(sampling.temperature) == 0
-  stored = auto.stored_plan(model, method.draft_path, prompt_length, sampling, dtype=dtype, key_dtype=key_dtype)
+  stored = auto.stored_plan(model, method.draft_path, prompt_length, sampling, book=text, dtype=dtype,
+                            key_dtype=key_dtype)
   if stored is not None:
     profile, path = stored
     choice = auto.choose(profile, greedy)

@@ -261,7 +261,8 @@ def run_questions(chosen, methods, sampling, mesh) -> None:
     from hitree_jax.tokenizer import conversation_prompt
     typical = int(np.median([len(conversation_prompt(tokenizer, q.turns[:1], [])) for q in chosen]))
     auto = methods_lib.auto_method(FLAGS.model, FLAGS.draft, typical, sampling, loaded=(model, None),
-                                   feature_draft=FLAGS.feature_draft).load_draft(model.config, model.params)
+                                   feature_draft=FLAGS.feature_draft, text="chat"
+                                   ).load_draft(model.config, model.params)
     auto = dataclasses.replace(auto, label=f"{auto.label} (planned for {typical} prompt tokens)")
     methods = [auto if m == "auto" else m for m in methods]
   progress = Progress("spec-bench", len(methods) * (len(chosen) + 1))

@@ -67,6 +67,12 @@ def prompt_file_text() -> str:
     raise UsageError(f"--prompt_file={path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
+def profile_text() -> str:
+  """The kind of text the planner profiles for this prompt: chat, or the book (Austen's for a
+  plain prompt)."""
+  return "chat" if FLAGS.chat else FLAGS.book or "austen"
+
+
 def prompt_ids(tokenizer) -> list[int]:
   if FLAGS.book:
     from hitree_jax.data import book_prompts
@@ -126,11 +132,12 @@ def main(argv):
   sharding.check(model.config, mesh, 1, 256)  # before the draft loads; generate checks the cache's slots
   if planned:
     method = methods.auto_method(FLAGS.model, FLAGS.draft, len(ids), sampling, loaded=(model, None),
-                                feature_draft=FLAGS.feature_draft)
+                                feature_draft=FLAGS.feature_draft, text=profile_text())
   else:
     import jax
     advice = methods.preset_advice(method, FLAGS.model, len(ids), sampling, model.config.dtype,
-                                   FLAGS.key_dtype, on_cpu=jax.default_backend() == "cpu")
+                                   FLAGS.key_dtype, on_cpu=jax.default_backend() == "cpu",
+                                   text=profile_text())
     if advice:
       print(f"note: {advice}", file=sys.stderr)
   method = method.load_draft(model.config, model.params)

@@ -46,8 +46,9 @@ common.define_model_flags()
 common.define_sampling_flags()
 flags.DEFINE_string("draft", None, "The draft model (a path), e.g. drafts/smollm2-draft.gguf.")
 common.define_feature_draft_flag()
-flags.DEFINE_enum("book", "austen", ["austen", "shakespeare", "milton"], "Book corpus the profile is "
-                  "measured on.")
+flags.DEFINE_enum("book", "austen", ["austen", "shakespeare", "milton", "chat"], "Text the profile is "
+                  "measured on: a book corpus's passages, or chat (instructions over held-out book "
+                  "passages in the chat template, for a chat model's prompts).")
 flags.DEFINE_integer("prompt_tokens", 2048, "Context length to plan for, in tokens.")
 flags.DEFINE_string("profile_dir", None, "Where profiles are kept (default: $HITREE_PROFILES, else "
                     "assets/profiles).")

@@ -660,3 +660,24 @@ def test_a_preset_slower_than_the_plan_is_named_in_one_line(tmp_path, monkeypatc
     assert advice == (f"--method={method.label} is predicted at {speed:.1f} tok/s here and `ar` at "
                       f"{choice.ar_tokens_per_s:.1f}; --method=auto would run hsd/{choice.levels} at "
                       f"{choice.predicted_tokens_per_s:.1f} (profile {path})")
+
+
+def test_a_chat_profile_is_measured_on_instructions_in_the_chat_template():
+  """auto plans a chat model's prompts (Spec-Bench, generate --chat) from a profile measured on
+  what it answers: instructions over held-out book passages in the chat template, at the
+  profile's context; a book's profile on its passages."""
+  from hitree_jax.loading import resolve
+  from hitree_jax.planner import auto
+  from hitree_jax.tokenizer import load_tokenizer
+  from hitree_jax.train import corpus, instructions
+  tokenizer = load_tokenizer(resolve("smollm2"))
+  chat = auto.measured_prompts(tokenizer, "chat", 512)
+  assert [len(p) for p in chat] == [512] * auto.PASSAGES
+  for prompt in chat:
+    text = tokenizer.decode(prompt)
+    assert text.endswith("<|im_start|>assistant\n") and any(task in text for task in instructions.TASKS)
+  held_out = corpus.split_texts("eval")
+  passage = tokenizer.decode(chat[0]).split("\n\n", 2)[-1][:60]
+  assert any(passage in text for text in held_out.values())
+  books = auto.measured_prompts(tokenizer, "austen", 512)
+  assert len(books) == auto.PASSAGES and "<|im_start|>" not in tokenizer.decode(books[0])

@@ -84,6 +84,7 @@ def _model_levels(names: Sequence[str]) -> list[str]:
   return [n for n in names if n == "target" or spec.parse_level(n).kind != "ngram"]
 
 
+CHAT = "chat"   # a profile's text: instructions in the chat template instead of a book's passages
 PASSAGES = 3  # acceptance is averaged over this many passages: one passage's is off by up to 30%
 
 
@@ -309,7 +310,6 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
   model_path, draft_path, eagle_path = key["model"], key["draft"], key.get("eagle")
 
   def run():
-    from hitree_jax.data import book_prompts
     from hitree_jax.decode import engine
     from hitree_jax.tokenizer import load_tokenizer
     log(f"profiling {' + '.join([model, draft, *([f'eagle:{eagle}'] if eagle else [])])} at {context} "
@@ -317,13 +317,26 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
     target = loaded[0] or load_model(model_path, dtype, key_dtype)
     drafter = loaded[1] or load_model(draft_path)
     feature_draft = None if eagle is None else profile_lib.load_eagle(eagle_path, target)
-    prompts = book_prompts(load_tokenizer(target.path), context, PASSAGES, corpus=book)
+    prompts = measured_prompts(load_tokenizer(target.path), book, context)
     # The target's own text, as a stack meets it: sampled when the plan is for sampling.
     continuations = [engine.generate(target.params, target.config, [p], max_new_tokens=64, sampling=sampling,
                                      seed=i, stop_at_eos=False).tokens[0] for i, p in enumerate(prompts)]
     return measure(target, drafter, prompts, continuations, sampling, space, eagle=feature_draft)
 
   return profile_lib.cached(path, key, run), path
+
+
+def measured_prompts(tokenizer, book: str, context: int) -> list[list[int]]:
+  """The PASSAGES prompts of `context` tokens a profile is measured on: passages of the corpus
+  `book`, or for CHAT, instructions over passages of the held-out books in the chat template
+  (train/instructions.py), the text a chat model answers (Spec-Bench, generate --chat): prompt
+  lookup and drafts accept very differently on the two."""
+  if book == CHAT:
+    from hitree_jax.train import instructions
+    windows, _ = instructions.chat_windows(tokenizer, "eval", context + 1, PASSAGES, context)
+    return [row[:context].tolist() for row in windows]
+  from hitree_jax.data import book_prompts
+  return book_prompts(tokenizer, context, PASSAGES, corpus=book)
 
 
 def where_kept(model: str, draft: str, context: int, sampling, directory=None, book: str = "austen",
@@ -339,11 +352,11 @@ def where_kept(model: str, draft: str, context: int, sampling, directory=None, b
   return path, profile_key(model_path, draft_path, context, sampling, book, eagle_path, target_precision)
 
 
-def stored_plan(model: str, draft: str, prompt_length: int, sampling, directory=None,
+def stored_plan(model: str, draft: str, prompt_length: int, sampling, directory=None, book: str = "austen",
                 dtype: str = "float32", key_dtype: str | None = None) -> tuple[dict, pathlib.Path] | None:
   """(the profile, its path) that `plan_for` would plan from, if it was measured already; None
   where it was not (nothing is measured here)."""
-  path, key = where_kept(model, draft, nearest_context(prompt_length), sampling, directory,
+  path, key = where_kept(model, draft, nearest_context(prompt_length), sampling, directory, book,
                          dtype=dtype, key_dtype=key_dtype)
   profile = profile_lib.stored(path, key)
   return None if profile is None else (profile, path)
