@@ -1,41 +1,42 @@
-"""An EAGLE draft for chat (issue: Spec-Bench), drafts/smollm2-eagle-chat: every setting.
+"""An EAGLE draft for chat (issue: Spec-Bench), drafts/smollm2-eagle-chat: the shipped EAGLE
+recipe (configs/distill_eagle.py) with chat as its training text.
 
   python -m launch.distill --config=configs/distill_eagle_chat.py            # ~40 min on a 2-core CPU
   python -m launch.distill --config=configs/distill_eagle_chat.py --until=0  # only the teacher's labels
 
-The shipped EAGLE layer (configs/distill_eagle.py) was trained on book windows; a chat model's
-answers are another text. Here each training window is an instruction over a passage of the
-training books in SmolLM2's chat template (summarise, continue, answer about, rewrite, extract,
-ask and answer: hitree_jax/train/instructions.py), 128 tokens, then the teacher's own answer,
-sampled at T 0.6 / top-p 0.9, 128 tokens: EAGLE's recipe of training on the target's own
-responses, without Spec-Bench's questions (its test data; tests/test_spec_bench.py checks that no
-13-word run is shared). Evaluated on the same kind of windows over the held-out books.
+The shipped EAGLE layer was trained on book windows; a chat model's answers are another text.
+Here each training window is an instruction over a passage of the training books in SmolLM2's
+chat template (summarise, continue, answer about, rewrite, extract, ask and answer:
+hitree_jax/train/instructions.py), 128 tokens, then the teacher's own answer, sampled at
+T 0.6 / top-p 0.9, 128 tokens: EAGLE's recipe of training on the target's own responses,
+without Spec-Bench's questions (its test data; tests/test_spec_bench.py checks that no 13-word
+run is shared). Evaluated on the same kind of windows over the held-out books. Every other
+setting is the book recipe's.
 """
+
+import importlib.util
+import pathlib
 
 from ml_collections import config_dict
 
 
+def _book_recipe() -> config_dict.ConfigDict:
+  path = pathlib.Path(__file__).with_name("distill_eagle.py")
+  spec = importlib.util.spec_from_file_location("distill_eagle", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
 def get_config() -> config_dict.ConfigDict:
-  return config_dict.ConfigDict(dict(
-      kind="eagle",
-      teacher="smollm2",
+  config = _book_recipe()
+  config.update(dict(
       workdir="runs/eagle_chat",
       out="drafts/smollm2-eagle-chat",
-      vocab_size=8192,
-      window=256,
       train_windows=1536,
-      eval_windows=32,
-      topk=32,
       steps=1200,
-      batch=8,
-      lr=1e-3,
-      warmup=50,
-      seed=0,
-      feature_weight=1.0,
-      unroll=True,
       train_text="chat",
-      own_prompt_tokens=128,
-      temperature=0.6,
-      top_p=0.9,
-      cost_context=512,
   ))
+  with config.unlocked():
+    config.own_prompt_tokens = 128
+  return config

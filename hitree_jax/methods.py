@@ -185,13 +185,8 @@ def with_heads_kind(draft: str) -> str:
   """`draft`, or KIND:`draft` where it names a folder of trained heads (its heads.json says the
   kind) by path or shipped name: --draft=smollm2-eagle reads as eagle:smollm2-eagle."""
   name, comma, mode = draft.partition(",")
-  if spec_lib.parse_level(name).kind != "draft":
-    return draft
-  meta = shipped.find(name) / "heads.json"
-  if not meta.is_file():
-    return draft
-  import json
-  return f"{json.loads(meta.read_text())['kind']}:{name}{comma}{mode}"
+  kind = shipped.heads_kind(name) if spec_lib.parse_level(name).kind == "draft" else None
+  return draft if kind is None else f"{kind}:{name}{comma}{mode}"
 
 
 def _split_draft_and_shape(rest: str) -> tuple[str, str | None]:

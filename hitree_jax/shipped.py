@@ -10,11 +10,13 @@ from anywhere.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent   # the repository (hitree_jax/..)
 PACKAGED = pathlib.Path(__file__).resolve().parent / "files"   # the same folders in a wheel
+HEADS_META = "heads.json"   # what marks a folder of trained EAGLE or Medusa heads (heads/saved.py)
 
 
 def find(path: str | os.PathLike, folder: str = "drafts", suffixes: tuple[str, ...] = ("", ".gguf")) -> pathlib.Path:
@@ -30,6 +32,13 @@ def find(path: str | os.PathLike, folder: str = "drafts", suffixes: tuple[str, .
       if candidate.exists():
         return candidate
   return given
+
+
+def heads_kind(path: str | os.PathLike) -> str | None:
+  """The kind ("eagle", "medusa") of the trained heads `path` names (as given or shipped), from
+  its heads.json alone; None where it names no such folder. Light: heads/saved.py reads them."""
+  meta = find(path) / HEADS_META
+  return json.loads(meta.read_text())["kind"] if meta.is_file() else None
 
 
 def names(folder: str, suffix: str = "") -> list[str]:

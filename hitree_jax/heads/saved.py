@@ -21,7 +21,7 @@ from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.vocab import ReducedVocab
 
-META = "heads.json"
+META = shipped.HEADS_META
 KINDS = {"eagle": eagle.TRAINED, "medusa": medusa.OWN}  # each kind's trained parameters
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import pathlib
 
 import jax
@@ -48,9 +47,8 @@ def resolve(spec: str) -> pathlib.Path:
   if not path.exists():
     raise NotFound(f"model {spec!r} not found: expected one of {ALIASES}, a .gguf file, "
                             "an HF folder with config.json, or a checkpoint from launch.convert")
-  heads = path / "heads.json"
-  if heads.is_file():   # a trained EAGLE or Medusa draft (heads/saved.py), not a model
-    kind = json.loads(heads.read_text()).get("kind", "eagle")
+  kind = shipped.heads_kind(path)
+  if kind is not None:   # a trained EAGLE or Medusa draft (heads/saved.py), not a model
     raise UsageError(f"{spec!r} holds {kind} heads, not a model: use --draft={kind}:{spec}")
   raise UsageError(f"model {spec!r} is neither a .gguf file, an HF folder (config.json) "
                    "nor a launch.convert checkpoint")

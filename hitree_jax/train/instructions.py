@@ -42,16 +42,17 @@ def chat_windows(tokenizer, split: str, window: int, n_windows: int, prompt_toke
 
   Each prompt is exactly prompt_tokens long (the passage is cut to fit), so the teacher answers
   all of them in one batched program; the tasks take turns."""
-  overhead = len(chat_prompt(tokenizer, instruction(0, "")))
-  if not overhead + 16 <= prompt_tokens < window:
+  overheads = [len(chat_prompt(tokenizer, instruction(task, ""))) for task in range(len(TASKS))]
+  if not max(overheads) + 16 <= prompt_tokens < window:
     raise UsageError(f"--own_prompt_tokens={prompt_tokens} must leave at least 16 passage tokens "
-                     f"after the chat template's {overhead} and be below --window={window}")
+                     f"after the chat template's {max(overheads)} and be below --window={window}")
   # Neighbouring passages of one book: window i tries passages CANDIDATES_PER_WINDOW * i, ...
   passages = corpus.token_windows(tokenizer, split, prompt_tokens, CANDIDATES_PER_WINDOW * n_windows)
   windows, texts = np.zeros((n_windows, window), np.int32), []
   for i in range(n_windows):
     tried = passages[CANDIDATES_PER_WINDOW * i:CANDIDATES_PER_WINDOW * (i + 1)]
-    found = next(filter(None, (_exact_prompt(tokenizer, i, p, prompt_tokens) for p in tried)), None)
+    keep = prompt_tokens - overheads[i % len(TASKS)]   # the passage tokens that fit, estimated
+    found = next(filter(None, (_exact_prompt(tokenizer, i, p, prompt_tokens, keep) for p in tried)), None)
     if found is None:
       raise UsageError(f"no {split} passage near window {i} fits a chat prompt of exactly "
                        f"{prompt_tokens} tokens")
@@ -60,11 +61,11 @@ def chat_windows(tokenizer, split: str, window: int, n_windows: int, prompt_toke
   return windows, texts
 
 
-def _exact_prompt(tokenizer, task: int, passage: np.ndarray, prompt_tokens: int, reach: int = 6):
+def _exact_prompt(tokenizer, task: int, passage: np.ndarray, prompt_tokens: int, estimate: int,
+                  reach: int = 6):
   """(ids, text) of the instruction over a prefix of `passage` whose chat prompt is exactly
   prompt_tokens long, or None. Re-encoding a passage's text can merge or split tokens at its end,
   so prefixes a few tokens either side of the estimate are tried."""
-  estimate = prompt_tokens - len(chat_prompt(tokenizer, instruction(task, "")))
   for keep in sorted(range(estimate - reach, estimate + reach + 1), key=lambda k: abs(k - estimate)):
     if not 16 <= keep <= len(passage):
       continue
