@@ -38,6 +38,11 @@ from hitree_jax.tree import dynamic as dynamic_tree
 from hitree_jax.tree.shapes import DynamicTree, TokenTree
 
 
+def _target_head_shape(config: ModelConfig, vocab_size: int) -> jax.ShapeDtypeStruct:
+  """The target's head on the draft's vocabulary [E, V'], which a feature draft borrows."""
+  return jax.ShapeDtypeStruct((config.hidden_size, vocab_size), jnp.dtype(config.dtype))
+
+
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter(Drafter):
   """EAGLE's one-layer feature draft (heads/eagle.py) with a full cache of its own."""
@@ -67,8 +72,7 @@ class EagleDrafter(Drafter):
 
   def abstract_heads(self, config: ModelConfig) -> dict:
     shapes = jax.eval_shape(lambda: eagle.init_params(self.config, jax.random.key(0), len(self.taps)))
-    return dict(shapes, head=jax.ShapeDtypeStruct((config.hidden_size, self.config.vocab_size),
-                                                  jnp.dtype(config.dtype)))
+    return dict(shapes, head=_target_head_shape(config, self.config.vocab_size))
 
   def check(self, tree, config: ModelConfig) -> None:
     target_vocab = self.target_vocab_size or self.config.vocab_size
@@ -178,7 +182,7 @@ class MedusaDrafter(Drafter):
   def abstract_heads(self, config: ModelConfig) -> dict:
     dtype = jnp.dtype(config.dtype)
     shapes = jax.eval_shape(lambda: medusa.init_params(self.num_heads, config.hidden_size, dtype))
-    return dict(shapes, head=jax.ShapeDtypeStruct((config.hidden_size, self.vocab_size), dtype))
+    return dict(shapes, head=_target_head_shape(config, self.vocab_size))
 
   def check(self, tree, config: ModelConfig) -> None:
     target_vocab = self.target_vocab_size or self.vocab_size

@@ -49,14 +49,24 @@ def save(path: pathlib.Path, kind: str, params, target_config: ModelConfig, voca
   (path / META).write_text(json.dumps({"kind": kind, **shape, **meta}, indent=1))
 
 
-def read_meta(path, kind: str | None = None) -> dict:
-  """heads.json of a saved draft (no weights read): FileNotFoundError naming the path, or
-  ValueError when it is not of `kind`."""
-  meta = shipped.find(path) / META   # as given, else a shipped draft (drafts/NAME)
-  if not meta.is_file():
+def _folder(path, kind: str | None) -> pathlib.Path:
+  """The folder of a saved draft, as given or a shipped one (drafts/NAME): NotFound naming the
+  path when it holds no heads.json."""
+  folder = shipped.find(path)
+  if not (folder / META).is_file():
     raise NotFound(f"{kind or 'feature'} draft {str(path)!r} not found: expected a folder "
-                            f"with {META} (written by `python -m launch.distill --kind={kind or 'eagle'}`)")
-  meta = json.loads(meta.read_text())
+                   f"with {META} (written by `python -m launch.distill --kind={kind or 'eagle'}`)")
+  return folder
+
+
+def read_meta(path, kind: str | None = None) -> dict:
+  """heads.json of a saved draft (no weights read): NotFound naming the path, or UsageError when
+  it is not of `kind`."""
+  return _meta_in(_folder(path, kind), path, kind)
+
+
+def _meta_in(folder: pathlib.Path, path, kind: str | None) -> dict:
+  meta = json.loads((folder / META).read_text())
   if kind is not None and meta["kind"] != kind:
     raise UsageError(f"{str(path)!r} holds {meta['kind']} heads, not {kind}: use {meta['kind']}:{path}")
   return meta
@@ -85,11 +95,11 @@ def check_target(meta: dict, target_config: ModelConfig, path) -> None:
 
 def load(path, target_params, target_config: ModelConfig, kind: str | None = None):
   """(heads.json, its params with the target's head on its ids, ReducedVocab or None)."""
-  meta = read_meta(path, kind)
+  folder = _folder(path, kind)
+  meta = _meta_in(folder, path, kind)
   check_target(meta, target_config, path)
-  path = shipped.find(path).absolute()
   with ocp.StandardCheckpointer() as checkpointer:
-    tree = checkpointer.restore(path / "checkpoint")
+    tree = checkpointer.restore(folder.absolute() / "checkpoint")
   ids = np.asarray(tree["target_ids"])
   vocab = ReducedVocab(ids, target_config.vocab_size) if ids.size > 1 else None
   params = jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(target_config.dtype)), tree["params"])
