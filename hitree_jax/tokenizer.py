@@ -43,13 +43,25 @@ _SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
                    "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
 
 
+def tokenizer_path(path: str | pathlib.Path) -> pathlib.Path:
+  """Where a resolved model path keeps its tokenizer: a GGUF in itself, an orbax checkpoint in
+  its tokenizer/ folder, a Hugging Face folder in itself."""
+  path = pathlib.Path(path)
+  return path / "tokenizer" if checkpoint.is_checkpoint(path) else path
+
+
+def gguf_tokenizer_source(path: str | pathlib.Path) -> pathlib.Path | None:
+  """What `save_gguf(tokenizer_from=)` copies a model's tokenizer from: its GGUF, or a folder
+  with a tokenizer.json; None where the model has neither."""
+  source = tokenizer_path(path)
+  return source if source.suffix == ".gguf" or (source / "tokenizer.json").is_file() else None
+
+
 def load_tokenizer(path: str | pathlib.Path):
   """Tokenizer for a resolved model path (see `hitree_jax.loading.resolve`)."""
-  path = pathlib.Path(path)
+  path = tokenizer_path(path)
   if path.suffix == ".gguf":
     return _cached_gguf_tokenizer(path)
-  if checkpoint.is_checkpoint(path):
-    path = path / "tokenizer"
   if not path.is_dir():
     raise NotFound(f"no tokenizer at {path}")
   return transformers.AutoTokenizer.from_pretrained(str(path))

@@ -5,10 +5,11 @@
   python -m launch.convert --model=smollm2 --out=smollm2_f32.gguf   # llama.cpp at F32
 
 An --out ending in .gguf writes a llama.cpp GGUF: float32 matrices by default
-(--gguf_type=q8_0 for llama.cpp's 8-bit blocks), with the source's tokenizer
-when the source is a GGUF. The shipped SmolLM2 file is Q4_1: its F32 copy holds
-exactly the weights our float32 model decodes with, which is what comparing
-decode speed with llama.cpp "at the same precision" means (launch.benchmark --peers).
+(--gguf_type=q8_0 for llama.cpp's 8-bit blocks), with the source's tokenizer (a
+GGUF's, or a Hugging Face folder's or checkpoint's byte-level BPE tokenizer.json).
+The shipped SmolLM2 file is Q4_1: its F32 copy holds exactly the weights our
+float32 model decodes with, which is what comparing decode speed with llama.cpp
+"at the same precision" means (launch.benchmark --peers).
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ def main(argv):
   model = load_model(FLAGS.model, "float32")
   if FLAGS.out.endswith(".gguf"):
     from hitree_jax.loading.gguf import save_gguf
-    source = model.path if model.path.suffix == ".gguf" else None
+    from hitree_jax.tokenizer import gguf_tokenizer_source
+    source = gguf_tokenizer_source(model.path)
+    if source is None:
+      logging.warning("%s has no tokenizer.json: %s is written without a tokenizer", model.path, FLAGS.out)
     save_gguf(FLAGS.out, model.config, without_decode_head(model.params, model.config), vocab=model.vocab,
               tokenizer_from=source, quantize=FLAGS.gguf_type == "q8_0")
   else:

@@ -187,7 +187,7 @@ def train_heads_main():
 def train_main():
   from hitree_jax.loading import load_model
   from hitree_jax.loading.gguf import save_gguf
-  from hitree_jax.tokenizer import load_tokenizer
+  from hitree_jax.tokenizer import gguf_tokenizer_source, load_tokenizer
   from hitree_jax.train import distill
 
   workdir = pathlib.Path(FLAGS.workdir)
@@ -219,7 +219,7 @@ def train_main():
   out = out_path()
   out.parent.mkdir(parents=True, exist_ok=True)
   save_gguf(out, config, jax_to_numpy(params), vocab=vocab,
-            tokenizer_from=teacher.path if teacher.path.suffix == ".gguf" else None,
+            tokenizer_from=gguf_tokenizer_source(teacher.path),
             quantize=FLAGS.quantize)
   record.update(out=str(out), out_mb=out.stat().st_size / 2**20)
   logging.info("draft written to %s (%.1f MB); evaluating it", out, record["out_mb"])

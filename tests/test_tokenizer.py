@@ -14,12 +14,17 @@ import sys
 import textwrap
 
 import gguf
+import jax
 import pytest
 import transformers
 
 from hitree_jax import data
 from hitree_jax import tokenizer as tokenizer_lib
+from hitree_jax.errors import UsageError
 from hitree_jax.loading import smollm2_gguf_path
+from hitree_jax.loading.gguf import save_gguf
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import init_params
 from hitree_jax.tokenizer import chat_prompt, gguf_tokenizer, load_tokenizer, same_tokenizer
 from launch import fetch_assets
 
@@ -240,3 +245,52 @@ def test_draft_gguf_carries_the_target_tokenizer(ours, tmp_path, monkeypatch):
   other = copy.deepcopy(ours)
   other.add_tokens(["<not in the target>"])
   assert not same_tokenizer(other, ours)
+
+
+def _tiny_gguf_with_tokenizer_from(folder, path, vocab_size: int):
+  config = ModelConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_layers=1,
+                       num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64,
+                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+  return save_gguf(path, config, init_params(config, jax.random.key(0)), tokenizer_from=folder,
+                   quantize=False)
+
+
+@pytest.mark.parametrize("rows", [49152, 49152 + 40])
+def test_gguf_written_from_a_hugging_face_folder_carries_its_tokenizer(ours, tmp_path, monkeypatch, rows):
+  """launch.convert and launch.distill from a Hugging Face folder write its tokenizer.json into the
+  GGUF as llama.cpp's converter does (gguf.vocab): read back, it encodes, decodes, and templates
+  a chat as the folder's tokenizer does. A model with more embedding rows than tokens (Qwen2's
+  padding) gets llama.cpp's unused [PAD] tokens."""
+  monkeypatch.setenv("HITREE_ASSETS", str(tmp_path / "assets"))
+  folder = tmp_path / "hf"
+  ours.save_pretrained(folder)
+  assert tokenizer_lib.gguf_tokenizer_source(folder) == folder
+  back = load_tokenizer(_tiny_gguf_with_tokenizer_from(folder, tmp_path / "m.gguf", rows))
+  texts = [SENTENCE, *EDGE_CASES]
+  assert [back.encode(t) for t in texts] == [ours.encode(t) for t in texts]
+  ids = ours.encode(SENTENCE + " <|im_start|>assistant")
+  assert back.decode(ids) == ours.decode(ids) and back.decode(ids, skip_special_tokens=True) == \
+      ours.decode(ids, skip_special_tokens=True)
+  assert back.chat_template == ours.chat_template
+  assert [chat_prompt(back, t) for t in texts[:3]] == [chat_prompt(ours, t) for t in texts[:3]]
+  assert (back.bos_token_id, back.eos_token_id) == (ours.bos_token_id, ours.eos_token_id)
+  assert len(back) == rows and (rows > len(ours) or same_tokenizer(back, ours))
+  last = f"[PAD{rows - 1}]" if rows > len(ours) else ours.convert_ids_to_tokens(rows - 1)
+  assert back.convert_ids_to_tokens(rows - 1) == last
+
+
+def test_gguf_refuses_a_tokenizer_it_cannot_write(ours, tmp_path):
+  """More tokens than the model has rows; a sentencepiece-style BPE (byte fallback, Llama 2's)."""
+  ours.save_pretrained(tmp_path / "hf")
+  with pytest.raises(UsageError, match="has 49152 tokens, the model 49000 rows"):
+    _tiny_gguf_with_tokenizer_from(tmp_path / "hf", tmp_path / "m.gguf", 49000)
+  spec = json.loads((tmp_path / "hf" / "tokenizer.json").read_text())
+  spec["model"]["byte_fallback"] = True
+  (tmp_path / "hf" / "tokenizer.json").write_text(json.dumps(spec))
+  with pytest.raises(UsageError, match="not a byte-level BPE tokenizer.json"):
+    _tiny_gguf_with_tokenizer_from(tmp_path / "hf", tmp_path / "m.gguf", 49152)
+
+
+def test_gguf_tokenizer_source_of_each_model_kind(gguf_path, tmp_path):
+  assert tokenizer_lib.gguf_tokenizer_source(gguf_path) == gguf_path
+  assert tokenizer_lib.gguf_tokenizer_source(tmp_path) is None   # weights without a tokenizer

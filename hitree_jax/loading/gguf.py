@@ -15,6 +15,7 @@ full target's, so when the config's bos/eos ids differ from the copied
 from __future__ import annotations
 
 import functools
+import json
 import pathlib
 
 import gguf
@@ -237,10 +238,14 @@ def _field_value(field: gguf.ReaderField):
   return field.parts[field.data[0]].tolist()[0], kind, None
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter, source: pathlib.Path) -> dict:
-  """Copies every tokenizer field of `source`; returns the copied bos/eos ids."""
+def _copy_tokenizer(writer: gguf.GGUFWriter, source: pathlib.Path, n_vocab: int) -> dict:
+  """Writes the tokenizer of `source` (a GGUF, or a Hugging Face folder with tokenizer.json) into
+  the file; returns its bos/eos ids."""
+  if source.is_dir():
+    return _add_hf_tokenizer(writer, source, n_vocab)
   if source.suffix != ".gguf" or not source.is_file():
-    raise UsageError(f"tokenizer_from={source}: expected an existing .gguf file")
+    raise UsageError(f"tokenizer_from={source}: expected an existing .gguf file or a folder with "
+                     "tokenizer.json")
   fields = gguf.GGUFReader(str(source)).fields
   for key, field in fields.items():
     if key.startswith(_TOKENIZER_PREFIX):
@@ -248,6 +253,42 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, source: pathlib.Path) -> dict:
       writer.add_key_value(key, value, kind, sub_type=item)
   return {k: fields[f"tokenizer.ggml.{k}_token_id"].contents()
           for k in ("bos", "eos") if f"tokenizer.ggml.{k}_token_id" in fields}
+
+
+def _add_hf_tokenizer(writer: gguf.GGUFWriter, folder: pathlib.Path, n_vocab: int) -> dict:
+  """A Hugging Face byte-level BPE tokenizer (Llama 3, SmolLM2, Qwen2, ...) as llama.cpp's
+  converter writes it (convert_hf_to_gguf.py, `get_vocab_base`): every id up to the model's
+  `n_vocab` rows, added special tokens as CONTROL, other added ones as USER_DEFINED, ids without
+  a token as unused [PADi]; then its merges, special token ids and chat template with gguf's own
+  reader (gguf.vocab.SpecialVocab). A sentencepiece tokenizer (Llama 2's) is not written here."""
+  import transformers  # only here: loading weights needs no tokenizer library
+  spec = json.loads((folder / "tokenizer.json").read_text())
+  if spec["model"]["type"] != "BPE" or spec["model"].get("byte_fallback") or \
+      (spec.get("decoder") or {}).get("type") != "ByteLevel":
+    raise UsageError(f"the tokenizer in {folder} is not a byte-level BPE tokenizer.json, the only "
+                     "kind written into a GGUF here; convert from a GGUF of the model instead")
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+  by_id = {i: token for token, i in tokenizer.get_vocab().items()}
+  if len(by_id) > n_vocab:
+    raise UsageError(f"the tokenizer in {folder} has {len(by_id)} tokens, the model {n_vocab} rows")
+  added = tokenizer.added_tokens_decoder
+  tokens, types = [], []
+  for i in range(n_vocab):
+    if i not in by_id:
+      tokens.append(f"[PAD{i}]")
+      types.append(gguf.TokenType.UNUSED)
+    elif i in added:
+      tokens.append(by_id[i])
+      types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+    else:
+      tokens.append(by_id[i])
+      types.append(gguf.TokenType.NORMAL)
+  writer.add_tokenizer_model("gpt2")
+  writer.add_token_list(tokens)
+  writer.add_token_types(types)
+  special = gguf.vocab.SpecialVocab(folder, load_merges=True, n_vocab=n_vocab)
+  special.add_to_gguf(writer, quiet=True)
+  return {k: special.special_token_ids[k] for k in ("bos", "eos") if k in special.special_token_ids}
 
 
 def _add_token_ids(writer: gguf.GGUFWriter, config: ModelConfig, copied: dict | None) -> None:
@@ -266,15 +307,17 @@ def save_gguf(path: str | pathlib.Path, config: ModelConfig, params: dict, *,
   """Writes a llama-architecture GGUF that llama.cpp's conventions and `load_gguf` accept.
 
   Matrices are Q8_0 (float32 with quantize=False, or when a row is not a multiple
-  of 32 wide), norms float32. tokenizer_from: a GGUF whose tokenizer fields
-  (the full target tokenizer, also for a reduced vocabulary) are copied.
+  of 32 wide), norms float32. tokenizer_from: a GGUF whose tokenizer fields are copied, or a
+  Hugging Face folder whose tokenizer.json is written (the full target's tokenizer, also for a
+  reduced vocabulary).
   """
   path = pathlib.Path(path)
   if vocab is not None and vocab.size != config.vocab_size:
     raise UsageError(f"vocab has {vocab.size} ids but config.vocab_size={config.vocab_size}")
   writer = gguf.GGUFWriter(str(path), "llama")
   _add_config(writer, config)
-  copied = _copy_tokenizer(writer, pathlib.Path(tokenizer_from)) if tokenizer_from else None
+  copied = (_copy_tokenizer(writer, pathlib.Path(tokenizer_from), vocab.target_vocab_size if vocab
+                            else config.vocab_size) if tokenizer_from else None)
   _add_token_ids(writer, config, copied)
   if vocab is not None:
     writer.add_key_value(_VOCAB_IDS, vocab.target_ids.astype(np.int32).tolist(), _VT.ARRAY,
