@@ -133,8 +133,10 @@ def test_a_missing_config_key_is_named_with_the_file(tmp_path, key):
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     (dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=128, max_window_layers=1,
+          max_position_embeddings=256), "use_sliding_window.* in layers 1-1 "),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=128,
-          max_position_embeddings=256), "use_sliding_window"),
+          layer_types=["sliding_attention", "full_attention"]), "in layers 0-0 "),
 ])
 def test_settings_the_model_does_not_implement_are_named(changes, named):
   hf = {**tiny_hf("llama").config.to_dict(), **changes}
@@ -143,6 +145,13 @@ def test_settings_the_model_does_not_implement_are_named(changes, named):
   fine = {**hf, "mlp_bias": False, "hidden_act": "silu", "quantization_config": None,
           "use_sliding_window": False}
   ModelConfig.from_hf(fine)  # the same config without that setting loads
+
+
+def test_a_qwen2_window_from_max_window_layers_on_past_the_last_layer_is_full_attention():
+  """Qwen2-7B's shape: use_sliding_window with max_window_layers = its layers slides no layer."""
+  hf = {**tiny_hf("qwen2").config.to_dict(), "use_sliding_window": True, "sliding_window": 128,
+        "max_window_layers": 2, "layer_types": None}
+  assert ModelConfig.from_hf(hf).max_position_embeddings == 256
 
 
 def state_and_config(family):

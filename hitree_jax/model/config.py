@@ -208,11 +208,22 @@ def _check_hf_implemented(hf: Mapping[str, Any], max_positions: int, source: str
     raise UsageError(f"{source}: quantization_config is not supported (quantized HF weights); "
                      "use the unquantized folder")
   window = hf.get("sliding_window")
-  slides = hf["model_type"] == "qwen2" and hf.get("use_sliding_window") and window is not None
-  if slides and window < max_positions:
+  sliding = _qwen2_sliding_layers(hf)
+  if sliding and window < max_positions:
     raise UsageError(f"{source}: use_sliding_window=true with sliding_window={window} < "
-                     f"max_position_embeddings={max_positions} is not supported (sliding-window "
-                     "attention is not implemented)")
+                     f"max_position_embeddings={max_positions} in layers {sliding[0]}-{sliding[-1]} "
+                     "is not supported (sliding-window attention is not implemented)")
+
+
+def _qwen2_sliding_layers(hf: Mapping[str, Any]) -> list[int]:
+  """The layers a Qwen2 config gives a sliding window, by transformers' rule: with
+  use_sliding_window, those from max_window_layers on (28 where unset), unless layer_types
+  names them. (Mistral's window is every layer's, and caps the context instead.)"""
+  if hf["model_type"] != "qwen2" or not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
+    return []
+  kinds = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28)
+                                    else "full_attention" for i in range(hf["num_hidden_layers"])]
+  return [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
 
 
 def _freeze_rope_scaling(scaling: Mapping[str, Any] | None):
