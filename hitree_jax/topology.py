@@ -16,6 +16,7 @@ import math
 import os
 import pathlib
 import re
+import sys
 
 from hitree_jax.errors import UsageError
 
@@ -41,11 +42,15 @@ def skip_absent_tpu() -> None:
   """Keeps jax to the CPU where libtpu is installed (to compile for a TPU on paper) but no TPU
   and no NVIDIA GPU is attached. Otherwise jax's start-up looks for a TPU and prints libtpu's
   failure, a dozen lines that read as an error, before everything a launcher says. An explicit
-  JAX_PLATFORMS is kept; --topology compiles with the CPU as its host either way."""
+  JAX_PLATFORMS is kept; --topology compiles with the CPU as its host either way. Importing
+  hitree_jax calls this too; where jax was imported first, its platforms setting is updated
+  (jax reads the variable at its own import), which counts until jax first picks a backend."""
   if (os.environ.get("JAX_PLATFORMS") or not tpu_compiler_installed() or tpu_attached()
       or any(os.path.exists(node) for node in NVIDIA_DEVICE_NODES)):
     return
   os.environ["JAX_PLATFORMS"] = "cpu"
+  if "jax" in sys.modules:
+    sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 def devices(name: str) -> list:

@@ -10,7 +10,7 @@ import zipfile
 
 import pytest
 
-from hitree_jax import errors, shipped
+from hitree_jax import errors, shipped, topology
 from hitree_jax.tree import shapes as tree_lib
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -176,6 +176,18 @@ def test_a_mistake_is_the_only_line_even_where_libtpu_is_installed():
   assert proc.stderr.strip().splitlines() == [
       "error: model 'no/such/folder' not found: expected one of ('smollm2',), a .gguf file, an HF "
       "folder with config.json, or a checkpoint from launch.convert"]
+
+
+@pytest.mark.parametrize("imports", ["import hitree_jax.decode.engine\nimport jax",
+                                     "import jax\nimport hitree_jax.decode.engine"])
+def test_library_use_is_quiet_where_libtpu_is_installed(imports):
+  """Importing the library, before jax or after it, keeps jax from libtpu's failed TPU search."""
+  assert topology.tpu_compiler_installed() and not topology.tpu_attached()
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  code = imports + "\nprint(jax.devices()[0].platform, float(jax.numpy.ones(3).sum()))"
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                        timeout=600, env=env)
+  assert (proc.returncode, proc.stdout, proc.stderr) == (0, "cpu 3.0\n", "")
 
 
 RUN_MAIN = """
