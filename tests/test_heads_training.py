@@ -109,6 +109,10 @@ def test_a_saved_draft_loads_into_a_stack_that_decodes_like_ar(tmp_path, teacher
     saved.read_meta(tmp_path / kind, other)
   with pytest.raises(ValueError, match="trained for another target: hidden_size 32"):
     saved.check_target(meta, TEACHER.replace(hidden_size=48, head_dim=12), tmp_path / kind)
+  with pytest.raises(ValueError, match="another target: qkv_bias False .this target: True."):
+    saved.check_target(meta, TEACHER.replace(qkv_bias=True), tmp_path / kind)  # a Qwen2 of its shape
+  old_file = {k: v for k, v in meta.items() if not k.endswith("_bias")}  # saved before biases were
+  saved.check_target(old_file, TEACHER, tmp_path / kind)
   with pytest.raises(FileNotFoundError, match="expected a folder with heads.json"):
     saved.read_meta(tmp_path / "missing", kind)
   assert jnp.all(jnp.isfinite(loaded["head"]))

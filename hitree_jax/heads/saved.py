@@ -43,7 +43,8 @@ def save(path: pathlib.Path, kind: str, params, target_config: ModelConfig, voca
   shape = dict(hidden_size=target_config.hidden_size, num_heads=target_config.num_heads,
                num_kv_heads=target_config.num_kv_heads, head_dim=target_config.head_dim,
                intermediate_size=target_config.intermediate_size,
-               target_vocab_size=target_config.vocab_size, vocab_size=vocab.size if vocab else None)
+               target_vocab_size=target_config.vocab_size, vocab_size=vocab.size if vocab else None,
+               qkv_bias=target_config.qkv_bias, o_bias=target_config.o_bias)
   if kind == "medusa":
     shape["medusa_heads"] = int(params["blocks"].shape[0])
   (path / META).write_text(json.dumps({"kind": kind, **shape, **meta}, indent=1))
@@ -86,8 +87,12 @@ def drafter(meta: dict, target_config: ModelConfig, mode: str = "deterministic")
 def check_target(meta: dict, target_config: ModelConfig, path) -> None:
   """Refuses a draft trained for a target of another shape (from heads.json alone)."""
   want = dict(hidden_size=target_config.hidden_size, num_heads=target_config.num_heads,
-              num_kv_heads=target_config.num_kv_heads, target_vocab_size=target_config.vocab_size)
-  wrong = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
+              num_kv_heads=target_config.num_kv_heads, target_vocab_size=target_config.vocab_size,
+              qkv_bias=target_config.qkv_bias, o_bias=target_config.o_bias)
+  # An EAGLE layer has its target's attention biases; a file from before they were recorded
+  # was trained for a target without any.
+  got = {k: meta.get(k, False if k.endswith("_bias") else None) for k in want}
+  wrong = {k: (got[k], v) for k, v in want.items() if got[k] != v}
   if wrong:
     raise UsageError(f"{meta['kind']} draft {str(path)!r} was trained for another target: " + ", ".join(
         f"{k} {got} (this target: {need})" for k, (got, need) in wrong.items()))
