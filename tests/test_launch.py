@@ -457,11 +457,12 @@ def test_benchmark_runs_spec_bench_and_checks_every_turn_against_ar(tmp_path):
   from hitree_jax.planner import auto
   from tests.test_planner import synthetic_profile
   draft = "drafts/smollm2-draft.gguf"
-  key = (str(resolve("smollm2")), str(resolve(draft)), 512, SamplingParams.create())
-  stored = auto.profile_path(tmp_path / "profiles", *key, "chat")   # chat questions: a chat profile
+  # Chat questions of about 80 tokens are planned from a chat profile at 128.
+  key = (str(resolve("smollm2")), str(resolve(draft)), 128, SamplingParams.create())
+  stored = auto.profile_path(tmp_path / "profiles", *key, "chat")
   stored.parent.mkdir(parents=True)
-  stored.write_text(json.dumps({"key": auto.profile_key(*key, "chat", None), "profile": synthetic_profile(512)}))
-  chosen = auto.choose(synthetic_profile(512), True)
+  stored.write_text(json.dumps({"key": auto.profile_key(*key, "chat", None), "profile": synthetic_profile(128)}))
+  chosen = auto.choose(synthetic_profile(128), True)
   out = tmp_path / "sb.json"
   proc = launch("benchmark", "--prompts=specbench", "--categories=mt_bench,qa", "--per_category=1",
                 "--methods=ar,sd/ngram/4,auto", f"--draft={draft}", "--max_new_tokens=16", f"--out={out}",

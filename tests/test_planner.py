@@ -671,11 +671,13 @@ def test_a_chat_profile_is_measured_on_instructions_in_the_chat_template():
   from hitree_jax.tokenizer import load_tokenizer
   from hitree_jax.train import corpus, instructions
   tokenizer = load_tokenizer(resolve("smollm2"))
-  chat = auto.measured_prompts(tokenizer, "chat", 512)
-  assert [len(p) for p in chat] == [512] * auto.PASSAGES
-  for prompt in chat:
-    text = tokenizer.decode(prompt)
-    assert text.endswith("<|im_start|>assistant\n") and any(task in text for task in instructions.TASKS)
+  for context in (128, 512):
+    chat = auto.measured_prompts(tokenizer, "chat", context)
+    assert [len(p) for p in chat] == [context] * len(instructions.TASKS)
+    texts = [tokenizer.decode(prompt) for prompt in chat]
+    assert all(text.endswith("<|im_start|>assistant\n") for text in texts)
+    assert [[task in text for task in instructions.TASKS] for text in texts] == np.eye(6, dtype=bool).tolist()
+  assert auto.nearest_context(85) == 128   # Spec-Bench's median question
   held_out = corpus.split_texts("eval")
   passage = tokenizer.decode(chat[0]).split("\n\n", 2)[-1][:60]
   assert any(passage in text for text in held_out.values())

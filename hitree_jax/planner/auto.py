@@ -20,7 +20,9 @@ from hitree_jax.planner import latency, optimize
 from hitree_jax.planner import profile as profile_lib
 from hitree_jax.tree import shapes
 
-CONTEXTS = (512, 1024, 2048, 4096, 7680)   # a prompt is planned for the nearest profiled length
+# A prompt is planned for the nearest profiled length; 128 is a chat question's (Spec-Bench's
+# median prompt is 85 tokens).
+CONTEXTS = (128, 512, 1024, 2048, 4096, 7680)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,10 @@ def _model_levels(names: Sequence[str]) -> list[str]:
 
 CHAT = "chat"   # a profile's text: instructions in the chat template instead of a book's passages
 PASSAGES = 3  # acceptance is averaged over this many passages: one passage's is off by up to 30%
+CONTINUATION = 64   # tokens of the target's own text after a book passage, where acceptance is taken
+# After a chat prompt, the target's whole answer, to its end of turn or this many tokens (Spec-Bench's
+# max_new_tokens): prompt lookup accepts an answer's repeats of itself, which a short piece misses.
+CHAT_ANSWER = 256
 
 
 def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
@@ -291,6 +297,8 @@ def profile_key(model_path: str, draft_path: str, context: int, sampling, book: 
   key = dict(profile_lib.profile_key(model_path, draft_path), context=context, book=book,
              sampling=[float(sampling.temperature), float(sampling.top_p), int(sampling.top_k)],
              **(target_precision or {}))
+  if book == CHAT:   # what a chat profile is measured on (a book profile's key predates these)
+    key.update(prompts="one per task", answer_tokens=CHAT_ANSWER)
   return key if eagle_path is None else dict(key, eagle=eagle_path)
 
 
@@ -319,21 +327,24 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
     feature_draft = None if eagle is None else profile_lib.load_eagle(eagle_path, target)
     prompts = measured_prompts(load_tokenizer(target.path), book, context)
     # The target's own text, as a stack meets it: sampled when the plan is for sampling.
-    continuations = [engine.generate(target.params, target.config, [p], max_new_tokens=64, sampling=sampling,
-                                     seed=i, stop_at_eos=False).tokens[0] for i, p in enumerate(prompts)]
+    chat = book == CHAT
+    continuations = [engine.generate(target.params, target.config, [p], sampling=sampling, seed=i,
+                                     max_new_tokens=CHAT_ANSWER if chat else CONTINUATION,
+                                     stop_at_eos=chat).tokens[0] for i, p in enumerate(prompts)]
     return measure(target, drafter, prompts, continuations, sampling, space, eagle=feature_draft)
 
   return profile_lib.cached(path, key, run), path
 
 
 def measured_prompts(tokenizer, book: str, context: int) -> list[list[int]]:
-  """The PASSAGES prompts of `context` tokens a profile is measured on: passages of the corpus
-  `book`, or for CHAT, instructions over passages of the held-out books in the chat template
-  (train/instructions.py), the text a chat model answers (Spec-Bench, generate --chat): prompt
-  lookup and drafts accept very differently on the two."""
+  """The prompts of `context` tokens a profile is measured on: PASSAGES passages of the corpus
+  `book`, or for CHAT, one instruction of each task over a passage of the held-out books in the
+  chat template (train/instructions.py), the text a chat model answers (Spec-Bench, generate
+  --chat): prompt lookup and drafts accept very differently on the two, and on the tasks (an
+  answer that extracts or rewrites copies its prompt; a summary, less)."""
   if book == CHAT:
     from hitree_jax.train import instructions
-    windows, _ = instructions.chat_windows(tokenizer, "eval", context + 1, PASSAGES, context)
+    windows, _ = instructions.chat_windows(tokenizer, "eval", context + 1, len(instructions.TASKS), context)
     return [row[:context].tolist() for row in windows]
   from hitree_jax.data import book_prompts
   return book_prompts(tokenizer, context, PASSAGES, corpus=book)
