@@ -403,7 +403,7 @@ def preset_advice(method: Method, model: str, prompt_length: int, sampling, dtyp
 
 
 def _label(name: str, rest: str, knobs: Knobs, shape: str, levels: str) -> str:
-  """sd/DRAFT/GAMMA and tree/DRAFT/TREE as before; a hierarchy by its levels."""
+  """sd/DRAFT/GAMMA and tree/DRAFT/TREE, as typed; a hierarchy by its levels."""
   if name in ("sd", "tree"):
     draft = _split_draft_and_shape(rest)[0] if rest else knobs.draft
     return f"{name}/{draft}/{shape.removeprefix('chain:') if name == 'sd' else shape}"
