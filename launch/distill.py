@@ -85,11 +85,15 @@ def out_path() -> pathlib.Path:
 
 
 def command() -> str:
-  """The launch.distill command line that reproduces this training run."""
-  return "python -m launch.distill " + " ".join(
+  """The launch.distill command line that reproduces this training run: its --config (the
+  recipe) and the training flags given beside it."""
+  from ml_collections import config_flags
+  recipe = ([f"--config={config_flags.get_config_filename(FLAGS['config'])}"]
+            if FLAGS["config"].present else [])
+  return "python -m launch.distill " + " ".join(recipe + [
       f"--{name}={flag.value if not isinstance(flag.value, list) else ','.join(flag.value)}"
       for name, flag in sorted(FLAGS.__flags.items())
-      if flag.present and name in _TRAIN_FLAGS)
+      if flag.present and name in _TRAIN_FLAGS])
 
 
 def own_text():

@@ -293,11 +293,12 @@ def test_distill_trains_a_chat_draft_on_the_teachers_answers_to_instructions(tmp
   from hitree_jax.heads import saved
   from hitree_jax.loading import load_model
   out, work = tmp_path / "eagle_chat", tmp_path / "work"
-  proc = launch("distill", "--kind=eagle", "--teacher=smollm2", f"--workdir={work}", f"--out={out}",
-                "--vocab_size=512", "--window=80", "--train_windows=4", "--eval_windows=1", "--steps=2",
-                "--batch=2", "--cost_context=32", "--train_text=chat", "--own_prompt_tokens=64", "--json")
+  proc = launch("distill", "--config=configs/distill_eagle_chat.py", "--teacher=smollm2", f"--workdir={work}",
+                f"--out={out}", "--vocab_size=512", "--window=80", "--train_windows=4", "--eval_windows=1",
+                "--steps=2", "--batch=2", "--cost_context=32", "--own_prompt_tokens=64", "--json")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "--train_text=chat" in json.loads((out / "heads.json").read_text())["command"]
+  command = json.loads((out / "heads.json").read_text())["command"]   # the recipe, then what overrode it
+  assert command.startswith("python -m launch.distill --config=configs/distill_eagle_chat.py --batch=2 ")
   for split, n in (("train", 4), ("eval", 1)):   # both splits are chat windows, answered by the teacher
     (text,) = work.glob(f"labels_{split}_{n}x80_top32_features_chat64_t0.6_p0.9_text.npy")
     answers = np.load(text)
