@@ -202,7 +202,34 @@ def test_ngram_proposals_are_the_engines():
     seq[row, :end] = history[:end]
   inputs = types.SimpleNamespace(seq=jax.numpy.asarray(seq), end=jax.numpy.arange(1, len(history)))
   engine = NGramDrafter(3).propose(None, shapes.chain(1), inputs).tokens[:, 0]
-  np.testing.assert_array_equal(got, np.asarray(engine))
+  np.testing.assert_array_equal(got[:-1], np.asarray(engine))   # the last: after all of history
+  assert len(got) == len(history)
+
+
+def test_prompt_lookups_acceptance_compares_its_proposal_with_the_targets_for_the_same_token(tiny_pair):
+  """Row k of every level is its guess after continuation[k]. On the target's own greedy text,
+  prompt lookup's measured greedy acceptance is how often its proposal after continuation[:k+1]
+  is continuation[k+1]: counted here by hand, and different from the count one token early."""
+  from hitree_jax.decode import engine
+  from hitree_jax.decode.sampling import SamplingParams
+  target, _ = tiny_pair
+  prompt = list(np.tile(np.arange(3, 19), 8))                     # a repeating prompt: lookups hit
+  text = engine.generate(target.params, target.config, [prompt], max_new_tokens=49,
+                         stop_at_eos=False).tokens[0]           # greedy: row k's argmax is text[k + 1]
+  continuation = text[:48]
+  got = profile.pair_acceptance(target, None, [("target", "ngram:3")], prompt, continuation,
+                                SamplingParams.create())["target<-ngram:3"]["greedy"]
+  proposals = [profile.ngram_proposals(prompt + text[:k + 1], len(prompt) + k + 1, 3)[0] for k in range(48)]
+  aligned = np.mean([proposals[k] == text[k + 1] for k in range(48)])
+  early = np.mean([proposals[k] == text[k] for k in range(48)])
+  assert aligned > 0.2 and aligned != early
+  assert got == pytest.approx(aligned)
+  # A continuation that copies a random prompt: once its last 3 tokens are copied ones, after
+  # continuation[k] the lookup proposes continuation[k + 1], the token the verifier's row k predicts.
+  prompt = list(np.random.default_rng(0).integers(3, 64, 160))
+  copy = prompt[40:88]
+  _, ranked = profile._ngram_probs("ngram:3", prompt, copy, 64)
+  assert ranked[2:-1, 0].tolist() == copy[3:]
 
 
 def synthetic_profile(context=512, space=None):

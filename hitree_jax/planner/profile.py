@@ -348,12 +348,12 @@ def _eagle_continuation_probs(levels: _Levels, features, tokens, target_vocab: i
 
 
 def ngram_proposals(history: Sequence[int], start: int, max_ngram: int) -> np.ndarray:
-  """[N]: the token the n-gram drafter (drafters.NGramDrafter) proposes at each position
-  i = start .. len(history) - 1, seeing history[:i]: what followed the latest earlier match of
-  the longest (<= max_ngram) suffix, else the last token."""
+  """[len(history) - start + 1]: the token the n-gram drafter (drafters.NGramDrafter) proposes
+  after each prefix history[:end], end = start .. len(history): what followed the latest earlier
+  match of the longest (<= max_ngram) suffix, else the last token."""
   seq = np.asarray(history)
   out = []
-  for end in range(start, len(seq)):
+  for end in range(start, len(seq) + 1):
     best = -1
     match = np.arange(end) < end - 1          # a match ends strictly before the suffix does
     for n in range(1, max_ngram + 1):
@@ -369,8 +369,9 @@ def ngram_proposals(history: Sequence[int], start: int, max_ngram: int) -> np.nd
 
 
 def _ngram_probs(name: str, prompt, continuation, vocab_size: int):
-  """An n-gram level as a proposer: a one-hot q on its proposal, which is its only rank."""
-  tokens = ngram_proposals(list(prompt) + list(continuation), len(prompt), _ngram_order(name))
+  """An n-gram level as a proposer: a one-hot q on its proposal, which is its only rank. Row k
+  is its proposal after continuation[k], as a model level's row k is (_continuation_probs)."""
+  tokens = ngram_proposals(list(prompt) + list(continuation), len(prompt) + 1, _ngram_order(name))
   ranked = np.full((len(tokens), PROFILE_RANKS), -1, np.int32)
   ranked[:, 0] = tokens
   return jax.nn.one_hot(tokens, vocab_size), jnp.asarray(ranked)
@@ -447,8 +448,9 @@ def _deeper(p, accept, hits, q_deep) -> dict:
 # 2: generations are timed from when every level's cache is built (engine.prefill); the
 # overheads fitted before counted a draft's prefill as decoding. 3: CPU programs are compiled
 # with 512-bit vectors (programs.CPU_DEFAULTS). 4: overheads fitted with a fifth reference stack
-# (round_overheads). 5: an EAGLE draft's deeper-node acceptance (pair_acceptance's `deeper`).
-PROFILE_VERSION = 5
+# (round_overheads). 5: an EAGLE draft's deeper-node acceptance (pair_acceptance's `deeper`). 6: an n-gram level's proposals compared with the verifier's
+# prediction of the same token (they were one token early, so prompt lookup measured near 0).
+PROFILE_VERSION = 6
 
 
 def profile_key(model: str, draft: str | None) -> dict:
