@@ -274,14 +274,12 @@ def _add_hf_tokenizer(writer: gguf.GGUFWriter, folder: pathlib.Path, n_vocab: in
   added = tokenizer.added_tokens_decoder
   tokens, types = [], []
   for i in range(n_vocab):
+    tokens.append(by_id.get(i, f"[PAD{i}]"))
     if i not in by_id:
-      tokens.append(f"[PAD{i}]")
       types.append(gguf.TokenType.UNUSED)
     elif i in added:
-      tokens.append(by_id[i])
       types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
     else:
-      tokens.append(by_id[i])
       types.append(gguf.TokenType.NORMAL)
   writer.add_tokenizer_model("gpt2")
   writer.add_token_list(tokens)

@@ -448,8 +448,9 @@ def _deeper(p, accept, hits, q_deep) -> dict:
 # 2: generations are timed from when every level's cache is built (engine.prefill); the
 # overheads fitted before counted a draft's prefill as decoding. 3: CPU programs are compiled
 # with 512-bit vectors (programs.CPU_DEFAULTS). 4: overheads fitted with a fifth reference stack
-# (round_overheads). 5: an EAGLE draft's deeper-node acceptance (pair_acceptance's `deeper`). 6: an n-gram level's proposals compared with the verifier's
-# prediction of the same token (they were one token early, so prompt lookup measured near 0).
+# (round_overheads). 5: an EAGLE draft's deeper-node acceptance (pair_acceptance's `deeper`).
+# 6: an n-gram level's proposals compared with the verifier's prediction of the same token
+# (they were one token early, so prompt lookup measured near 0).
 PROFILE_VERSION = 6
 
 
