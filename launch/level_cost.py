@@ -4,12 +4,13 @@
   python -m launch.level_cost --config=configs/llama2_7b_128k.py --mesh=model:8 --contexts=130560
 
 The config is a shapes config (configs/llama*_128k.py, as for launch.plan_memory): the target,
-the draft, the retrieval budget and the StreamingLLM window. The weights are random (in the
-config's dtype) and each context's caches hold random keys and values: a forward's time does
-not depend on what the numbers are. At each context length it times, as the median of
---repeats calls of FORWARDS_PER_CALL forwards in one program (planner/profile.py's timing):
+the draft, the retrieval budget and the StreamingLLM window. The weights and each context's
+caches hold arbitrary numbers in the config's dtype (`noise`): a forward's time does not depend
+on what they are. At each context length it times, as the median of --repeats calls of
+FORWARDS_PER_CALL forwards in one program (planner/profile.py's timing):
 
-  target            w tokens over the full cache of the context (w = 1 is `ar`'s step)
+  target            w tokens over the full cache of the context (w = 1 is `ar`'s step), and
+                      `attention_ms`, one layer's attention to that cache alone, x the layers
   retrieval:B       the target over the retrieval cache of B slots chosen from that cache
                       (TriForce's middle level), and `select_ms`, what choosing them costs
   draft@streaming   the draft over a StreamingLLM cache (sinks + window) of the context
@@ -68,19 +69,28 @@ FLAGS = flags.FLAGS
 HEADROOM = 0.92   # of a device's memory that the arrays may take: the rest is for temporaries
 
 
-def _key(seed: int):
-  """A key of XLA's own generator: threefry's program to fill 64 GiB of cache took the GPU
-  compiler minutes (and 59 s for 7B weights); the numbers' quality does not matter here."""
+def noise(shape, dtype, seed: int, scale: float = 1.0):
+  """Numbers in [-scale, scale) from a multiplicative hash of each element's index: one fusion per
+  array, which the GPU compiler builds at once. XLA's random generators took the H200's compiler
+  about 0.2 s per array (49-70 s for a 7B target's weights, threefry or rbg alike); a forward's
+  time does not depend on what the numbers are."""
   import jax
-  return jax.random.key(seed, impl="rbg")
+  import jax.numpy as jnp
+  import numpy as np
+  i = jax.lax.iota(jnp.uint32, math.prod(shape)) + np.uint32((seed * 0x9E3779B9) & 0xFFFFFFFF)
+  h = i * np.uint32(2654435761)
+  h = (h ^ (h >> 15)) * np.uint32(2246822519)
+  unit = (h >> 8).astype(jnp.float32) * (2.0 / 2**24) - 1.0    # [-1, 1)
+  return (scale * unit).reshape(shape).astype(dtype)
 
 
-def _made(make, axes, mesh, key):
-  """make(key) jitted straight into its shardings (nothing whole on the host or one device)."""
+def _made(make, axes, mesh, seed: int):
+  """make(seed) jitted straight into its shardings (nothing whole on the host or one device)."""
+  import functools
   import jax
   from hitree_jax import sharding
   out = None if mesh is None else sharding.shardings(axes, mesh)
-  return jax.jit(make, out_shardings=out)(key)
+  return jax.jit(functools.partial(make, seed), out_shardings=out)()
 
 
 class Arrays:
@@ -88,15 +98,18 @@ class Arrays:
   bytes, before anything is made) and the made ones."""
 
   def __init__(self, config, mesh, split: bool):
+    import jax
     from hitree_jax import memory_plan
     from hitree_jax.model.llama import init_params
     self.config, self.mesh, self.split = config, mesh, split
-    self._init = lambda key: init_params(config, key)
+    leaves, tree = jax.tree.flatten(jax.eval_shape(lambda key: init_params(config, key), jax.random.key(0)))
+    self._init = lambda seed: jax.tree.unflatten(tree, [noise(a.shape, a.dtype, seed * 1000 + i, scale=0.02)
+                                                        for i, a in enumerate(leaves)])
     self.abstract_params = memory_plan.abstract_params(config, mesh, split)
     self._param_axes = memory_plan.params_axes(self.abstract_params, split)
 
   def params(self):
-    return _made(self._init, self._param_axes, self.mesh, _key(0))
+    return _made(self._init, self._param_axes, self.mesh, 0)
 
   def _cache_make(self, slots: int):
     import jax
@@ -105,15 +118,14 @@ class Arrays:
     from hitree_jax.cache.full import KVCache
     config = self.config
 
-    def make(key):
+    def make(seed):
       empty = KVCache.init(config, 1, slots)
-      keys = jax.random.split(key, 2 * config.num_layers)
-      fill = lambda buf, k: jax.random.normal(k, buf.shape, buf.dtype)
-      return empty.replace(keys=tuple(map(fill, empty.keys, keys[::2])),
-                           values=tuple(map(fill, empty.values, keys[1::2])),
+      fill = lambda buf, i: noise(buf.shape, buf.dtype, seed * 1000 + i)
+      return empty.replace(keys=tuple(fill(b, 2 * i) for i, b in enumerate(empty.keys)),
+                           values=tuple(fill(b, 2 * i + 1) for i, b in enumerate(empty.values)),
                            lengths=jnp.full((1,), slots, jnp.int32))
 
-    shapes = jax.eval_shape(make, _key(0))
+    shapes = jax.eval_shape(lambda: make(0))
     return make, shapes, sharding.cache_axes(shapes, heads=self.split)
 
   def abstract_cache(self, slots: int):
@@ -124,7 +136,7 @@ class Arrays:
   def cache(self, slots: int, seed: int):
     """A full cache of `slots` slots, all committed, of random keys and values."""
     make, _, axes = self._cache_make(slots)
-    return _made(make, axes, self.mesh, _key(seed))
+    return _made(make, axes, self.mesh, seed)
 
 
 def weights_read(arrays: Arrays) -> int:
@@ -148,6 +160,32 @@ def forward_ms(timed, params, cache, widths) -> dict[int, float]:
   from hitree_jax.planner.profile import FORWARDS_PER_CALL, median_seconds
   return {w: 1e3 * median_seconds(timed, params, jnp.zeros((1, w), jnp.int32), cache,
                                   repeats=FLAGS.repeats) / FORWARDS_PER_CALL for w in widths}
+
+
+def attention_ms(config, cache, widths) -> dict[int, float]:
+  """{w: ms the target's layers spend attending w tokens to `cache`}: one layer's attention over
+  its keys and values (llama.attention, FORWARDS_PER_CALL in a row, each on the last one's
+  output), times the layers. Set beside the target's step, it says whether the long cache or
+  the rest of the forward is what costs (on an H200 at 128K the step took twice the sum of
+  its parts timed alone: docs/accelerators.md)."""
+  import jax
+  import jax.numpy as jnp
+  from hitree_jax.model import llama
+  from hitree_jax.planner.profile import FORWARDS_PER_CALL, median_seconds
+
+  @jax.jit
+  def run(q, keys, values, lengths):   # q [1, w, H, D]; keys, values [1, KVH, D, S]
+    recent = jnp.zeros((*values.shape[:3], 8), values.dtype)
+    attend = jnp.ones((1, q.shape[1], 8), bool)
+
+    def one(_, q):
+      return q + 1e-3 * llama.attention(q, recent, recent, attend, context=((keys, values, lengths),))
+    return jax.lax.fori_loop(0, FORWARDS_PER_CALL, one, q)
+
+  layer = (cache.keys[0], cache.values[0], cache.lengths)
+  return {w: 1e3 * config.num_layers * median_seconds(
+              run, jnp.ones((1, w, config.num_heads, config.head_dim), cache.values[0].dtype), *layer,
+              repeats=FLAGS.repeats) / FORWARDS_PER_CALL for w in widths}
 
 
 def _progress(context: int, level: str, ms) -> None:
@@ -179,6 +217,8 @@ def context_row(cfg, target: Arrays, draft: Arrays, params, draft_params, contex
   full = target.cache(context, seed=context)
   row["target_ms"] = forward_ms(timed_forward(target.config), params, full, widths)
   _progress(context, "target", row["target_ms"])
+  row["attention_ms"] = attention_ms(target.config, full, widths)
+  _progress(context, "target's attention to it (one layer alone, x layers)", row["attention_ms"])
   select = functools.partial(long_caches.select_retrieval, params, target.config, full, jnp.zeros((1,), jnp.int32),
                              cfg.budget, RETRIEVAL_CHUNK, 64, sharding.sequence_shards(target.mesh))
   row["select_ms"] = 1e3 * median_seconds(select, repeats=FLAGS.repeats)
@@ -210,16 +250,17 @@ def markdown(record) -> str:
   lines = [f"{record['device_kind']} x{record['devices']} ({record['mesh']}), {record['config']}; "
            f"retrieval budget {record['budget']}, draft over {record['sinks']}+{record['window']} slots; "
            f"ms per forward ({w_top} tokens for the levels).", "",
-           f"| context | `ar` step ms | HBM floor ms | x floor | target, {w_top} tokens | retrieval, {w_top} "
-           f"tokens | x a {record['budget']}-token forward | selection ms | draft, {w_top} tokens |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           f"| context | `ar` step ms | of it, attention | HBM floor ms | x floor | target, {w_top} tokens | "
+           f"retrieval, {w_top} tokens | x a {record['budget']}-token forward | selection ms | draft, {w_top} tokens |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in record["rows"]:
     if "skipped" in r:
-      lines.append(f"| {r['context']} | skipped: {r['skipped']} |||||||")
+      lines.append(f"| {r['context']} | skipped: {r['skipped']} ||||||||")
       continue
     get = lambda name, w: r[name].get(w, r[name].get(str(w)))
-    lines.append(f"| {r['context']} | {fmt(get('target_ms', 1) if 1 in widths else None)} | "
-                 f"{fmt(r.get('floor_ms'))} | {fmt(r.get('ar_over_floor'))} | {fmt(get('target_ms', w_top))} | "
+    one = lambda name: fmt(get(name, 1) if 1 in widths and name in r else None)
+    lines.append(f"| {r['context']} | {one('target_ms')} | {one('attention_ms')} | {fmt(r.get('floor_ms'))} | "
+                 f"{fmt(r.get('ar_over_floor'))} | {fmt(get('target_ms', w_top))} | "
                  f"{fmt(get('retrieval_ms', w_top))} | {fmt(get('retrieval_over_baseline', w_top))} | "
                  f"{fmt(r['select_ms'])} | {fmt(get('draft_ms', w_top))} |")
   return "\n".join(lines)

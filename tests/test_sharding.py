@@ -283,7 +283,7 @@ def test_level_cost_times_every_level_against_the_floor_and_skips_what_does_not_
   assert record["devices"] == 4 and record["mesh"] == "model:4" and record["weights_read_bytes"] == weights
   fits, too_big = record["rows"]
   assert fits["context"] == 512 and fits["floor_ms"] == pytest.approx(1e3 * (weights + full_512) / 10e9)
-  for level in ("target_ms", "retrieval_ms", "draft_ms"):
+  for level in ("target_ms", "attention_ms", "retrieval_ms", "draft_ms"):
     assert set(fits[level]) == {"1", "3"} and min(fits[level].values()) > 0
   assert fits["ar_over_floor"] == pytest.approx(fits["target_ms"]["1"] / fits["floor_ms"])
   assert fits["select_ms"] > 0 and set(record["baseline_ms"]) == {"1", "3"}
