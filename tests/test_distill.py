@@ -68,6 +68,22 @@ def test_labelling_resumes_from_the_saved_chunks(tmp_path, teacher_params, data)
     np.testing.assert_array_equal(saved["ids"], resumed["ids"])
 
 
+def test_a_token_draft_reuses_a_feature_drafts_labels(tmp_path, teacher_params, data):
+  """Labels made with the teacher's features hold a token draft's: prepare_labels without
+  features takes them, features dropped, and asks nothing of the teacher (None here); without
+  them it would label again."""
+  windows, ids, log_probs, _ = data
+  features = np.ones((*windows.shape, 32), np.float16)
+  np.savez(tmp_path / f"labels_train_{len(windows)}x{windows.shape[1]}_top8_features.npz",
+           tokens=windows, ids=ids, log_probs=log_probs, features=features)
+  labels = distill.prepare_labels(tmp_path, "train", None, None, window=windows.shape[1],
+                                  n_windows=len(windows), k=8)
+  assert sorted(labels) == ["ids", "log_probs", "tokens"]
+  np.testing.assert_array_equal(labels["ids"], ids)
+  with pytest.raises(AttributeError):   # other labels than those saved: the teacher is asked
+    distill.prepare_labels(tmp_path, "train", None, None, window=windows.shape[1], n_windows=len(windows), k=4)
+
+
 def test_sparse_targets_drop_tokens_outside_the_subset(data):
   windows, ids, log_probs, vocab = data
   draft_ids, probs = distill.sparse_targets(ids, log_probs, vocab)

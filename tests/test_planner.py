@@ -692,18 +692,24 @@ def test_a_preset_slower_than_the_plan_is_named_in_one_line(tmp_path, monkeypatc
 def test_a_chat_profile_is_measured_on_instructions_in_the_chat_template():
   """auto plans a chat model's prompts (Spec-Bench, generate --chat) from a profile measured on
   what it answers: instructions over held-out book passages in the chat template, at the
-  profile's context; a book's profile on its passages."""
+  profile's context, and at a question's context, instructions with no passage; a book's
+  profile on its passages."""
   from hitree_jax.loading import resolve
   from hitree_jax.planner import auto
   from hitree_jax.tokenizer import load_tokenizer
   from hitree_jax.train import corpus, instructions
   tokenizer = load_tokenizer(resolve("smollm2"))
-  for context in (128, 512):
+  for context in (512, 128):
     chat = auto.measured_prompts(tokenizer, "chat", context)
-    assert [len(p) for p in chat] == [context] * len(instructions.TASKS)
     texts = [tokenizer.decode(prompt) for prompt in chat]
     assert all(text.endswith("<|im_start|>assistant\n") for text in texts)
-    assert [[task in text for task in instructions.TASKS] for text in texts] == np.eye(6, dtype=bool).tolist()
+    over_passages, open_ones = chat[:len(instructions.TASKS)], chat[len(instructions.TASKS):]
+    assert [len(p) for p in over_passages] == [context] * len(instructions.TASKS)
+    assert [[task in text for task in instructions.TASKS] for text in texts[:6]] == np.eye(6, dtype=bool).tolist()
+    # the open instructions (no passage) join the profile their length is planned from: 128's
+    assert [tokenizer.decode(p) for p in open_ones] == ([] if context == 512 else [
+        tokenizer.decode(instructions.chat_prompt(tokenizer, text)) for text in instructions.OPEN_INSTRUCTIONS])
+    assert all(auto.nearest_context(len(p)) == 128 for p in open_ones)
   assert auto.nearest_context(85) == 128   # Spec-Bench's median question
   held_out = corpus.split_texts("eval")
   passage = tokenizer.decode(chat[0]).split("\n\n", 2)[-1][:60]

@@ -87,13 +87,14 @@ def test_chat_windows_are_instructions_over_book_passages_of_one_length(tokenize
 
 
 def test_no_training_instruction_shares_13_words_with_a_spec_bench_question(tokenizer):
-  """The chat recipe's training and held-out instructions against all 480 questions' turns; and a
-  negative control: a question copied into a passage is caught."""
+  """The chat recipe's training and held-out instructions, and the chat profile's open ones,
+  against all 480 questions' turns; and a negative control: a question copied into a passage is caught."""
   from hitree_jax.train import instructions
   recipe = chat_recipe()
   turns = [turn for q in spec_bench.read() for turn in q.turns]
   for split, n in (("train", recipe.train_windows), ("eval", recipe.eval_windows)):
     _, texts = instructions.chat_windows(tokenizer, split, recipe.window, n, recipe.own_prompt_tokens)
     assert len(texts) == n and instructions.overlap(texts, turns) == set()
+  assert instructions.overlap(instructions.OPEN_INSTRUCTIONS, turns) == set()   # the chat profile's
   planted = texts[0] + " " + turns[123]
   assert instructions.overlap([planted], turns) == instructions.shingles(turns[123])

@@ -97,8 +97,8 @@ CHAT_ANSWER = 256
 def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
             sampling, space: Space = Space(), repeats: int = 10, eagle=None) -> dict:
   """A profile: costs {level: {width: s}}, acceptance {"v<-p": ...}, overheads {field: s},
-  ar_seconds (per token of plain decoding, measured). Acceptance is the mean over the prompts
-  (passages of one length); the timings are taken after the first.
+  ar_seconds (per token of plain decoding, measured). Acceptance is the mean over the prompts;
+  the timings are taken after the first, at its length (the profile's context).
   target, draft: loading.LoadedModel; continuations: the target's own tokens after each prompt;
   eagle: profile.load_eagle's EAGLE draft, measured as the level 'eagle' (the space gets it).
   The overheads are fitted to the draft model's stacks; an EAGLE forward is charged the draft
@@ -298,7 +298,9 @@ def profile_key(model_path: str, draft_path: str, context: int, sampling, book: 
              sampling=[float(sampling.temperature), float(sampling.top_p), int(sampling.top_k)],
              **(target_precision or {}))
   if book == CHAT:   # what a chat profile is measured on (a book profile's key predates these)
-    key.update(prompts="one per task", answer_tokens=CHAT_ANSWER)
+    from hitree_jax.train.instructions import OPEN_INSTRUCTIONS
+    key.update(prompts=f"one per task, and {len(OPEN_INSTRUCTIONS)} open instructions at their context",
+               answer_tokens=CHAT_ANSWER)
   return key if eagle_path is None else dict(key, eagle=eagle_path)
 
 
@@ -337,15 +339,20 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
 
 
 def measured_prompts(tokenizer, book: str, context: int) -> list[list[int]]:
-  """The prompts of `context` tokens a profile is measured on: PASSAGES passages of the corpus
-  `book`, or for CHAT, one instruction of each task over a passage of the held-out books in the
-  chat template (train/instructions.py), the text a chat model answers (Spec-Bench, generate
-  --chat): prompt lookup and drafts accept very differently on the two, and on the tasks (an
-  answer that extracts or rewrites copies its prompt; a summary, less)."""
+  """The prompts a profile is measured on: PASSAGES passages of `context` tokens of the corpus
+  `book`; or for CHAT, the text a chat model answers (Spec-Bench, generate --chat), in the chat
+  template: one instruction of each task over a passage of the held-out books, `context` tokens
+  long (train/instructions.py), and the open instructions, which have no text to copy, where
+  this is the profile a question of their length is planned from (they are short). Prompt
+  lookup and drafts accept very differently on these: an answer that extracts or rewrites
+  copies its prompt; a summary, less; a poem, nothing."""
   if book == CHAT:
+    from hitree_jax.tokenizer import chat_prompt
     from hitree_jax.train import instructions
     windows, _ = instructions.chat_windows(tokenizer, "eval", context + 1, len(instructions.TASKS), context)
-    return [row[:context].tolist() for row in windows]
+    open_prompts = [list(chat_prompt(tokenizer, text)) for text in instructions.OPEN_INSTRUCTIONS]
+    return ([row[:context].tolist() for row in windows]
+            + [p for p in open_prompts if nearest_context(len(p)) == context])
   from hitree_jax.data import book_prompts
   return book_prompts(tokenizer, context, PASSAGES, corpus=book)
 

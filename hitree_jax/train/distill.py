@@ -49,14 +49,19 @@ def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, 
   (train/instructions.py), and the rest the teacher's answer; own_text is then required."""
   if chat and own_text is None:
     raise UsageError("chat windows need own_text: the teacher writes their answers")
-  name = f"labels_{split}_{n_windows}x{window}_top{k}" + ("_features" if features else "")
-  name += taps_suffix(taps)
-  if own_text is not None:
-    name += f"_{'chat' if chat else 'own'}{own_text[0]}_t{float(own_text[1].temperature):g}_p{float(own_text[1].top_p):g}"
+  text = "" if own_text is None else (f"_{'chat' if chat else 'own'}{own_text[0]}"
+                                      f"_t{float(own_text[1].temperature):g}_p{float(own_text[1].top_p):g}")
+  named = lambda with_features: (f"labels_{split}_{n_windows}x{window}_top{k}"
+                                 + ("_features" if with_features else "") + taps_suffix(taps) + text)
+  name = named(features)
   path = pathlib.Path(workdir) / f"{name}.npz"
   if path.is_file():
     with np.load(path) as f:
       return dict(f)
+  superset = path.with_name(f"{named(True)}.npz")   # a feature draft's labels hold a token draft's
+  if not features and not taps and superset.is_file():
+    with np.load(superset) as f:
+      return {key: f[key] for key in f.files if key != "features"}
   if chat:
     windows, _ = instructions.chat_windows(tokenizer, split, window, n_windows, own_text[0])
   else:

@@ -28,6 +28,18 @@ TASKS = (
     "List the people, places and objects mentioned in this passage.",
     "Write two questions a reader might ask about this passage, and answer them.",
 )
+# Instructions with no text to work from, as half of Spec-Bench's tasks are (MT-bench, QA, math;
+# summarization, RAG and translation hand the model a text): a chat profile is measured on these
+# beside the passage tasks, so prompt lookup is not planned as if every answer copied its prompt.
+OPEN_INSTRUCTIONS = (
+    "Write a short poem about a walk by the sea in winter.",
+    "What are three good ways to save money on groceries? Explain each briefly.",
+    "A farmer has 17 sheep, buys 8 more and then sells 5. How many sheep does he have? "
+    "Explain your reasoning step by step.",
+    "Explain in simple terms why the sky looks blue during the day.",
+    "Imagine you are a guide in an old castle. Greet your visitors and describe the first room.",
+    "Who was the first person to walk on the Moon, and in which year did it happen?",
+)
 CANDIDATES_PER_WINDOW = 4   # passages tried per window: a few do not tokenize to the exact length
 
 
