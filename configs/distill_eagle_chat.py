@@ -14,22 +14,13 @@ run is shared). Evaluated on the same kind of windows over the held-out books. E
 setting is the book recipe's.
 """
 
-import importlib.util
-import pathlib
-
 from ml_collections import config_dict
 
-
-def _book_recipe() -> config_dict.ConfigDict:
-  path = pathlib.Path(__file__).with_name("distill_eagle.py")
-  spec = importlib.util.spec_from_file_location("distill_eagle", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+from hitree_jax import shipped
 
 
 def get_config() -> config_dict.ConfigDict:
-  config = _book_recipe()
+  config = shipped.config("distill_eagle")
   config.update(dict(
       workdir="runs/eagle_chat",
       out="drafts/smollm2-eagle-chat",

@@ -47,3 +47,13 @@ def names(folder: str, suffix: str = "") -> list[str]:
   where = ROOT / folder if (ROOT / folder).is_dir() else PACKAGED / folder
   return sorted(p.name.removesuffix(suffix) for p in where.glob(f"*{suffix}")
                 if not p.name.startswith((".", "_")))
+
+
+def config(name: str):
+  """get_config() of the shipped configs/NAME.py, for a recipe that extends another (the chat
+  drafts' recipes are the book drafts' with another text)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(f"shipped_config_{name}", find(name, "configs", (".py",)))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()

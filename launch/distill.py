@@ -65,7 +65,8 @@ flags.DEFINE_enum("train_text", "books", ["books", "own", "chat"], "Training tex
                   "answer, for a draft of a chat model (evaluated on the held-out books' instructions).")
 flags.DEFINE_integer("own_prompt_tokens", 64, "--train_text=own|chat: prompt tokens before each "
                      "continuation or answer.")
-flags.DEFINE_bool("eval", False, "Evaluate --draft against --teacher instead of training.")
+flags.DEFINE_bool("eval", False, "Evaluate --draft against --teacher instead of training: on held-out "
+                  "books, or with --train_text=chat on the held-out chat windows.")
 flags.DEFINE_string("draft", None, "--eval: the draft, as --draft of launch.generate: PATH (a GGUF "
                     "from this launcher), eagle:PATH or medusa:PATH (a --kind=eagle|medusa folder) "
                     "or self:K (the teacher's first K layers).")
@@ -332,8 +333,15 @@ def eval_main():
 
   teacher = load_model(FLAGS.teacher)
   tokenizer = load_tokenizer(teacher.path)
+  windows = None
+  if FLAGS.train_text == "chat":   # judged on the held-out chat windows (labelled once in --workdir)
+    from hitree_jax.train import distill
+    windows = distill.prepare_labels(pathlib.Path(FLAGS.workdir), "eval", teacher, tokenizer,
+                                     window=FLAGS.window, n_windows=FLAGS.eval_windows, k=FLAGS.topk,
+                                     progress=Progress("labelling eval windows").update,
+                                     **text_of("eval"))["tokens"]
   if FLAGS.draft.startswith(("eagle:", "medusa:")):
-    return evaluate_heads(teacher, tokenizer, FLAGS.draft)
+    return evaluate_heads(teacher, tokenizer, FLAGS.draft, windows)
   if FLAGS.draft.startswith("self:"):
     drafter = parse_draft_spec(FLAGS.draft)
     assert isinstance(drafter, SelfDrafter)
@@ -343,7 +351,7 @@ def eval_main():
     draft = LoadedModel(teacher.config.replace(num_layers=k), params, teacher.path)
   else:
     draft = load_model(FLAGS.draft)
-  return evaluate(teacher, tokenizer, draft, FLAGS.draft)
+  return evaluate(teacher, tokenizer, draft, FLAGS.draft, windows)
 
 
 def check_flags() -> None:

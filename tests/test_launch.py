@@ -303,6 +303,13 @@ def test_distill_trains_a_chat_draft_on_the_teachers_answers_to_instructions(tmp
     (text,) = work.glob(f"labels_{split}_{n}x80_top32_features_chat64_t0.6_p0.9_text.npy")
     answers = np.load(text)
     assert answers.shape == (n, 80) and answers[:, 64:].any()
+  # --eval judges a draft on the same held-out chat windows (the labels are kept): the figure the run wrote
+  proc = launch("distill", "--config=configs/distill_eagle_chat.py", "--eval", f"--draft=eagle:{out}",
+                "--teacher=smollm2", f"--workdir={work}", "--window=80", "--eval_windows=1", "--cost_context=32",
+                "--own_prompt_tokens=64", "--json")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  evaluated = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert evaluated["greedy_agreement"] == json.loads((out / "heads.json").read_text())["evaluation"]["greedy_agreement"]
   from hitree_jax.model.vocab import ReducedVocab
   from hitree_jax.tokenizer import chat_prompt, load_tokenizer
   from hitree_jax.train import corpus

@@ -40,6 +40,7 @@ def test_shipped_files_are_found_from_anywhere(tmp_path, monkeypatch):
   # the chat versions (trained on the target's answers to instructions) ship beside them
   assert methods.method("sd", draft="smollm2-eagle-chat").heads == "eagle:smollm2-eagle-chat"
   assert methods.method("sd", draft="smollm2-medusa-chat").heads == "medusa:smollm2-medusa-chat"
+  assert methods.method("sd", draft="smollm2-draft-chat").draft_path == str(REPO / "drafts" / "smollm2-draft-chat.gguf")
   (tmp_path / "smollm2-draft").write_text("mine")   # a file where it is given wins
   assert shipped.find("smollm2-draft") == pathlib.Path("smollm2-draft")
   assert shipped.find("no-such-draft") == pathlib.Path("no-such-draft")

@@ -62,12 +62,8 @@ def tokenizer():
 
 
 def chat_recipe():
-  import importlib.util
   from hitree_jax import shipped
-  spec = importlib.util.spec_from_file_location("recipe", shipped.find("distill_eagle_chat", "configs", (".py",)))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return shipped.config("distill_eagle_chat")
 
 
 def test_chat_windows_are_instructions_over_book_passages_of_one_length(tokenizer):
