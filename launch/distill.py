@@ -105,11 +105,17 @@ def own_text():
   return FLAGS.own_prompt_tokens, SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
 
 
-def text_of(split: str) -> dict:
-  """prepare_labels' text arguments for a split: own text trains only (evaluation stays on
-  books); chat windows train and evaluate (a chat draft is judged on chat)."""
+def split_labels(teacher, tokenizer, split: str, **features) -> dict:
+  """distill.prepare_labels of a split ("train" or "eval") in --workdir, with the flags' windows
+  and text: own text trains only (evaluation stays on books); chat windows train and evaluate
+  (a chat draft is judged on chat). features: features=True and taps for a feature draft."""
+  from hitree_jax.train import distill
   chat = FLAGS.train_text == "chat"
-  return dict(own_text=own_text() if split == "train" or chat else None, chat=chat)
+  return distill.prepare_labels(pathlib.Path(FLAGS.workdir), split, teacher, tokenizer, window=FLAGS.window,
+                                n_windows=FLAGS.train_windows if split == "train" else FLAGS.eval_windows,
+                                k=FLAGS.topk, progress=Progress(f"labelling {split} windows").update,
+                                own_text=own_text() if split == "train" or chat else None, chat=chat,
+                                **features)
 
 
 def draft_vocabulary(tokenizer, teacher_config, train_tokens):
@@ -147,11 +153,7 @@ def train_heads_main():
   workdir = pathlib.Path(FLAGS.workdir)
   teacher = load_model(FLAGS.teacher)
   tokenizer = load_tokenizer(teacher.path)
-  labels = {split: distill.prepare_labels(workdir, split, teacher, tokenizer, window=FLAGS.window,
-                                          n_windows=n, k=FLAGS.topk, features=True, taps=taps(),
-                                          progress=Progress(f"labelling {split} windows").update,
-                                          **text_of(split))
-            for split, n in (("train", FLAGS.train_windows), ("eval", FLAGS.eval_windows))}
+  labels = {split: split_labels(teacher, tokenizer, split, features=True, taps=taps()) for split in ("train", "eval")}
   vocab = draft_vocabulary(tokenizer, teacher.config, labels["train"]["tokens"])
   data = {split: (l["tokens"], l["features"], *distill.sparse_targets(l["ids"], l["log_probs"], vocab))
           for split, l in labels.items()}
@@ -199,11 +201,7 @@ def train_main():
   layers = tuple(int(x) for x in FLAGS.layers)
   teacher = load_model(FLAGS.teacher)
   tokenizer = load_tokenizer(teacher.path)
-  labels = {split: distill.prepare_labels(workdir, split, teacher, tokenizer, window=FLAGS.window,
-                                          n_windows=n, k=FLAGS.topk,
-                                          progress=Progress(f"labelling {split} windows").update,
-                                          **text_of(split))
-            for split, n in (("train", FLAGS.train_windows), ("eval", FLAGS.eval_windows))}
+  labels = {split: split_labels(teacher, tokenizer, split) for split in ("train", "eval")}
   vocab = draft_vocabulary(tokenizer, teacher.config, labels["train"]["tokens"])
   data = {split: (vocab.to_draft(l["tokens"]), *distill.sparse_targets(l["ids"], l["log_probs"], vocab))
           for split, l in labels.items()}
@@ -335,11 +333,7 @@ def eval_main():
   tokenizer = load_tokenizer(teacher.path)
   windows = None
   if FLAGS.train_text == "chat":   # judged on the held-out chat windows (labelled once in --workdir)
-    from hitree_jax.train import distill
-    windows = distill.prepare_labels(pathlib.Path(FLAGS.workdir), "eval", teacher, tokenizer,
-                                     window=FLAGS.window, n_windows=FLAGS.eval_windows, k=FLAGS.topk,
-                                     progress=Progress("labelling eval windows").update,
-                                     **text_of("eval"))["tokens"]
+    windows = split_labels(teacher, tokenizer, "eval")["tokens"]
   if FLAGS.draft.startswith(("eagle:", "medusa:")):
     return evaluate_heads(teacher, tokenizer, FLAGS.draft, windows)
   if FLAGS.draft.startswith("self:"):

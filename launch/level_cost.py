@@ -94,19 +94,18 @@ def _made(make, axes, mesh, seed: int):
 
 
 class Arrays:
-  """Random weights and caches of a config's shapes: the abstract ones (for their per-device
-  bytes, before anything is made) and the made ones."""
+  """Weights and caches of a config's shapes, of arbitrary numbers (`noise`): the abstract ones
+  (for their per-device bytes, before anything is made) and the made ones."""
 
   def __init__(self, config, mesh, split: bool):
     import jax
     from hitree_jax import memory_plan
-    from hitree_jax.model.llama import init_params
     self.config, self.mesh, self.split = config, mesh, split
-    leaves, tree = jax.tree.flatten(jax.eval_shape(lambda key: init_params(config, key), jax.random.key(0)))
-    self._init = lambda seed: jax.tree.unflatten(tree, [noise(a.shape, a.dtype, seed * 1000 + i, scale=0.02)
-                                                        for i, a in enumerate(leaves)])
     self.abstract_params = memory_plan.abstract_params(config, mesh, split)
     self._param_axes = memory_plan.params_axes(self.abstract_params, split)
+    leaves, tree = jax.tree.flatten(self.abstract_params)
+    self._init = lambda seed: jax.tree.unflatten(tree, [noise(a.shape, a.dtype, seed * 1000 + i, scale=0.02)
+                                                        for i, a in enumerate(leaves)])
 
   def params(self):
     return _made(self._init, self._param_axes, self.mesh, 0)
@@ -134,7 +133,7 @@ class Arrays:
     return memory_plan.abstract(shapes, axes, self.mesh)
 
   def cache(self, slots: int, seed: int):
-    """A full cache of `slots` slots, all committed, of random keys and values."""
+    """A full cache of `slots` slots, all committed, of arbitrary keys and values."""
     make, _, axes = self._cache_make(slots)
     return _made(make, axes, self.mesh, seed)
 
