@@ -35,6 +35,22 @@ def test_a_chain_is_the_textbook_formula():
   assert with_overheads.seconds_per_token == pytest.approx(round_seconds / expected_tokens)
 
 
+def test_a_drafter_offering_nothing_in_some_rounds_pays_a_one_token_forward_there():
+  a, gamma, offer = 0.7, 4, 0.6
+  target, over = affine(0.020, 0.001), latency.Overheads(verify=0.002)
+  model = latency.StackModel(shapes.chain(gamma), 0.0, (target,), ([a],), overheads=over,
+                             model_drafter=False, offer=offer)
+  chain_tokens = (1 - a ** (gamma + 1)) / (1 - a)
+  tokens = offer * chain_tokens + (1 - offer) * 1.0
+  seconds = offer * target(gamma + 1) + (1 - offer) * target(1) + 0.002
+  got = latency.predict(model)
+  assert got.tokens_per_target_forward == pytest.approx(tokens)
+  assert got.seconds_per_token == pytest.approx(seconds / tokens)
+  # Never offering is plain decoding.
+  never = latency.predict(dataclasses.replace(model, offer=0.0))
+  assert never.seconds_per_token == pytest.approx(target(1) + 0.002) and never.tokens_per_target_forward == 1.0
+
+
 def test_deeper_nodes_of_a_chain_accept_at_the_deeper_rate():
   law = latency.accepted_law(shapes.chain(3), [0.6], deeper=0.8)
   at_least = law[::-1].cumsum()[::-1]                  # P(accepted >= k)
@@ -130,7 +146,9 @@ def random_candidates(rng, n_middles):
         ranks = np.sort(rng.uniform(0.05, 0.95, 3))[::-1]
         acceptance[verifier, proposer] = list(ranks * min(1.0, rng.uniform(0.3, 1.0) / ranks.sum()))
   overheads = latency.Overheads(*rng.uniform(0.0, 0.003, 3))
-  return optimize.Candidates(drafters, middles, affine(0.03, 0.002), (2, 4, 7), acceptance, overheads)
+  offers = {(verifier, "ngram"): rng.uniform(0.3, 1.0) for verifier in [*everyone, "target"]}
+  return optimize.Candidates(drafters, middles, affine(0.03, 0.002), (2, 4, 7), acceptance, overheads,
+                             offers=offers)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -195,21 +213,24 @@ def test_ngram_proposals_are_the_engines():
   from hitree_jax.decode.drafters import NGramDrafter
   rng = np.random.default_rng(0)
   history = rng.integers(0, 5, 60)                     # a small vocabulary: many repeats
-  got = profile.ngram_proposals(history, 1, 3)
   width = 64
   seq = np.zeros((len(history) - 1, width), np.int32)
   for row, end in enumerate(range(1, len(history))):
     seq[row, :end] = history[:end]
   inputs = types.SimpleNamespace(seq=jax.numpy.asarray(seq), end=jax.numpy.arange(1, len(history)))
-  engine = NGramDrafter(3).propose(None, shapes.chain(1), inputs).tokens[:, 0]
-  np.testing.assert_array_equal(got[:-1], np.asarray(engine))   # the last: after all of history
-  assert len(got) == len(history)
+  for shortest in (1, 2):
+    got = profile.ngram_proposals(history, 1, 3, shortest)
+    proposal = NGramDrafter(3, min_ngram=shortest).propose(None, shapes.chain(1), inputs)
+    engine = np.where(np.asarray(proposal.offered) > 0, np.asarray(proposal.tokens[:, 0]), -1)
+    np.testing.assert_array_equal(got[:-1], engine)   # the last: after all of history
+    assert len(got) == len(history) and (got == -1).any() and (got >= 0).any()
 
 
 def test_prompt_lookups_acceptance_compares_its_proposal_with_the_targets_for_the_same_token(tiny_pair):
   """Row k of every level is its guess after continuation[k]. On the target's own greedy text,
   prompt lookup's measured greedy acceptance is how often its proposal after continuation[:k+1]
-  is continuation[k+1]: counted here by hand, and different from the count one token early."""
+  is continuation[k+1], counted here by hand; on a copy of a random prompt, the token after the
+  copied one, not the copied one itself."""
   from hitree_jax.decode import engine
   from hitree_jax.decode.sampling import SamplingParams
   target, _ = tiny_pair
@@ -217,19 +238,18 @@ def test_prompt_lookups_acceptance_compares_its_proposal_with_the_targets_for_th
   text = engine.generate(target.params, target.config, [prompt], max_new_tokens=49,
                          stop_at_eos=False).tokens[0]           # greedy: row k's argmax is text[k + 1]
   continuation = text[:48]
-  got = profile.pair_acceptance(target, None, [("target", "ngram:3")], prompt, continuation,
-                                SamplingParams.create())["target<-ngram:3"]["greedy"]
+  record = profile.pair_acceptance(target, None, [("target", "ngram:3")], prompt, continuation,
+                                   SamplingParams.create())["target<-ngram:3"]
   proposals = [profile.ngram_proposals(prompt + text[:k + 1], len(prompt) + k + 1, 3)[0] for k in range(48)]
   aligned = np.mean([proposals[k] == text[k + 1] for k in range(48)])
-  early = np.mean([proposals[k] == text[k] for k in range(48)])
-  assert aligned > 0.2 and aligned != early
-  assert got == pytest.approx(aligned)
+  assert aligned > 0.2 and record["greedy"] == pytest.approx(aligned)
+  assert record["offered"] == pytest.approx(np.mean([p >= 0 for p in proposals])) and record["offered"] > 0
   # A continuation that copies a random prompt: once its last 3 tokens are copied ones, after
   # continuation[k] the lookup proposes continuation[k + 1], the token the verifier's row k predicts.
   prompt = list(np.random.default_rng(0).integers(3, 64, 160))
   copy = prompt[40:88]
   _, ranked = profile._ngram_probs("ngram:3", prompt, copy, 64)
-  assert ranked[2:-1, 0].tolist() == copy[3:]
+  assert ranked[2:-1, 0].tolist() == copy[3:] != copy[2:-1]   # not the token one early
 
 
 def synthetic_profile(context=512, space=None):

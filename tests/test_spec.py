@@ -38,6 +38,10 @@ def test_a_spec_is_typed():
   assert (middle.kind, middle.retrieval, middle.budget, gamma) == ("retrieval", Retrieval(1024, reselect=64), 1024, 6)
   assert spec.parse_level("eagle:drafts/e").feature_draft == ("eagle", "drafts/e")
   assert spec.parse_level("draft@full").cache == Full() and spec.parse_level("ngram").kind == "ngram"
+  lookup = spec.parse("ngram:2-3/chain:4")
+  assert lookup.drafter.kind == "ngram" and str(lookup) == "ngram:2-3/chain:4"
+  from hitree_jax.decode.drafters import NGramDrafter, parse_draft_spec
+  assert parse_draft_spec("ngram:2-3") == NGramDrafter(3, min_ngram=2) and str(NGramDrafter(3, min_ngram=2)) == "ngram:2-3"
   # the cache kind prints as the grammar writes it
   assert str(Streaming(16, 234)) == "streaming:16x234"
 

@@ -15,7 +15,8 @@ what exact verification needs (verify.py).
                    round and committed with the path the level above accepts.
                    Its vocabulary may be the target's or a subset of it (vocab.py).
   NGramDrafter(n): copies the continuation of the latest earlier occurrence of
-                   the longest (<= n) suffix of the sequence (a chain).
+                   the longest (<= n) suffix of the sequence (a chain), or offers
+                   nothing where there is none (Proposal.offered).
 
 Each is a `Drafter` (below): the engine asks a drafter only what that interface
 says, never its type, so a new drafter is a subclass and nothing else
@@ -70,6 +71,9 @@ class Proposal:
   depth: jax.Array              # [N] or [B, N]: depth of each node (1 = child of the root)
   attend: jax.Array             # [N+1, N+1] or [B, N+1, N+1] over (root, nodes): drafters.tree_attend_mask
   children: jax.Array | None = None  # [B, N+1, K] each row's own children (None: the static tree's)
+  # [B] tokens the drafter offers on its chain (None: the whole tree). A round in which no live
+  # row is offered any is answered by a forward of the root alone, as an `ar` step is.
+  offered: jax.Array | None = None
   cache: LevelCache | None = None    # a ModelDrafter's cache with the round written past its length
   cached_depth: int = flax.struct.field(pytree_node=False, default=0)  # path nodes `cache` holds
   # True: `cache` already holds what the drafter keeps (a feature draft keeps none of its tree)
@@ -131,20 +135,23 @@ class Drafter(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class NGramDrafter(Drafter):
+  """Prompt lookup: copies what followed the latest earlier occurrence of the sequence's longest
+  suffix of min_ngram..max_ngram tokens. Where no such suffix occurred before it offers nothing
+  (Proposal.offered), and the level above spends a one-token forward on that round."""
   max_ngram: int = 3
   mode: str = "deterministic"
+  min_ngram: int = 1
 
   def __str__(self) -> str:
-    return f"ngram:{self.max_ngram}"
+    return f"ngram:{self.max_ngram}" if self.min_ngram == 1 else f"ngram:{self.min_ngram}-{self.max_ngram}"
 
   def check(self, tree: TokenTree, config: ModelConfig) -> None:
     if isinstance(tree, DynamicTree) or any(p != i - 1 for i, p in enumerate(tree.parents)):
       raise UsageError("the n-gram drafter proposes a chain: use --tree=chain:N (or --method=sd)")
-    if self.max_ngram < 1:
-      raise UsageError(f"max_ngram={self.max_ngram} must be >= 1")
+    if not 1 <= self.min_ngram <= self.max_ngram:
+      raise UsageError(f"n-gram lengths {self.min_ngram}..{self.max_ngram}: need 1 <= min <= max")
 
   def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
-    """Copies what followed the latest earlier match of the sequence's longest (<= n) suffix."""
     del key
     history, history_len = inp.seq, inp.end
     batch, width = history.shape
@@ -158,10 +165,20 @@ class NGramDrafter(Drafter):
       shifted = jnp.take_along_axis(history, jnp.maximum(idx - j, 0).repeat(batch, 0), axis=1)
       match = match & (idx >= j) & (shifted == suffix_tok) & (history_len[:, None] - 1 - j >= 0)
       latest = jnp.max(jnp.where(match, idx, -1), axis=1)
-      best = jnp.where(latest >= 0, latest, best)
+      if n >= self.min_ngram:
+        best = jnp.where(latest >= 0, latest, best)
     take = best[:, None] + 1 + jnp.arange(tree.size)[None, :]
     take = jnp.where((best[:, None] >= 0) & (take < history_len[:, None]), take, history_len[:, None] - 1)
-    return _static_proposal(tree, history[rows, take].astype(jnp.int32), None, inp)
+    offered = jnp.where(best >= 0, jnp.minimum(tree.size, history_len - 1 - best), 0)  # what followed
+    prop = _static_proposal(tree, history[rows, take].astype(jnp.int32), None, inp)
+    return prop.replace(children=chain_children(offered, tree.size), offered=offered)
+
+
+def chain_children(count: jax.Array, size: int) -> jax.Array:
+  """[B, size+1, 1] a chain's children per row when it holds count [B] of its size nodes:
+  position i (the root, then node i-1) has node i as its child while the chain holds it."""
+  position = jnp.arange(size + 1)[None, :]
+  return jnp.where(position < count[:, None], position, -1)[:, :, None].astype(jnp.int32)
 
 
 def _static_proposal(tree: TokenTree, tokens, q, inp: DraftInputs, cache=None) -> Proposal:
@@ -445,14 +462,15 @@ def tree_attend_mask(tree: TokenTree) -> np.ndarray:
 
 
 def parse_draft_spec(spec: str):
-  """'ngram' | 'ngram:N' | 'self:K' [',' mode] -> a drafter."""
+  """'ngram' | 'ngram:N' | 'ngram:MIN-MAX' | 'self:K' [',' mode] -> a drafter."""
   name, _, rest = spec.partition(":")
   arg, _, mode = rest.partition(",")
   try:
     if name == "ngram":
-      return NGramDrafter(int(arg) if arg else 3)
+      shortest, dash, longest = arg.rpartition("-")
+      return NGramDrafter(int(longest) if arg else 3, min_ngram=int(shortest) if dash else 1)
     if name == "self" and arg:
       return SelfDrafter(int(arg), mode or "deterministic")
   except ValueError:
     pass
-  raise UsageError(f"bad draft spec {spec!r}: expected ngram, ngram:N or self:K[,iid|without_replacement|deterministic]")
+  raise UsageError(f"bad draft spec {spec!r}: expected ngram, ngram:N, ngram:MIN-MAX or self:K[,iid|without_replacement|deterministic]")

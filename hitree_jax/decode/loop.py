@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from hitree_jax import sharding
 from hitree_jax.cache import retrieval
 from hitree_jax.cache.full import KVCache, dtypes_of
-from hitree_jax.decode.drafters import DraftInputs, DraftWeights, Proposal, round_attend, tree_attend_mask
+from hitree_jax.decode.drafters import (DraftInputs, DraftWeights, Proposal, chain_children, round_attend,
+                                        tree_attend_mask)
 from hitree_jax.decode.features import keep_features
 from hitree_jax.decode.levels import Lead, LevelCache, commit, round_mask
 from hitree_jax.decode.sampling import SamplingParams, probabilities, sample
@@ -91,12 +92,9 @@ def chain_proposal(seq, start, count, buffer_q, size: int) -> Proposal:
   """An intermediate level's buffer seq[start : start + count] as a chain the level above verifies."""
   index = start[:, None] + jnp.arange(size)[None, :]
   tokens = jnp.take_along_axis(seq, jnp.minimum(index, seq.shape[1] - 1), axis=1)
-  # Position i (the root, then node i-1) has node i as its child while the chain holds it.
-  position = jnp.arange(size + 1)[None, :]
-  children = jnp.where(position < count[:, None], position, -1)[:, :, None]      # [B, size+1, 1]
   chain = tree_lib.chain(size)
   return Proposal(tokens=tokens, q=buffer_q, start=start, depth=jnp.asarray(chain.depth),
-                  attend=jnp.asarray(tree_attend_mask(chain)), children=children.astype(jnp.int32))
+                  attend=jnp.asarray(tree_attend_mask(chain)), children=chain_children(count, size))
 
 
 class Decoder:
@@ -142,7 +140,12 @@ class Decoder:
     positions = jnp.concatenate([lead.positions, prop.start[:, None] - 1 + depth], axis=1)
     attend = round_attend(cache.recent.lengths, self.width, round_mask(lead.valid, prop.attend))
     fed = jnp.concatenate([lead.tokens, prop.tokens], axis=1)
-    probs, hidden, recent = self._level_probs(j, fed, positions, cache, attend, first=p - 1)  # root, nodes
+    wide = lambda: self._level_probs(j, fed, positions, cache, attend, first=p - 1)  # root, nodes
+    if prop.offered is None:
+      probs, hidden, recent = wide()
+    else:
+      probs, hidden, recent = jax.lax.cond(jnp.any(live & (prop.offered > 0)), wide,
+                                           lambda: self._lead_probs(j, lead, cache, prop))
     tree = self._proposal_tree(j - 1)
     verdict = verify(key, tree, prop.tokens, probs, prop.q, mode, prop.children)
     n_acc = jnp.where(live, verdict.n_accepted, 0)
@@ -188,6 +191,16 @@ class Decoder:
           jnp.concatenate([lead.valid, k < n_acc[:, None]], axis=1) & live[:, None]))
     return st, emitted, n_acc, emitted_probs
 
+  def _lead_probs(self, j: int, lead: Lead, cache: LevelCache, prop: Proposal):
+    """_level_probs of a round whose proposal offers no row a token: the lead alone (the root
+    last) goes through level j, and the nodes' outputs are zeros (verification reads none)."""
+    root_only = prop.attend[..., :1, :1]
+    attend = round_attend(cache.recent.lengths, self.width, round_mask(lead.valid, root_only))
+    probs, hidden, recent = self._level_probs(j, lead.tokens, lead.positions, cache, attend,
+                                              first=lead.size - 1)
+    nodes = ((0, 0), (0, prop.tokens.shape[1]), (0, 0))
+    return jnp.pad(probs, nodes), jnp.pad(hidden, nodes), recent
+
   def _proposal_tree(self, j: int):
     """The static shape of level j's proposals: the stack's tree, or a chain (a buffer)."""
     return self.sizes.stack.tree if j == 0 else tree_lib.chain(self.sizes.buffer(j))
@@ -211,7 +224,8 @@ class Decoder:
       prop = drafter.propose_dynamic(tree, inputs)
     else:
       prop = drafter.propose(key, tree, inputs)
-    return st, prop, drafter.mode, jnp.full(st.end.shape, tree.max_depth, jnp.int32)
+    offered = jnp.full(st.end.shape, tree.max_depth, jnp.int32) if prop.offered is None else prop.offered
+    return st, prop, drafter.mode, offered
 
   def _fill(self, j: int, st: LoopState, key):
     """Level j's rounds until it holds >= gamma_j tokens (rows done stay as they are)."""

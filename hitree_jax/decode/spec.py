@@ -4,7 +4,7 @@
   BOTTOM  = LEVEL "/" TREE                        TREE: N, chain:N, kary:KxD, sequoia:B,D, dynamic:B,D
   MIDDLE  = LEVEL "/" GAMMA                       a level that buffers GAMMA tokens for the one above
   LEVEL   = NAME ["@" CACHE] ["," MODE]
-  NAME    = ngram[:N] | self:K | retrieval:BUDGET[:RESELECT] | eagle:PATH | medusa:PATH | draft | PATH
+  NAME    = ngram[:N | :MIN-MAX] | self:K | retrieval:BUDGET[:RESELECT] | eagle:PATH | medusa:PATH | draft | PATH
   CACHE   = full | streaming:SINKSxWINDOW[:reindex]
   MODE    = deterministic | iid | without_replacement
 

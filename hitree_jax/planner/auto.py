@@ -139,10 +139,11 @@ def candidates(profile: dict, greedy: bool, space: Space = Space()) -> optimize.
     space = space.with_eagle()
   curve = {name: latency.affine({int(w): s for w, s in points.items()})
            for name, points in profile["costs"].items()}
-  per_rank, per_token, deeper = {}, {}, {}
+  per_rank, per_token, deeper, offers = {}, {}, {}, {}
   for pair, record in profile["acceptance"].items():
     verifier, proposer = pair.split("<-")
-    per_rank[verifier, proposer] = record["greedy_profile" if greedy else "profile"]
+    offer = offers[verifier, proposer] = record.get("offered", 1.0)   # an n-gram's (profile.py)
+    per_rank[verifier, proposer] = [r / max(offer, 1e-9) for r in record["greedy_profile" if greedy else "profile"]]
     per_token[verifier, proposer] = record["greedy" if greedy else "alpha"]
     if "deeper" in record:  # an EAGLE draft's (profile.pair_acceptance)
       deeper[verifier, proposer] = record["greedy_deeper" if greedy else "deeper"]
@@ -156,7 +157,7 @@ def candidates(profile: dict, greedy: bool, space: Space = Space()) -> optimize.
     drafters.append(optimize.Drafter(name, trees, curve.get(name)))
   middles = tuple((m, curve[m]) for m in space.middles)
   return optimize.Candidates(tuple(drafters), middles, curve["target"], space.gammas, per_rank,
-                             latency.Overheads(**profile["overheads"]), per_token, deeper)
+                             latency.Overheads(**profile["overheads"]), per_token, deeper, offers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,6 +55,11 @@ proposal is a tree, so `Overheads` adds seconds per drafter forward, per
 verifying round, and per round verifying a tree (profile.round_overheads fits
 them to whole generations).
 
+6. A drafter that offers its tree only in some rounds (prompt lookup, where an
+earlier occurrence of the text's last tokens exists) offers it with
+probability `offer`; the level above answers a round without one by a
+forward of the root alone, which yields one token (`first_round`).
+
 Two things the engine does that the model leaves out: a row that finishes
 stops early (a bounded end effect), and each level's forward also carries its
 pending tokens (the root, and after a full acceptance a few more).
@@ -160,6 +165,7 @@ class StackModel:
   overheads: Overheads = Overheads()
   model_drafter: bool = True              # its proposal pays Overheads.propose (n-gram lookup: no)
   deeper: float = 1.0                     # accepted_law's, for level 1's verdict on the tree
+  offer: float = 1.0                      # how often the drafter offers its tree (docstring, 6.)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,9 +183,9 @@ def predict(stack: StackModel, fixed_buffers: bool = False) -> Prediction:
   if len(stack.costs) != len(stack.gammas) + 1 or len(stack.acceptance) != len(stack.costs):
     raise UsageError("a stack of K verifying levels needs K costs, K acceptances and K - 1 gammas")
   tree, over = stack.tree, stack.overheads
-  # Level 1 verifies the drafter's tree: a fixed proposal.
-  yield_law = tree_yield(tree, stack.acceptance[0], stack.deeper)
-  proposal_cost = stack.costs[0](tree.size + 1) + over.check(tree)
+  # Level 1 verifies the drafter's tree: a fixed proposal, when it offers one.
+  yield_law, proposal_cost = first_round(stack.costs[0], tree, stack.acceptance[0], over, stack.deeper,
+                                         stack.offer)
   below_seconds = stack.draft_seconds + (over.propose(tree) if stack.model_drafter else 0.0)
   rounds = [1.0]
   for j in range(1, len(stack.costs)):                       # level j fills, level j + 1 verifies
@@ -194,6 +200,19 @@ def predict(stack: StackModel, fixed_buffers: bool = False) -> Prediction:
   round_seconds = proposal_cost + below_seconds
   tokens = expected(yield_law, float)
   return Prediction(round_seconds / tokens, tokens, round_seconds, tuple(rounds))
+
+
+def first_round(cost: Cost, tree: TokenTree, profile: Sequence[float], overheads: Overheads,
+                deeper: float = 1.0, offer: float = 1.0) -> tuple[np.ndarray, float]:
+  """(the law of the yield, the expected seconds) of a level verifying a drafter that offers
+  `tree` with probability `offer` (profile: the acceptance when it does), and otherwise nothing:
+  then the round is a forward of the root alone, yielding one token."""
+  law = tree_yield(tree, profile, deeper)
+  seconds = cost(tree.size + 1) + overheads.check(tree)
+  if offer >= 1.0:
+    return law, seconds
+  alone = np.eye(law.size)[1]
+  return offer * law + (1 - offer) * alone, offer * seconds + (1 - offer) * (cost(1) + overheads.check(None))
 
 
 def tree_draft_seconds(tree: TokenTree, cost: Cost | None) -> float:

@@ -58,12 +58,18 @@ class Candidates:
   buffer_acceptance: Mapping[tuple[str, str], float] | None = None
   # (verifier, drafter) -> latency.accepted_law's `deeper` (default 1: positions alike).
   deeper: Mapping[tuple[str, str], float] | None = None
+  # (verifier, drafter) -> how often the drafter offers its tree (latency.first_round; default 1),
+  # the profile then being its acceptance when it does.
+  offers: Mapping[tuple[str, str], float] | None = None
 
   def profile(self, verifier: str, proposer: str):
     return self.acceptance.get((verifier, proposer))
 
   def deeper_of(self, verifier: str, proposer: str) -> float:
     return 1.0 if self.deeper is None else self.deeper.get((verifier, proposer), 1.0)
+
+  def offer_of(self, verifier: str, proposer: str) -> float:
+    return 1.0 if self.offers is None else self.offers.get((verifier, proposer), 1.0)
 
   def of_buffer(self, verifier: str, proposer: str) -> float | None:
     if self.buffer_acceptance is not None:
@@ -97,7 +103,8 @@ def stack_model(c: Candidates, drafter: Drafter, tree: TokenTree,
                             costs=tuple(cost_of[n] for n in names[1:]),
                             acceptance=(tuple(acceptance[0]), *acceptance[1:]),
                             gammas=tuple(g for _, g in middles), overheads=c.overheads,
-                            model_drafter=drafter.cost is not None, deeper=c.deeper_of(names[1], names[0]))
+                            model_drafter=drafter.cost is not None, deeper=c.deeper_of(names[1], names[0]),
+                            offer=c.offer_of(names[1], names[0]))
 
 
 def brute_force(c: Candidates, max_middles: int | None = None, fixed_buffers: bool = True) -> Plan:
@@ -130,27 +137,27 @@ def optimize(c: Candidates) -> Plan:
       seconds = latency.tree_draft_seconds(tree, d.cost) + (over.propose(tree) if d.cost else 0.0)
       lower.append((d.name, tree, tree.size, seconds, (d.name, label, ())))
 
-  def verify_seconds(cost, state) -> float:
-    return cost(state[2] + 1) + over.check(state[1])
-
-  def yields(verifier, state):
+  def verify(verifier, cost, state):
+    """(the law of the yield, the seconds) of `verifier`'s round over `state`'s proposal, or None."""
     name, tree, length, _, _ = state
     if tree is not None:
       profile = c.profile(verifier, name)
-      return None if profile is None else latency.tree_yield(tree, profile, c.deeper_of(verifier, name))
-    a = c.of_buffer(verifier, name)
-    return None if a is None else latency.round_yield(np.eye(length + 1)[-1], a)  # exactly `length` tokens
+      return None if profile is None else latency.first_round(
+          cost, tree, profile, over, c.deeper_of(verifier, name), c.offer_of(verifier, name))
+    a = c.of_buffer(verifier, name)   # a buffer of exactly `length` tokens
+    return None if a is None else (latency.round_yield(np.eye(length + 1)[-1], a),
+                                   cost(length + 1) + over.check(None))
 
   for name, cost in c.middles:
     found = []
     for gamma in c.gammas:
       options = []
       for state in lower:
-        law = yields(name, state)
-        if law is None:
+        round_ = verify(name, cost, state)
+        if round_ is None:
           continue
-        rounds = latency.fill(gamma, law).rounds
-        options.append((rounds * (verify_seconds(cost, state) + state[3]), state[4]))
+        rounds = latency.fill(gamma, round_[0]).rounds
+        options.append((rounds * (round_[1] + state[3]), state[4]))
       if options:
         seconds, (dname, label, middles) = min(options, key=lambda o: o[0])
         found.append((name, None, gamma, seconds, (dname, label, middles + ((name, gamma),))))
@@ -158,11 +165,11 @@ def optimize(c: Candidates) -> Plan:
 
   options = []
   for state in lower:
-    law = yields("target", state)
-    if law is None:
+    round_ = verify("target", c.target, state)
+    if round_ is None:
       continue
-    tokens = latency.expected(law, float)
-    options.append(((verify_seconds(c.target, state) + state[3]) / tokens, state[4]))
+    tokens = latency.expected(round_[0], float)
+    options.append(((round_[1] + state[3]) / tokens, state[4]))
   seconds, (dname, label, middles) = min(options, key=lambda o: o[0])
   drafter = next(d for d in c.drafters if d.name == dname)
   tree = dict(drafter.trees)[label]

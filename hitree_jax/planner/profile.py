@@ -347,10 +347,10 @@ def _eagle_continuation_probs(levels: _Levels, features, tokens, target_vocab: i
   return q, ranked, q_deep
 
 
-def ngram_proposals(history: Sequence[int], start: int, max_ngram: int) -> np.ndarray:
+def ngram_proposals(history: Sequence[int], start: int, max_ngram: int, min_ngram: int = 1) -> np.ndarray:
   """[len(history) - start + 1]: the token the n-gram drafter (drafters.NGramDrafter) proposes
   after each prefix history[:end], end = start .. len(history): what followed the latest earlier
-  match of the longest (<= max_ngram) suffix, else the last token."""
+  match of the longest (min_ngram..max_ngram) suffix, else -1 (it offers nothing)."""
   seq = np.asarray(history)
   out = []
   for end in range(start, len(seq) + 1):
@@ -362,24 +362,23 @@ def ngram_proposals(history: Sequence[int], start: int, max_ngram: int) -> np.nd
         break
       shifted = np.concatenate([np.full(j, -1), seq[:end - j]]) if j else seq[:end]
       match &= (np.arange(end) >= j) & (shifted == seq[end - 1 - j])
-      if match.any():
+      if match.any() and n >= min_ngram:
         best = int(np.nonzero(match)[0].max())
-    out.append(seq[best + 1] if best >= 0 else seq[end - 1])
+    out.append(seq[best + 1] if best >= 0 else -1)
   return np.asarray(out, np.int32)
 
 
 def _ngram_probs(name: str, prompt, continuation, vocab_size: int):
-  """An n-gram level as a proposer: a one-hot q on its proposal, which is its only rank. Row k
-  is its proposal after continuation[k], as a model level's row k is (_continuation_probs)."""
-  tokens = ngram_proposals(list(prompt) + list(continuation), len(prompt) + 1, _ngram_order(name))
+  """An n-gram level as a proposer: a one-hot q on its proposal, which is its only rank (none
+  where it offers nothing). Row k is its proposal after continuation[k], as a model level's row
+  k is (_continuation_probs)."""
+  from hitree_jax.decode.drafters import parse_draft_spec
+  drafter = parse_draft_spec(name)
+  tokens = ngram_proposals(list(prompt) + list(continuation), len(prompt) + 1, drafter.max_ngram,
+                           drafter.min_ngram)
   ranked = np.full((len(tokens), PROFILE_RANKS), -1, np.int32)
   ranked[:, 0] = tokens
   return jax.nn.one_hot(tokens, vocab_size), jnp.asarray(ranked)
-
-
-def _ngram_order(name: str) -> int:
-  order = name.removeprefix("ngram").removeprefix(":")
-  return int(order) if order else 3
 
 
 def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Sequence[int],
@@ -391,7 +390,9 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Seq
   proposer's top-R tokens, p(x_r) (train/metrics.py); `greedy_profile`, the same for a greedy
   verifier; `alpha_next` and `greedy_next`, the same rates at a position after an accepted one
   (equal to alpha and greedy if positions are independent). A proposer `ngram[:N]` is the n-gram
-  drafter over the prompt and the continuation so far (one rank: its proposal); `eagle`
+  drafter over the prompt and the continuation so far (one rank: its proposal), and its record
+  has `offered`, the share of positions where it proposes at all (the rates count the others as
+  misses); `eagle`
   (load_eagle's) reads its verifier's features, so its rates are per verifier. The continuation
   runs as one chunk, so a StreamingLLM window holds it all (the window slides token by token in
   decoding): an approximation for continuations much shorter than the window."""
@@ -430,6 +431,8 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Seq
         "greedy_next": float(jnp.sum(hits[:-1, 0] & hits[1:, 0]) / max(int(jnp.sum(hits[:-1, 0])), 1))}
     if deep is not None:
       out[f"{verifier}<-{proposer}"].update(_deeper(p, accept, hits[:, 0], deep))
+    if spec.parse_level(proposer).kind == "ngram":   # the rates above count its silent positions as misses
+      out[f"{verifier}<-{proposer}"]["offered"] = float(valid[:, 0].mean())
   return out
 
 
@@ -450,8 +453,9 @@ def _deeper(p, accept, hits, q_deep) -> dict:
 # with 512-bit vectors (programs.CPU_DEFAULTS). 4: overheads fitted with a fifth reference stack
 # (round_overheads). 5: an EAGLE draft's deeper-node acceptance (pair_acceptance's `deeper`).
 # 6: an n-gram level's proposals compared with the verifier's prediction of the same token
-# (they were one token early, so prompt lookup measured near 0).
-PROFILE_VERSION = 6
+# (they were one token early, so prompt lookup measured near 0). 7: an n-gram level offers
+# nothing where no suffix matched (it proposed the last token), and its record says how often it offers.
+PROFILE_VERSION = 7
 
 
 def profile_key(model: str, draft: str | None) -> dict:
