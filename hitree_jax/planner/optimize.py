@@ -153,11 +153,11 @@ def optimize(c: Candidates) -> Plan:
     for gamma in c.gammas:
       options = []
       for state in lower:
-        round_ = verify(name, cost, state)
-        if round_ is None:
+        checked = verify(name, cost, state)
+        if checked is None:
           continue
-        rounds = latency.fill(gamma, round_[0]).rounds
-        options.append((rounds * (round_[1] + state[3]), state[4]))
+        law, seconds = checked
+        options.append((latency.fill(gamma, law).rounds * (seconds + state[3]), state[4]))
       if options:
         seconds, (dname, label, middles) = min(options, key=lambda o: o[0])
         found.append((name, None, gamma, seconds, (dname, label, middles + ((name, gamma),))))
@@ -165,11 +165,11 @@ def optimize(c: Candidates) -> Plan:
 
   options = []
   for state in lower:
-    round_ = verify("target", c.target, state)
-    if round_ is None:
+    checked = verify("target", c.target, state)
+    if checked is None:
       continue
-    tokens = latency.expected(round_[0], float)
-    options.append(((round_[1] + state[3]) / tokens, state[4]))
+    law, seconds = checked
+    options.append(((seconds + state[3]) / latency.expected(law, float), state[4]))
   seconds, (dname, label, middles) = min(options, key=lambda o: o[0])
   drafter = next(d for d in c.drafters if d.name == dname)
   tree = dict(drafter.trees)[label]

@@ -40,6 +40,7 @@ import numpy as np
 from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.decode import engine, long_caches, spec
 from hitree_jax.decode import prefill as prefill_lib
+from hitree_jax.decode.drafters import parse_draft_spec
 from hitree_jax.decode.programs import Programs, ahead_of_time
 from hitree_jax.decode.sampling import probabilities
 from hitree_jax.decode.stack import Streaming
@@ -372,7 +373,6 @@ def _ngram_probs(name: str, prompt, continuation, vocab_size: int):
   """An n-gram level as a proposer: a one-hot q on its proposal, which is its only rank (none
   where it offers nothing). Row k is its proposal after continuation[k], as a model level's row
   k is (_continuation_probs)."""
-  from hitree_jax.decode.drafters import parse_draft_spec
   drafter = parse_draft_spec(name)
   tokens = ngram_proposals(list(prompt) + list(continuation), len(prompt) + 1, drafter.max_ngram,
                            drafter.min_ngram)
