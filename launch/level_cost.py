@@ -110,32 +110,44 @@ class Arrays:
   def params(self):
     return _made(self._init, self._param_axes, self.mesh, 0)
 
-  def _cache_make(self, slots: int):
+  def _cache_make(self, context: int):
     import jax
     import jax.numpy as jnp
     from hitree_jax import sharding
     from hitree_jax.cache.full import KVCache
     config = self.config
+    slots = engine_slots(context)
 
     def make(seed):
       empty = KVCache.init(config, 1, slots)
       fill = lambda buf, i: noise(buf.shape, buf.dtype, seed * 1000 + i)
       return empty.replace(keys=tuple(fill(b, 2 * i) for i, b in enumerate(empty.keys)),
                            values=tuple(fill(b, 2 * i + 1) for i, b in enumerate(empty.values)),
-                           lengths=jnp.full((1,), slots, jnp.int32))
+                           lengths=jnp.full((1,), context, jnp.int32))
 
     shapes = jax.eval_shape(lambda: make(0))
     return make, shapes, sharding.cache_axes(shapes, heads=self.split)
 
-  def abstract_cache(self, slots: int):
+  def abstract_cache(self, context: int):
     from hitree_jax import memory_plan
-    _, shapes, axes = self._cache_make(slots)
+    _, shapes, axes = self._cache_make(context)
     return memory_plan.abstract(shapes, axes, self.mesh)
 
-  def cache(self, slots: int, seed: int):
-    """A full cache of `slots` slots, all committed, of arbitrary keys and values."""
-    make, _, axes = self._cache_make(slots)
+  def cache(self, context: int, seed: int):
+    """A full cache holding `context` committed tokens of arbitrary keys and values, in as many
+    slots as the engine would give it (engine_slots)."""
+    make, _, axes = self._cache_make(context)
     return _made(make, axes, self.mesh, seed)
+
+
+def engine_slots(context: int) -> int:
+  """The slots of the engine's full cache for `context` tokens: rounded up to its bucket
+  (prefill.CACHE_BUCKET), as decoding allocates them. The shape matters on a GPU: over a
+  131,008-slot cache the H200's compiler padded each layer's keys to a tile's multiple, a
+  copy of the cache in every step, and `ar`'s step took 54 ms; over 131,072 slots, 21.6 ms
+  (docs/accelerators.md)."""
+  from hitree_jax.decode.prefill import CACHE_BUCKET, round_up
+  return round_up(context, CACHE_BUCKET)
 
 
 def weights_read(arrays: Arrays) -> int:

@@ -300,6 +300,17 @@ def test_level_cost_times_every_level_against_the_floor_and_skips_what_does_not_
   assert proc.returncode != 0 and "4090 + 8 tokens is past the target's 4096 positions" in proc.stderr
 
 
+def test_level_cost_times_caches_of_the_engines_shape():
+  """level_cost's cache for a context holds that many tokens in the slots the engine allocates
+  (the bucket's multiple): the shape decides the GPU's kernels (an H200 padded a 131,008-slot
+  cache every step, at 2.5x the time of a 131,072-slot one)."""
+  from launch import level_cost
+  cache = level_cost.Arrays(CONFIG, None, split=True).cache(600, seed=0)
+  assert cache.keys[0].shape[-1] == prefill_lib.cache_slots(600, 0) == 768
+  assert cache.lengths.tolist() == [600]
+  assert level_cost.engine_slots(768) == 768
+
+
 @pytest.mark.parametrize("spec, message", [
     ("model:3", "model:3 does not divide the target's 8 query heads"),
     ("data:4", "data:4 does not divide the batch of 2 prompts"),
