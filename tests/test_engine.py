@@ -206,27 +206,43 @@ def test_ngram_drafter_offers_only_what_followed_a_long_enough_match():
   assert prop.children[:, :, 0].tolist() == [[0, 1, 2, -1, -1], [-1] * 5, [0, 1, 2, -1, -1]]
   # Unigrams allowed, row 1's root 9 never occurred: still nothing.
   assert NGramDrafter(3).propose(None, tree, inputs).offered.tolist() == [3, 0, 3]
+  # A match of n tokens offers at most 2**n: "9" alone matched, and five tokens followed it.
+  once = DraftInputs(seq=jnp.array([[9, 1, 2, 3, 4, 9, 0, 0]]), end=jnp.array([6]), lead=None, cache=None,
+                     params=None, draft=None, sampling=None, config=CONFIG)
+  prop = NGramDrafter(3).propose(None, tree, once)
+  assert prop.offered.tolist() == [2] and prop.tokens[0, :2].tolist() == [1, 2]
+  assert prop.children[0, :, 0].tolist() == [0, 1, -1, -1, -1]
+  assert tree_lib.offer_widths(4) == (0, 2, 4) and tree_lib.offer_widths(8) == (0, 2, 4, 8)
+  assert tree_lib.offer_widths(6) == (0, 2, 4, 6) and tree_lib.offer_widths(1) == (0, 1)
 
 
-def test_a_round_offering_nothing_runs_the_root_alone(params):
-  """Verifying a proposal that offers no row a token runs the lead alone: the same tokens and
-  committed cache as the whole tree's forward with every node refused."""
+@pytest.mark.parametrize("offered, width", [([0, 0], 0), ([1, 0], 2), ([2, 1], 2), ([0, 3], 4)])
+def test_a_round_runs_the_fewest_nodes_that_hold_the_offers(params, offered, width):
+  """Verifying a chain whose rows offer only its first nodes runs the root and the narrowest of
+  offer_widths holding them: the same verdicts, tokens and committed cache as the whole
+  chain's forward with the same children. The chain holds `ar`'s own next tokens, so each row
+  accepts all it offers, and the committed slots of accepted nodes are compared too."""
   from hitree_jax.decode.drafters import chain_children
   from hitree_jax.decode.loop import level_round
+  prompts = [[2, 4], [8, 1, 9, 30]]
+  greedy = engine.generate(params, CONFIG, prompts, max_new_tokens=6).tokens   # [2, 6]: the root first
   stack = Stack(NGramDrafter(3), tree_lib.chain(4))
-  ready, _ = engine.prefill(params, CONFIG, [[2, 4], [8, 1, 9, 30]], 8, stack, programs=Programs())
+  ready, _ = engine.prefill(params, CONFIG, prompts, 8, stack, programs=Programs())
   inputs = (ready.sizes, ready.weights, ready.long_caches, ready.start, 8)
+  count = jnp.array(offered, jnp.int32)
   proposal = level_round(*inputs, 0, None)
-  none = jnp.zeros((2,), jnp.int32)
-  offers_none = proposal.replace(offered=none, children=chain_children(none, 4))
-  narrow = level_round(*inputs, 1, offers_none)
-  wide = level_round(*inputs, 1, offers_none.replace(offered=None))
+  proposal = proposal.replace(tokens=jnp.asarray(greedy)[:, 1:5], offered=count, children=chain_children(count, 4))
+  assert min(m for m in tree_lib.offer_widths(4) if m >= max(offered)) == width
+  narrow = level_round(*inputs, 1, proposal)
+  wide = level_round(*inputs, 1, proposal.replace(offered=None))
   (emitted, n_acc, (recent,)), (emitted_w, n_acc_w, (recent_w,)) = narrow, wide
-  assert n_acc.tolist() == n_acc_w.tolist() == [0, 0]
-  assert emitted[:, 0].tolist() == emitted_w[:, 0].tolist()
-  assert recent.lengths.tolist() == recent_w.lengths.tolist() == [1, 1]
+  assert n_acc.tolist() == n_acc_w.tolist() == offered
+  for row, n in enumerate(offered):
+    assert emitted[row, :n + 1].tolist() == emitted_w[row, :n + 1].tolist() == np.asarray(greedy)[row, 1:n + 2].tolist()
+  assert recent.lengths.tolist() == recent_w.lengths.tolist() == [1 + n for n in offered]
   for mine, theirs in zip(recent.keys + recent.values, recent_w.keys + recent_w.values):  # [B, KVH, D, S]
-    np.testing.assert_allclose(mine[..., :1], theirs[..., :1], atol=1e-5)
+    for row, n in enumerate(offered):
+      np.testing.assert_allclose(mine[row, ..., :1 + n], theirs[row, ..., :1 + n], atol=1e-5)
 
 
 # --- sampling: the joint law of the first three generated tokens, enumerated exactly ---

@@ -51,6 +51,24 @@ def test_a_drafter_offering_nothing_in_some_rounds_pays_a_one_token_forward_ther
   assert never.seconds_per_token == pytest.approx(target(1) + 0.002) and never.tokens_per_target_forward == 1.0
 
 
+def test_a_drafter_offering_part_of_its_chain_pays_the_narrowest_width_that_holds_it():
+  """offer as a law of counts: a round offering m of a chain of 8 yields a chain of m's tokens
+  and pays a forward of the root and the narrowest of offer_widths (0, 2, 4, 8) holding m."""
+  a, law = 0.7, (0.3, 0.2, 0.1, 0.0, 0.25, 0.0, 0.0, 0.0, 0.1, 0.05)   # the last: 9, a chain of 8 holds 8
+  target, over = affine(0.020, 0.001), latency.Overheads(verify=0.002)
+  model = latency.StackModel(shapes.chain(8), 0.0, (target,), ([a],), overheads=over, model_drafter=False,
+                             offer=law)
+  chain_tokens = lambda m: (1 - a ** (m + 1)) / (1 - a)
+  tokens = 0.3 + 0.2 * chain_tokens(1) + 0.1 * chain_tokens(2) + 0.25 * chain_tokens(4) + 0.15 * chain_tokens(8)
+  seconds = 0.3 * target(1) + 0.3 * target(3) + 0.25 * target(5) + 0.15 * target(9) + 0.002
+  got = latency.predict(model)
+  assert got.tokens_per_target_forward == pytest.approx(tokens)
+  assert got.seconds_per_token == pytest.approx(seconds / tokens)
+  # All of it in every round is the chain of 8, as offer=1.
+  whole = latency.predict(dataclasses.replace(model, offer=(0.0,) * 8 + (1.0,)))
+  assert whole == latency.predict(dataclasses.replace(model, offer=1.0))
+
+
 def test_deeper_nodes_of_a_chain_accept_at_the_deeper_rate():
   law = latency.accepted_law(shapes.chain(3), [0.6], deeper=0.8)
   at_least = law[::-1].cumsum()[::-1]                  # P(accepted >= k)
@@ -224,6 +242,11 @@ def test_ngram_proposals_are_the_engines():
     engine = np.where(np.asarray(proposal.offered) > 0, np.asarray(proposal.tokens[:, 0]), -1)
     np.testing.assert_array_equal(got[:-1], engine)   # the last: after all of history
     assert len(got) == len(history) and (got == -1).any() and (got >= 0).any()
+    # How many it offers, on a chain long enough for any match (at most 2**3).
+    counts = profile.ngram_offers(history, 1, 3, shortest)
+    offered = NGramDrafter(3, min_ngram=shortest).propose(None, shapes.chain(8), inputs).offered
+    np.testing.assert_array_equal(counts[:-1], np.asarray(offered))
+    assert counts.max() == 8 and (counts == 0).any() and len(set(counts.tolist())) > 3
 
 
 def test_prompt_lookups_acceptance_compares_its_proposal_with_the_targets_for_the_same_token(tiny_pair):
@@ -244,6 +267,10 @@ def test_prompt_lookups_acceptance_compares_its_proposal_with_the_targets_for_th
   aligned = np.mean([proposals[k] == text[k + 1] for k in range(48)])
   assert aligned > 0.2 and record["greedy"] == pytest.approx(aligned)
   assert record["offered"] == pytest.approx(np.mean([p >= 0 for p in proposals])) and record["offered"] > 0
+  counts = [profile.ngram_offers(prompt + text[:k + 1], len(prompt) + k + 1, 3)[0] for k in range(48)]
+  law = np.bincount(counts, minlength=profile.MAX_OFFERED + 1) / 48
+  np.testing.assert_allclose(record["offered_counts"], law)
+  assert record["offered_counts"][0] == pytest.approx(1 - record["offered"])
   # A continuation that copies a random prompt: once its last 3 tokens are copied ones, after
   # continuation[k] the lookup proposes continuation[k + 1], the token the verifier's row k predicts.
   prompt = list(np.random.default_rng(0).integers(3, 64, 160))

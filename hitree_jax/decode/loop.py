@@ -34,7 +34,7 @@ from hitree_jax import sharding
 from hitree_jax.cache import retrieval
 from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.decode.drafters import (DraftInputs, DraftWeights, Proposal, chain_children, round_attend,
-                                        tree_attend_mask)
+                                       tree_attend_mask)
 from hitree_jax.decode.features import keep_features
 from hitree_jax.decode.levels import Lead, LevelCache, commit, round_mask
 from hitree_jax.decode.sampling import SamplingParams, probabilities, sample
@@ -43,7 +43,7 @@ from hitree_jax.decode.stack import Retrieval
 from hitree_jax.decode.verify import verify
 from hitree_jax.model.llama import forward
 from hitree_jax.tree import shapes as tree_lib
-from hitree_jax.tree.shapes import DynamicTree
+from hitree_jax.tree.shapes import DynamicTree, offer_widths
 
 @flax.struct.dataclass
 class Stats:
@@ -143,9 +143,12 @@ class Decoder:
     wide = lambda: self._level_probs(j, fed, positions, cache, attend, first=p - 1)  # root, nodes
     if prop.offered is None:
       probs, hidden, recent = wide()
-    else:
-      probs, hidden, recent = jax.lax.cond(jnp.any(live & (prop.offered > 0)), wide,
-                                           lambda: self._lead_probs(j, lead, cache, prop))
+    else:   # the narrowest of offer_widths that holds what every live row offers
+      widths = offer_widths(prop.tokens.shape[1])
+      needed = jnp.max(jnp.where(live, prop.offered, 0))
+      branches = [functools.partial(self._prefix_probs, j, lead, cache, prop, fed, positions, m)
+                  for m in widths[:-1]] + [wide]
+      probs, hidden, recent = jax.lax.switch(jnp.searchsorted(jnp.asarray(widths), needed), branches)
     tree = self._proposal_tree(j - 1)
     verdict = verify(key, tree, prop.tokens, probs, prop.q, mode, prop.children)
     n_acc = jnp.where(live, verdict.n_accepted, 0)
@@ -191,14 +194,17 @@ class Decoder:
           jnp.concatenate([lead.valid, k < n_acc[:, None]], axis=1) & live[:, None]))
     return st, emitted, n_acc, emitted_probs
 
-  def _lead_probs(self, j: int, lead: Lead, cache: LevelCache, prop: Proposal):
-    """_level_probs of a round whose proposal offers no row a token: the lead alone (the root
-    last) goes through level j, and the nodes' outputs are zeros (verification reads none)."""
-    root_only = prop.attend[..., :1, :1]
-    attend = round_attend(cache.recent.lengths, self.width, round_mask(lead.valid, root_only))
-    probs, hidden, recent = self._level_probs(j, lead.tokens, lead.positions, cache, attend,
-                                              first=lead.size - 1)
-    nodes = ((0, 0), (0, prop.tokens.shape[1]), (0, 0))
+  def _prefix_probs(self, j: int, lead: Lead, cache: LevelCache, prop: Proposal, fed, positions, m: int):
+    """_level_probs of a round whose rows offer at most the proposal's first m nodes: the lead
+    (the root last) and those m go through level j, written where the whole round would write
+    them, and the other nodes' outputs are zeros (their children masks keep verification from
+    reading them)."""
+    p = lead.size
+    attend = round_attend(cache.recent.lengths, self.width,
+                          round_mask(lead.valid, prop.attend[..., :m + 1, :m + 1]))
+    probs, hidden, recent = self._level_probs(j, fed[:, :p + m], positions[:, :p + m], cache, attend,
+                                              first=p - 1)
+    nodes = ((0, 0), (0, prop.tokens.shape[1] - m), (0, 0))
     return jnp.pad(probs, nodes), jnp.pad(hidden, nodes), recent
 
   def _proposal_tree(self, j: int):

@@ -142,7 +142,8 @@ def candidates(profile: dict, greedy: bool, space: Space = Space()) -> optimize.
   per_rank, per_token, deeper, offers = {}, {}, {}, {}
   for pair, record in profile["acceptance"].items():
     verifier, proposer = pair.split("<-")
-    offer = offers[verifier, proposer] = record.get("offered", 1.0)   # an n-gram's (profile.py)
+    offer = record.get("offered", 1.0)   # an n-gram's (profile.py), and the law of how much it offers
+    offers[verifier, proposer] = tuple(record["offered_counts"]) if "offered_counts" in record else offer
     per_rank[verifier, proposer] = [r / max(offer, 1e-9) for r in record["greedy_profile" if greedy else "profile"]]
     per_token[verifier, proposer] = record["greedy" if greedy else "alpha"]
     if "deeper" in record:  # an EAGLE draft's (profile.pair_acceptance)

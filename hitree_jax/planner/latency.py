@@ -58,7 +58,10 @@ them to whole generations).
 6. A drafter that offers its tree only in some rounds (prompt lookup, where an
 earlier occurrence of the text's last tokens exists) offers it with
 probability `offer`; the level above answers a round without one by a
-forward of the root alone, which yields one token (`first_round`).
+forward of the root alone, which yields one token (`first_round`). Prompt
+lookup offers only the first m tokens of its chain, m by a law the profile
+measures, and a round offering m runs the narrowest of `offer_widths` that
+holds them.
 
 Two things the engine does that the model leaves out: a row that finishes
 stops early (a bounded end effect), and each level's forward also carries its
@@ -73,7 +76,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from hitree_jax.errors import UsageError
-from hitree_jax.tree.shapes import TokenTree, chain, node_reach
+from hitree_jax.tree.shapes import TokenTree, chain, node_reach, offer_widths
 
 Cost = Callable[[int], float]
 
@@ -165,7 +168,8 @@ class StackModel:
   overheads: Overheads = Overheads()
   model_drafter: bool = True              # its proposal pays Overheads.propose (n-gram lookup: no)
   deeper: float = 1.0                     # accepted_law's, for level 1's verdict on the tree
-  offer: float = 1.0                      # how often the drafter offers its tree (docstring, 6.)
+  offer: float | tuple[float, ...] = 1.0  # how often the drafter offers its tree, or the law of how
+                                          # much of its chain (first_round; docstring, 6.)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,16 +207,34 @@ def predict(stack: StackModel, fixed_buffers: bool = False) -> Prediction:
 
 
 def first_round(cost: Cost, tree: TokenTree, profile: Sequence[float], overheads: Overheads,
-                deeper: float = 1.0, offer: float = 1.0) -> tuple[np.ndarray, float]:
-  """(the law of the yield, the expected seconds) of a level verifying a drafter that offers
-  `tree` with probability `offer` (profile: the acceptance when it does), and otherwise nothing:
-  then the round is a forward of the root alone, yielding one token."""
-  law = tree_yield(tree, profile, deeper)
-  seconds = cost(tree.size + 1) + overheads.check(tree)
-  if offer >= 1.0:
-    return law, seconds
-  alone = np.eye(law.size)[1]
-  return offer * law + (1 - offer) * alone, offer * seconds + (1 - offer) * (cost(1) + overheads.check(None))
+                deeper: float = 1.0, offer: float | Sequence[float] = 1.0) -> tuple[np.ndarray, float]:
+  """(the law of the yield, the expected seconds) of a level verifying a drafter's `tree`
+  (profile: its acceptance where offered). `offer`: the probability that the drafter offers the
+  whole tree; or, for a chain, the law of how many of its first tokens it offers (index m: the
+  share offering m, the last index m or more, as far as the chain goes), a round offering m
+  being verified at the narrowest of offer_widths that holds m. A round offering none is a
+  forward of the root alone, yielding one token."""
+  size, length = tree.size, tree.max_depth + 2
+  if isinstance(offer, (int, float)):
+    if offer >= 1.0:
+      return tree_yield(tree, profile, deeper), cost(size + 1) + overheads.check(tree)
+    shares = {0: 1.0 - offer, size: offer}
+  else:
+    shares = {}
+    for m, share in enumerate(offer):
+      shares[min(m, size)] = shares.get(min(m, size), 0.0) + share
+  law, seconds = np.zeros(length), 0.0
+  for m, share in shares.items():
+    if m == 0:
+      law[1] += share
+      seconds += share * (cost(1) + overheads.check(None))
+      continue
+    offered = tree if m == size else chain(m)
+    part = tree_yield(offered, profile, deeper)
+    law[:part.size] += share * part
+    width = min(w for w in offer_widths(size) if w >= m)
+    seconds += share * (cost(width + 1) + overheads.check(offered))
+  return law, seconds
 
 
 def tree_draft_seconds(tree: TokenTree, cost: Cost | None) -> float:

@@ -58,9 +58,9 @@ class Candidates:
   buffer_acceptance: Mapping[tuple[str, str], float] | None = None
   # (verifier, drafter) -> latency.accepted_law's `deeper` (default 1: positions alike).
   deeper: Mapping[tuple[str, str], float] | None = None
-  # (verifier, drafter) -> how often the drafter offers its tree (latency.first_round; default 1),
-  # the profile then being its acceptance when it does.
-  offers: Mapping[tuple[str, str], float] | None = None
+  # (verifier, drafter) -> how often the drafter offers its tree, or the law of how much of its
+  # chain (latency.first_round; default 1), the profile then being its acceptance when it does.
+  offers: Mapping[tuple[str, str], float | tuple[float, ...]] | None = None
 
   def profile(self, verifier: str, proposer: str):
     return self.acceptance.get((verifier, proposer))
@@ -68,7 +68,7 @@ class Candidates:
   def deeper_of(self, verifier: str, proposer: str) -> float:
     return 1.0 if self.deeper is None else self.deeper.get((verifier, proposer), 1.0)
 
-  def offer_of(self, verifier: str, proposer: str) -> float:
+  def offer_of(self, verifier: str, proposer: str) -> float | tuple[float, ...]:
     return 1.0 if self.offers is None else self.offers.get((verifier, proposer), 1.0)
 
   def of_buffer(self, verifier: str, proposer: str) -> float | None:

@@ -348,14 +348,13 @@ def _eagle_continuation_probs(levels: _Levels, features, tokens, target_vocab: i
   return q, ranked, q_deep
 
 
-def ngram_proposals(history: Sequence[int], start: int, max_ngram: int, min_ngram: int = 1) -> np.ndarray:
-  """[len(history) - start + 1]: the token the n-gram drafter (drafters.NGramDrafter) proposes
-  after each prefix history[:end], end = start .. len(history): what followed the latest earlier
-  match of the longest (min_ngram..max_ngram) suffix, else -1 (it offers nothing)."""
+def _ngram_matches(history: Sequence[int], start: int, max_ngram: int, min_ngram: int):
+  """Yields (end, the end index of the latest earlier match of history[:end]'s longest
+  (min_ngram..max_ngram) suffix or -1, that suffix's length) for end = start .. len(history):
+  drafters.NGramDrafter's search."""
   seq = np.asarray(history)
-  out = []
   for end in range(start, len(seq) + 1):
-    best = -1
+    best, length = -1, 0
     match = np.arange(end) < end - 1          # a match ends strictly before the suffix does
     for n in range(1, max_ngram + 1):
       j = n - 1
@@ -364,9 +363,25 @@ def ngram_proposals(history: Sequence[int], start: int, max_ngram: int, min_ngra
       shifted = np.concatenate([np.full(j, -1), seq[:end - j]]) if j else seq[:end]
       match &= (np.arange(end) >= j) & (shifted == seq[end - 1 - j])
       if match.any() and n >= min_ngram:
-        best = int(np.nonzero(match)[0].max())
-    out.append(seq[best + 1] if best >= 0 else -1)
-  return np.asarray(out, np.int32)
+        best, length = int(np.nonzero(match)[0].max()), n
+    yield end, best, length
+
+
+def ngram_proposals(history: Sequence[int], start: int, max_ngram: int, min_ngram: int = 1) -> np.ndarray:
+  """[len(history) - start + 1]: the token the n-gram drafter (drafters.NGramDrafter) proposes
+  after each prefix history[:end], end = start .. len(history): what followed the latest earlier
+  match of the longest (min_ngram..max_ngram) suffix, else -1 (it offers nothing)."""
+  seq = np.asarray(history)
+  return np.asarray([seq[best + 1] if best >= 0 else -1
+                     for _, best, _ in _ngram_matches(seq, start, max_ngram, min_ngram)], np.int32)
+
+
+def ngram_offers(history: Sequence[int], start: int, max_ngram: int, min_ngram: int = 1) -> np.ndarray:
+  """[len(history) - start + 1]: how many tokens the n-gram drafter offers after each prefix (as
+  ngram_proposals), on a chain long enough for all: what followed the match, at most 2**n for a
+  match of n tokens; 0 where none matched."""
+  return np.asarray([min(end - 1 - best, 2 ** n) if best >= 0 else 0
+                     for end, best, n in _ngram_matches(history, start, max_ngram, min_ngram)], np.int32)
 
 
 def _ngram_probs(name: str, prompt, continuation, vocab_size: int):
@@ -379,6 +394,17 @@ def _ngram_probs(name: str, prompt, continuation, vocab_size: int):
   ranked = np.full((len(tokens), PROFILE_RANKS), -1, np.int32)
   ranked[:, 0] = tokens
   return jax.nn.one_hot(tokens, vocab_size), jnp.asarray(ranked)
+
+
+def _offered_counts(name: str, prompt, continuation) -> list[float]:
+  """An n-gram level's law of how many tokens it offers at a position (ngram_offers; index m:
+  the share offering m, the last index m or more), for latency.first_round."""
+  drafter = parse_draft_spec(name)
+  counts = ngram_offers(list(prompt) + list(continuation), len(prompt) + 1, drafter.max_ngram, drafter.min_ngram)
+  return (np.bincount(np.minimum(counts, MAX_OFFERED), minlength=MAX_OFFERED + 1) / len(counts)).tolist()
+
+
+MAX_OFFERED = 32   # offered counts beyond it are recorded as it (no chain the planner tries is longer)
 
 
 def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Sequence[int],
@@ -433,6 +459,7 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Seq
       out[f"{verifier}<-{proposer}"].update(_deeper(p, accept, hits[:, 0], deep))
     if spec.parse_level(proposer).kind == "ngram":   # the rates above count its silent positions as misses
       out[f"{verifier}<-{proposer}"]["offered"] = float(valid[:, 0].mean())
+      out[f"{verifier}<-{proposer}"]["offered_counts"] = _offered_counts(proposer, prompt, continuation)
   return out
 
 
@@ -455,7 +482,8 @@ def _deeper(p, accept, hits, q_deep) -> dict:
 # 6: an n-gram level's proposals compared with the verifier's prediction of the same token
 # (they were one token early, so prompt lookup measured near 0). 7: an n-gram level offers
 # nothing where no suffix matched (it proposed the last token), and its record says how often it offers.
-PROFILE_VERSION = 7
+# 8: it offers at most 2**n tokens after a match of n, and its record has the law of how many.
+PROFILE_VERSION = 8
 
 
 def profile_key(model: str, draft: str | None) -> dict:

@@ -147,6 +147,13 @@ def chain(n: int) -> TokenTree:
   return TokenTree(tuple(range(-1, n - 1)))
 
 
+def offer_widths(size: int) -> tuple[int, ...]:
+  """The node counts at which a level verifies a chain of `size` nodes of which a drafter offers
+  only the first few (Proposal.offered): none (the root alone), the powers of two below size,
+  and all of it. A round runs the narrowest that holds every live row's offer (loop.Decoder)."""
+  return (0, *(2 ** k for k in range(1, size.bit_length()) if 2 ** k < size), size)
+
+
 def kary(k: int, depth: int) -> TokenTree:
   """Full k-ary tree of the given depth (k + k^2 + ... + k^depth nodes), breadth-first.
 
