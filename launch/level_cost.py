@@ -146,8 +146,8 @@ def engine_slots(context: int) -> int:
   131,008-slot cache the H200's compiler padded each layer's keys to a tile's multiple, a
   copy of the cache in every step, and `ar`'s step took 54 ms; over 131,072 slots, 21.6 ms
   (docs/accelerators.md)."""
-  from hitree_jax.decode.prefill import CACHE_BUCKET, round_up
-  return round_up(context, CACHE_BUCKET)
+  from hitree_jax.decode.prefill import cache_slots
+  return cache_slots(context, 0)
 
 
 def weights_read(arrays: Arrays) -> int:

@@ -34,7 +34,7 @@ from hitree_jax import sharding
 from hitree_jax.cache import retrieval
 from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.decode.drafters import (DraftInputs, DraftWeights, Proposal, chain_children, round_attend,
-                                       tree_attend_mask)
+                                        tree_attend_mask)
 from hitree_jax.decode.features import keep_features
 from hitree_jax.decode.levels import Lead, LevelCache, commit, round_mask
 from hitree_jax.decode.sampling import SamplingParams, probabilities, sample

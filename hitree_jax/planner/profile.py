@@ -424,10 +424,11 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Seq
   decoding): an approximation for continuations much shorter than the window."""
   levels = _Levels(target, draft, prompt, len(continuation), eagle)
   vocab_size = target.config.vocab_size
-  dists, features = {}, {}
+  dists, features, offered_counts = {}, {}, {}
   for name in {n for pair in pairs for n in pair} - {"eagle"}:
     if spec.parse_level(name).kind == "ngram":
       dists[name] = _ngram_probs(name, prompt, continuation, vocab_size)
+      offered_counts[name] = _offered_counts(name, prompt, continuation)   # once, whatever verifies it
     else:
       config = levels[name][0]
       taps = levels.taps if config.num_layers == target.config.num_layers else ()  # what EAGLE may read
@@ -459,7 +460,7 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Seq
       out[f"{verifier}<-{proposer}"].update(_deeper(p, accept, hits[:, 0], deep))
     if spec.parse_level(proposer).kind == "ngram":   # the rates above count its silent positions as misses
       out[f"{verifier}<-{proposer}"]["offered"] = float(valid[:, 0].mean())
-      out[f"{verifier}<-{proposer}"]["offered_counts"] = _offered_counts(proposer, prompt, continuation)
+      out[f"{verifier}<-{proposer}"]["offered_counts"] = offered_counts[proposer]
   return out
 
 
