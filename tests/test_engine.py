@@ -284,6 +284,7 @@ def chi_square_pvalue(samples, law):
 @pytest.mark.parametrize("tree,drafter,temperature,top_p", [
     (tree_lib.chain(3), NGramDrafter(2), 1.0, 1.0),
     (tree_lib.chain(3), NGramDrafter(4, min_ngram=4), 1.0, 1.0),   # offers nothing: the root alone
+    (tree_lib.chain(4), NGramDrafter(1), 1.0, 1.0),   # a unigram offers at most 2: the root and 2 nodes
     (tree_lib.chain(3), SelfDrafter(1, "iid"), 1.0, 1.0),
     (tree_lib.kary(2, 2), SelfDrafter(1, "without_replacement"), 1.0, 1.0),
     (tree_lib.kary(2, 2), SelfDrafter(2, "deterministic"), 0.7, 0.9),
@@ -292,7 +293,7 @@ def chi_square_pvalue(samples, law):
     (tree_lib.kary(2, 2), "reduced-wor", 0.8, 0.95),
     (tree_lib.DynamicTree(4, 2, width=2), SelfDrafter(1), 1.0, 1.0),
     (tree_lib.DynamicTree(5, 2, width=3), "model-det", 0.8, 0.9),
-], ids=["ngram-chain", "ngram-offers-nothing", "self-chain-iid", "self-binary-wor", "self-binary-det-topp", "self-ragged-iid",
+], ids=["ngram-chain", "ngram-offers-nothing", "ngram-offers-part", "self-chain-iid", "self-binary-wor", "self-binary-det-topp", "self-ragged-iid",
         "model-chain-iid", "reduced-vocab-binary-wor", "self-dynamic", "model-dynamic-topp"])
 def test_sampling_is_exact(tree, drafter, temperature, top_p):
   params = init_params(SMALL, jax.random.key(2))
