@@ -29,8 +29,9 @@ in six tasks (data/spec_bench/), in the model's chat template, EOS honoured, 256
 most, MT-bench's second turn after the model's own first answer. It reports the speedup over
 `ar` per task, τ (tokens per target forward) and tok/s, as OUT.json, OUT.md and
 OUT_specbench.png. Under greedy decoding it checks that every method's tokens equal `ar`'s on
-every turn, and names any question that differs. --prompts=PATH.jsonl reads your own questions
-in the same format:
+every turn, and names any question that differs, with the target's top-2 logit margin where it
+parts (a near-tie, where rounding may pick either token, or a fault). --prompts=PATH.jsonl reads
+your own questions in the same format:
 
   python -m launch.benchmark --prompts=specbench --per_category=10 \
       --methods=ar,sd/ngram/4,sd/drafts/smollm2-draft.gguf/3 --out=specbench.json
@@ -280,10 +281,12 @@ def run_questions(chosen, methods, sampling, mesh) -> None:
       progress.step(detail=f"{method.label} question {q.question_id}")
     by_method[method.label] = runs
   greedy = FLAGS.temperature == 0
-  results = spec_bench_run.rows(by_method, greedy)
+  from hitree_jax import near_ties
+  margins_of = lambda prompt, answer: near_ties.top2_margins(model.params, model.config, prompt, answer)
+  results = spec_bench_run.rows(by_method, greedy, margins_of)
   out = pathlib.Path(FLAGS.out)
-  runs = {m: [{**r, "turns": [{k: v for k, v in t.items() if k != "tokens"} for t in r["turns"]]}
-              for r in rs] for m, rs in by_method.items()}
+  runs = {m: [{**r, "turns": [{k: v for k, v in t.items() if k not in ("tokens", "prompt")}
+                              for t in r["turns"]]} for r in rs] for m, rs in by_method.items()}
   out.write_text(json.dumps({**record([]), "prompts": FLAGS.prompts, "max_new_tokens": max_new,
                              "tasks": spec_bench_run.tasks_count(chosen), "results": results, "runs": runs},
                             indent=2))
@@ -295,7 +298,7 @@ def run_questions(chosen, methods, sampling, mesh) -> None:
   print(table)
   for r in results:
     for d in r.get("differs_from_ar", []):
-      print(f"{r['method']}: question {d['question_id']} turn {d['turn']} differs from ar at token {d['at']}")
+      print(spec_bench_run.parting_line(r["method"], d))
   logging.info("wrote %s", ", ".join(map(str, written)))
 
 

@@ -6,7 +6,8 @@ the model's own earlier answers (MT-bench's second turn). Generation stops at EO
 over the task's turns, as Spec-Bench computes it. τ is the new tokens per target forward, and
 the speedup is over `ar`'s speed on the same task in the same run. Under greedy decoding every
 turn of every method must equal `ar`'s tokens; a turn that differs is reported with its
-question id.
+question id and the token where it parts, and with the target's top-2 logit margin there
+(hitree_jax/near_ties.py): a near-tie, where rounding may pick either token, or a fault.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from hitree_jax import spec_bench
 def answer(model, tokenizer, method, question: spec_bench.Question, sampling, programs, mesh,
            max_new_tokens: int, seed: int) -> list[dict]:
   """One question, turn by turn: [{new_tokens, decode_s, prefill_s, target_forwards, compiles,
-  tokens}] per turn."""
+  tokens, prompt}] per turn (prompt: the turn's token ids, the conversation so far)."""
   from hitree_jax.tokenizer import conversation_prompt
   answers, turns = [], []
   for t in range(len(question.turns)):
@@ -31,21 +32,36 @@ def answer(model, tokenizer, method, question: spec_bench.Question, sampling, pr
     answers.append(tokenizer.decode(tokens, skip_special_tokens=True))
     turns.append({"prompt_tokens": len(ids), "new_tokens": len(tokens), "decode_s": r.decode_s,
                   "prefill_s": r.prefill_s, "target_forwards": r.target_forwards or len(tokens),
-                  "compiles": r.compiles, "tokens": tokens})
+                  "compiles": r.compiles, "tokens": tokens, "prompt": ids})
   return turns
 
 
-def mismatches(runs: list[dict], ar_runs: list[dict]) -> list[dict]:
+def mismatches(runs: list[dict], ar_runs: list[dict], margins_of=None) -> list[dict]:
   """The turns whose tokens differ from `ar`'s: {question_id, turn, at} (the first index that
-  differs; a shorter answer differs where it ends)."""
+  differs; a shorter answer differs where it ends). With margins_of(prompt, answer) (the
+  target's top-2 margins over `ar`'s answer, near_ties.top2_margins), each also says how close
+  to a tie the target was there: near_ties.parting's margin, smaller_in_answer, median_margin."""
+  from hitree_jax import near_ties
   out = []
   for run, ar in zip(runs, ar_runs):
     for t, (mine, theirs) in enumerate(zip(run["turns"], ar["turns"])):
       a, b = mine["tokens"], theirs["tokens"]
       if a != b:
         at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        out.append({"question_id": run["question_id"], "turn": t + 1, "at": at})
+        entry = {"question_id": run["question_id"], "turn": t + 1, "at": at}
+        if margins_of is not None:
+          entry.update(near_ties.parting(margins_of(theirs["prompt"], b), at))
+        out.append(entry)
   return out
+
+
+def parting_line(method: str, d: dict) -> str:
+  """One mismatch as the run prints it."""
+  line = f"{method}: question {d['question_id']} turn {d['turn']} differs from ar at token {d['at']}"
+  if "margin" in d:
+    line += (f": the target's top-2 logit margin there is {d['margin']:.4f} (median over ar's "
+             f"answer {d['median_margin']:.2f}; {d['smaller_in_answer']} positions had a smaller one)")
+  return line
 
 
 def summary(runs: list[dict]) -> dict:
@@ -59,9 +75,9 @@ def summary(runs: list[dict]) -> dict:
           "median_prefill_s": statistics.median(t["prefill_s"] for t in turns) if turns else None}
 
 
-def rows(by_method: dict[str, list[dict]], greedy: bool) -> list[dict]:
+def rows(by_method: dict[str, list[dict]], greedy: bool, margins_of=None) -> list[dict]:
   """Per method: per task and overall, tokens/s, τ and the speedup over `ar`; with greedy
-  decoding, the turns that differ from `ar`'s."""
+  decoding, the turns that differ from `ar`'s (with margins_of: how near a tie, `mismatches`)."""
   tasks = list(dict.fromkeys(r["task"] for runs in by_method.values() for r in runs))
   per = {m: {task: summary([r for r in runs if r["task"] == task]) for task in tasks}
          for m, runs in by_method.items()}
@@ -73,9 +89,20 @@ def rows(by_method: dict[str, list[dict]], greedy: bool) -> list[dict]:
     for entry, ar in [*((per[m][t], base[0][t] if base[0] else None) for t in tasks), (overall[m], base[1])]:
       entry["speedup"] = entry["tokens_per_s"] / ar["tokens_per_s"] if ar and ar["tokens_per_s"] else None
     if greedy and "ar" in by_method and m != "ar":
-      row["differs_from_ar"] = mismatches(runs, by_method["ar"])
+      row["differs_from_ar"] = mismatches(runs, by_method["ar"], margins_of)
     out.append(row)
   return out
+
+
+def differs_cell(partings: list[dict]) -> str:
+  """The report's `greedy = ar` cell: yes, or how many turns part and the widest margin they
+  part at."""
+  if not partings:
+    return "yes"
+  cell = f"no: {len(partings)} turns"
+  if all("margin" in d for d in partings):
+    cell += f", at top-2 logit margins of at most {max(d['margin'] for d in partings):.4f}"
+  return cell
 
 
 def markdown(results: list[dict]) -> str:
@@ -85,8 +112,7 @@ def markdown(results: list[dict]) -> str:
   lines = ["| method | " + " | ".join(tasks) + " | overall | τ (tokens per target forward) | tok/s | "
            "greedy = ar |", "|---|" + "---|" * (len(tasks) + 4)]
   for r in results:
-    same = "–" if "differs_from_ar" not in r else ("yes" if not r["differs_from_ar"] else
-                                                   f"no: {len(r['differs_from_ar'])} turns")
+    same = "–" if "differs_from_ar" not in r else differs_cell(r["differs_from_ar"])
     lines.append(f"| {r['method']} | " + " | ".join(fmt(r["tasks"][t]["speedup"]) for t in tasks) +
                  f" | {fmt(r['overall']['speedup'])} | {fmt(r['overall']['tau'], '{:.2f}')} | "
                  f"{r['overall']['tokens_per_s']:.2f} | {same} |")

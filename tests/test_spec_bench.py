@@ -94,3 +94,75 @@ def test_no_training_instruction_shares_13_words_with_a_spec_bench_question(toke
   assert instructions.overlap(instructions.OPEN_INSTRUCTIONS, turns) == set()   # the chat profile's
   planted = texts[0] + " " + turns[123]
   assert instructions.overlap([planted], turns) == instructions.shingles(turns[123])
+
+
+# The exactness check: a method that parts from `ar` is named, with how near a tie it parted at.
+
+def _tiny_target():
+  import jax
+  from hitree_jax.model.config import ModelConfig
+  from hitree_jax.model.llama import init_params
+  config = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=8, max_position_embeddings=128, eos_token_id=None,
+                       tie_word_embeddings=False)
+  params = jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, init_params(config, jax.random.key(3)))
+  return config, params
+
+
+PROMPT = [3, 5, 7, 11, 13, 17, 19, 3, 5]
+
+
+def test_top2_margins_are_zero_exactly_where_the_target_ties_two_tokens():
+  import numpy as np
+  from hitree_jax.decode import engine
+  from hitree_jax.near_ties import top2_margins
+  config, params = _tiny_target()
+  answer = engine.generate(params, config, [PROMPT], max_new_tokens=24).tokens[0]
+  margins = top2_margins(params, config, PROMPT, answer)
+  assert margins.shape == (len(answer) + 1,) and (margins > 1e-3).all()
+  # Give token `tied` the output column of the answer's commonest token: a tie wherever that wins.
+  common = max(set(answer), key=answer.count)
+  tied = next(t for t in range(config.vocab_size) if t not in answer)
+  kernel = params["lm_head"]["kernel"]
+  params = {**params, "lm_head": {"kernel": kernel.at[:, tied].set(kernel[:, common])}}
+  margins = top2_margins(params, config, PROMPT, answer)
+  wins = np.asarray(answer) == common
+  assert wins.sum() >= 2 and (margins[:-1][wins] < 1e-5).all() and (margins[:-1][~wins] > 1e-3).all()
+
+
+def _runs(tokens, prompt=PROMPT):
+  turn = {"prompt": prompt, "tokens": tokens, "new_tokens": len(tokens), "decode_s": 1.0,
+          "prefill_s": 0.1, "target_forwards": len(tokens), "compiles": 0}
+  return [{"question_id": 7, "task": "qa", "category": "qa", "turns": [turn]}]
+
+
+def test_a_biased_method_is_caught_with_the_targets_margin_where_it_parts():
+  """A negative control: a method whose token at one position is not the target's argmax is
+  named, with the question, turn, position and the target's (wide) margin there; an answer that
+  runs on past `ar`'s end parts where `ar`'s ended."""
+  import numpy as np
+  from hitree_jax.decode import engine
+  from hitree_jax.near_ties import top2_margins
+  from launch import spec_bench_run
+  config, params = _tiny_target()
+  ar = engine.generate(params, config, [PROMPT], max_new_tokens=20).tokens[0]
+  biased = ar[:11] + [(ar[11] + 1) % config.vocab_size] + ar[12:]
+  margins_of = lambda prompt, answer: top2_margins(params, config, prompt, answer)
+  by_method = {"ar": _runs(ar), "same": _runs(list(ar)), "biased": _runs(biased), "longer": _runs(ar + [1])}
+  results = {r["method"]: r for r in spec_bench_run.rows(by_method, True, margins_of)}
+  assert results["same"]["differs_from_ar"] == []
+  margins = margins_of(PROMPT, ar)
+  [parted] = results["biased"]["differs_from_ar"]
+  assert (parted["question_id"], parted["turn"], parted["at"]) == (7, 1, 11)
+  assert parted["margin"] == margins[11] > 1e-3
+  assert parted["smaller_in_answer"] == int((margins < margins[11]).sum())
+  assert parted["median_margin"] == float(np.median(margins))
+  [ran_on] = results["longer"]["differs_from_ar"]
+  assert ran_on["at"] == len(ar) and ran_on["margin"] == margins[len(ar)]
+  line = spec_bench_run.parting_line("biased", parted)
+  assert line.startswith("biased: question 7 turn 1 differs from ar at token 11: the target's top-2")
+  table = spec_bench_run.markdown(list(results.values()))
+  assert "| same |" in table and f"no: 1 turns, at top-2 logit margins of at most {margins[11]:.4f} |" in table
+  # Without a model to ask, the parting is still named.
+  plain = spec_bench_run.rows(by_method, True)
+  assert [r["differs_from_ar"] for r in plain if r["method"] == "biased"] == [[{"question_id": 7, "turn": 1, "at": 11}]]

@@ -10,31 +10,16 @@ default float32 products use TF32's 10-bit mantissa) picks the other token.
   JAX_PLATFORMS=cpu python docs/results/gpu_near_ties.py > docs/results/gpu_near_ties.txt
 """
 
-import jax.numpy as jnp
 import numpy as np
 
 from hitree_jax import methods, spec_bench
-from hitree_jax.cache.full import KVCache, causal_attend
 from hitree_jax.loading import load_model
-from hitree_jax.model.llama import forward
+from hitree_jax.near_ties import top2_margins
 from hitree_jax.tokenizer import conversation_prompt, load_tokenizer
 
 # (question_id, turn, first differing token) from the H100 run's report.
 PARTINGS = [(83, 1, 192), (84, 1, 184), (84, 2, 43), (401, 1, 128), (483, 1, 42)]
 MAX_NEW_TOKENS = 256
-
-
-def margins(model, ids: list[int], tokens: list[int]) -> np.ndarray:
-  """Top-1 minus top-2 logit at each generated token, from one causal forward over the turn."""
-  seq = ids + tokens
-  n = len(seq)
-  cache = KVCache.init(model.config, 1, n)
-  logits, _, _ = forward(model.params, model.config, jnp.asarray([seq]), jnp.arange(n)[None],
-                         cache, causal_attend(cache.lengths, n, n))
-  rows = np.asarray(logits[0, len(ids) - 1:n - 1])          # [new, V]: the rows that chose them
-  assert (rows.argmax(-1) == np.asarray(tokens)).mean() > 0.99, "forward disagrees with ar"
-  top2 = np.sort(rows, axis=-1)[:, -2:]
-  return top2[:, 1] - top2[:, 0]
 
 
 def main():
@@ -50,7 +35,7 @@ def main():
       tokens = ar.generate(model.params, model.config, [ids], max_new_tokens=MAX_NEW_TOKENS,
                            stop_at_eos=True).tokens[0]
       answers.append(tokenizer.decode(tokens, skip_special_tokens=True))
-      m = margins(model, ids, tokens)
+      m = top2_margins(model.params, model.config, ids, tokens)[:-1]   # the rows that chose them
       every.append(m)
       for q, turn, at in PARTINGS:
         if (q, turn) == (qid, t + 1):
