@@ -145,11 +145,10 @@ def plan(config: ModelConfig, draft: ModelConfig | None, stack_of, mesh, prompt_
   narrower than its bfloat16 twin's, so each program's temporaries are taken as the smaller of
   the two (`temporaries_cpu` keeps the bfloat16 program's own figure)."""
   with sharding.use(mesh):
-    programs, arrays = _compile(config, draft, stack_of(draft), mesh, prompt_tokens, max_new_tokens, batch)
+    programs, arrays = _compile(config, stack_of(draft), mesh, prompt_tokens, max_new_tokens, batch)
     if config.dtype != "float32" and compiler(mesh) != "tpu":
       f32 = lambda c: None if c is None else c.replace(dtype="float32")
-      bound, _ = _compile(f32(config), f32(draft), stack_of(f32(draft)), mesh, prompt_tokens, max_new_tokens,
-                          batch)
+      bound, _ = _compile(f32(config), stack_of(f32(draft)), mesh, prompt_tokens, max_new_tokens, batch)
       programs = [dataclasses.replace(p, temporaries=min(p.temporaries, b.temporaries),
                                       temporaries_cpu=p.temporaries) for p, b in zip(programs, bound)]
   return dict(devices=mesh.devices.size, mesh=sharding.describe(mesh), compiler=compiler(mesh),
@@ -158,10 +157,25 @@ def plan(config: ModelConfig, draft: ModelConfig | None, stack_of, mesh, prompt_
               peak=max(p.peak for p in programs))
 
 
-def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_tokens: int,
-             max_new_tokens: int, batch: int):
-  """-> ([Program] of the prefill chunk, each retrieval selection and the decode loop, the
-  arrays' per-device bytes)."""
+@dataclasses.dataclass(frozen=True)
+class DecodeArguments:
+  """A generation's arrays as abstract arguments on a mesh: what its programs are compiled with."""
+  sizes: StackSizes
+  slots: int                 # the full caches' slots
+  tail: int                  # the long caches' slots for tokens decoded after the prompt
+  params: dict               # the target's weights
+  weights: loop.Weights      # the target's and the draft's
+  full: KVCache              # the target's full cache
+  draft_full: KVCache | None
+  longs: tuple               # each level's long cache (None where it has none)
+  start: loop.DecodeStart    # the decode loop's start
+  lengths: jax.ShapeDtypeStruct   # [batch] int32
+
+
+def decode_arguments(config: ModelConfig, stack: Stack, mesh, prompt_tokens: int, max_new_tokens: int,
+                     batch: int = 1) -> DecodeArguments:
+  """The prefill chunk's, the retrieval selection's and the decode loop's arguments for a prompt
+  of prompt_tokens, as the engine would shape them (inside sharding.use(mesh))."""
   draft_config = stack.draft_config  # None for a stack without a draft model (EAGLE's, say)
   sizes = StackSizes(stack, config, draft_config, mesh)
   width = sizes.recent_slots
@@ -169,8 +183,7 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
   tail = prefill_lib.round_up(max_new_tokens + width, 8)
   sharding.check(config, mesh, batch, slots)
   params = abstract_params(config, mesh)
-  draft = abstract_draft_weights(stack, config, draft_config, mesh)
-  weights = loop.Weights(params, draft)
+  weights = loop.Weights(params, abstract_draft_weights(stack, config, draft_config, mesh))
 
   placed = lambda j, shape: abstract(shape, sizes.long_axes(j, shape), mesh)
   full = placed(sizes.top, jax.eval_shape(lambda: KVCache.init(config, batch, slots)))
@@ -178,33 +191,16 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
   if draft_config is not None:
     shape = jax.eval_shape(lambda: KVCache.init(draft_config, batch, slots))
     draft_full = abstract(shape, sharding.cache_axes(shape, heads=False), mesh)
-  last_tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)   # also each row's last token
   longs = []
   for j in range(sizes.top + 1):
     if sizes.is_drafter(j) and sizes.drafter.prefills_own_cache:  # e.g. EAGLE's, from the prompt
       shape = jax.eval_shape(lambda: KVCache.init(sizes.config(j), batch, slots))
     else:
       shape = jax.eval_shape(lambda: long_caches.derived_long_cache(sizes, j, full, draft_full, params,
-                                                                    last_tokens, tail))
+                                                                    lengths, tail))
     longs.append(None if shape is None else placed(j, shape))
-  longs = tuple(longs)
 
-  programs = []
-  # One prefill chunk: the target's weights, its whole full cache, the chunk's activations.
-  chunk = prefill_lib.prefill_chunk_size(prompt_tokens)
-  hidden = jax.ShapeDtypeStruct((batch, config.hidden_size), jnp.dtype(config.dtype))
-  tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
-  lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  options = CPU_COPY_FREE if compiler(mesh) != "tpu" else None
-  compiled = prefill_lib.prefill_chunk.lower(params, config, full, tokens, scalar(jnp.int32), lengths,
-                                              hidden).compile(options)
-  programs.append(Program.of("prefill chunk", compiled))
-  for j, long in enumerate(longs):  # the retrieval level's selection, from the full cache
-    if isinstance(long, RetrievalCache):
-      kind = sizes.cache_kind(j)
-      compiled = long_caches.select_retrieval.lower(params, config, full, last_tokens, kind.budget, kind.chunk,
-                                                    tail, sharding.sequence_shards(mesh)).compile()
-      programs.append(Program.of(f"retrieval selection (level {j})", compiled))
   features = (len(sizes.feature_taps) + 1) * config.hidden_size   # what a feature drafter reads
   first = (jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32),
            jax.ShapeDtypeStruct((batch, features), jnp.dtype(config.dtype)) if sizes.reads_features else None)
@@ -212,7 +208,29 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
   settings, key = abstract_settings()
   start = loop.DecodeStart(first, settings, scalar(jnp.int32), key,
                            jax.ShapeDtypeStruct((batch, history), jnp.int32), lengths)
-  compiled = loop.decode_loop.lower(sizes, weights, longs, start, max_new_tokens).compile()
+  return DecodeArguments(sizes, slots, tail, params, weights, full, draft_full, tuple(longs), start, lengths)
+
+
+def _compile(config: ModelConfig, stack: Stack, mesh, prompt_tokens: int, max_new_tokens: int, batch: int):
+  """-> ([Program] of the prefill chunk, each retrieval selection and the decode loop, the
+  arrays' per-device bytes)."""
+  a = decode_arguments(config, stack, mesh, prompt_tokens, max_new_tokens, batch)
+  sizes, params, full, longs, draft = a.sizes, a.params, a.full, a.longs, a.weights.draft
+  programs = []
+  # One prefill chunk: the target's weights, its whole full cache, the chunk's activations.
+  tokens = jax.ShapeDtypeStruct((batch, prefill_lib.prefill_chunk_size(prompt_tokens)), jnp.int32)
+  hidden = jax.ShapeDtypeStruct((batch, config.hidden_size), jnp.dtype(config.dtype))
+  options = CPU_COPY_FREE if compiler(mesh) != "tpu" else None
+  compiled = prefill_lib.prefill_chunk.lower(params, config, full, tokens, scalar(jnp.int32), a.lengths,
+                                              hidden).compile(options)
+  programs.append(Program.of("prefill chunk", compiled))
+  for j, long in enumerate(longs):  # the retrieval level's selection, from the full cache
+    if isinstance(long, RetrievalCache):
+      kind = sizes.cache_kind(j)
+      compiled = long_caches.select_retrieval.lower(params, config, full, a.lengths, kind.budget, kind.chunk,
+                                                    a.tail, sharding.sequence_shards(mesh)).compile()
+      programs.append(Program.of(f"retrieval selection (level {j})", compiled))
+  compiled = loop.decode_loop.lower(sizes, a.weights, longs, a.start, max_new_tokens).compile()
   programs.append(Program.of("decode loop", compiled))
 
   caches = {}
@@ -224,11 +242,11 @@ def _compile(config: ModelConfig, draft_config, stack: Stack, mesh, prompt_token
     who = ("target" if j == sizes.top else "draft" if sizes.weights(j) == "draft" else
            "EAGLE" if j == 0 and sizes.reads_features else f"level {j}")
     caches[f"{who} {kind} cache"] = per_device_bytes(long)
-  if draft_full is not None and not any(sizes.weights(j) == "draft" and
+  if a.draft_full is not None and not any(sizes.weights(j) == "draft" and
                                         isinstance(sizes.cache_kind(j), Full)
                                         for j in range(sizes.top)):
-    caches["draft full cache (prefill only)"] = per_device_bytes(draft_full)
-  arrays = dict(slots=slots, params=per_device_bytes(params),
+    caches["draft full cache (prefill only)"] = per_device_bytes(a.draft_full)
+  arrays = dict(slots=a.slots, params=per_device_bytes(params),
                 draft_params=per_device_bytes(draft.params) if draft is not None else 0, caches=caches)
   return programs, arrays
 

@@ -18,9 +18,7 @@ from jax.experimental.layout import Format, Layout
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from hitree_jax import memory_plan, sharding, topology  # noqa: E402
-from hitree_jax.cache.full import KVCache  # noqa: E402
-from hitree_jax.decode import long_caches, loop, prefill  # noqa: E402
-from hitree_jax.decode.sizes import StackSizes  # noqa: E402
+from hitree_jax.decode import loop, prefill  # noqa: E402
 from hitree_jax.model.config import ModelConfig  # noqa: E402
 from launch.plan_memory import stack_of  # noqa: E402
 
@@ -39,33 +37,19 @@ def temporaries(compiled) -> str:
 
 
 with sharding.use(mesh):
-  sizes = StackSizes(stack, target, draft_config, mesh)
-  slots = prefill.cache_slots(cfg.prompt_tokens, cfg.max_new_tokens, extra=sizes.recent_slots)
-  tail = prefill.round_up(cfg.max_new_tokens + sizes.recent_slots, 8)
-  params = memory_plan.abstract_params(target, mesh)
-  weights = loop.Weights(params, memory_plan.abstract_draft_weights(stack, target, draft_config, mesh))
-  placed = lambda j, shape: memory_plan.abstract(shape, sizes.long_axes(j, shape), mesh)
-  full = placed(sizes.top, jax.eval_shape(lambda: KVCache.init(target, 1, slots)))
-  shape = jax.eval_shape(lambda: KVCache.init(draft_config, 1, slots))
-  draft_full = memory_plan.abstract(shape, sharding.cache_axes(shape, heads=False), mesh)
-  last = jax.ShapeDtypeStruct((1,), jnp.int32)
-  longs = tuple(placed(j, jax.eval_shape(lambda: long_caches.derived_long_cache(sizes, j, full, draft_full, params,
-                                                                              last, tail)))
-                for j in range(sizes.top + 1))
-  settings, key = memory_plan.abstract_settings()
-  start = loop.DecodeStart((jax.ShapeDtypeStruct((1, target.vocab_size), jnp.float32), None), settings,
-                           memory_plan.scalar(jnp.int32), key, jax.ShapeDtypeStruct((1, slots), jnp.int32), last)
+  a = memory_plan.decode_arguments(target, stack, mesh, cfg.prompt_tokens, cfg.max_new_tokens)
+  weights, longs, start, last = a.weights, a.longs, a.start, a.lengths
   shardings = lambda tree: jax.tree.map(lambda s: s.sharding, tree)
   decode = lambda weight_formats: jax.jit(
-      lambda w, l, s: loop.decode_loop.__wrapped__(sizes, w, l, s, cfg.max_new_tokens),
+      lambda w, l, s: loop.decode_loop.__wrapped__(a.sizes, w, l, s, cfg.max_new_tokens),
       in_shardings=(weight_formats, shardings(longs), shardings(start)), donate_argnums=(1,))
   chunk = jax.ShapeDtypeStruct((1, prefill.prefill_chunk_size(cfg.prompt_tokens)), jnp.int32)
   hidden = jax.ShapeDtypeStruct((1, target.hidden_size), jnp.dtype(target.dtype))
-  prefill_chunk = lambda p: prefill.prefill_chunk.lower(p, target, full, chunk, memory_plan.scalar(jnp.int32),
+  prefill_chunk = lambda p: prefill.prefill_chunk.lower(p, target, a.full, chunk, memory_plan.scalar(jnp.int32),
                                                         last, hidden).compile()
 
   print("weights in JAX's default layouts: decode loop", temporaries(decode(shardings(weights)).lower(
-      weights, longs, start).compile()), "| prefill chunk", temporaries(prefill_chunk(params)), flush=True)
+      weights, longs, start).compile()), "| prefill chunk", temporaries(prefill_chunk(a.params)), flush=True)
   auto = decode(jax.tree.map(lambda s: Format(Layout.AUTO, s.sharding), weights)).lower(weights, longs, start).compile()
   chosen = auto.input_formats[0][0]
   print("weights left to the compiler (Layout.AUTO): decode loop", temporaries(auto), flush=True)
