@@ -10,12 +10,18 @@ default float32 products use TF32's 10-bit mantissa) picks the other token.
   JAX_PLATFORMS=cpu python docs/results/gpu_near_ties.py > docs/results/gpu_near_ties.txt
 """
 
+import pathlib
+import sys
+
 import numpy as np
 
-from hitree_jax import methods, spec_bench
-from hitree_jax.loading import load_model
-from hitree_jax.near_ties import top2_margins
-from hitree_jax.tokenizer import conversation_prompt, load_tokenizer
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from hitree_jax import methods, spec_bench  # noqa: E402
+from hitree_jax.loading import load_model  # noqa: E402
+from hitree_jax.near_ties import parting, top2_margins  # noqa: E402
+from hitree_jax.tokenizer import load_tokenizer  # noqa: E402
+from launch.spec_bench_run import answer  # noqa: E402
 
 # (question_id, turn, first differing token) from the H100 run's report.
 PARTINGS = [(83, 1, 192), (84, 1, 184), (84, 2, 43), (401, 1, 128), (483, 1, 42)]
@@ -29,20 +35,16 @@ def main():
   questions = {q.question_id: q for q in spec_bench.read(None)}
   every, at_parting = [], []
   for qid in sorted({q for q, _, _ in PARTINGS}):
-    question, answers = questions[qid], []
-    for t in range(len(question.turns)):
-      ids = conversation_prompt(tokenizer, question.turns[:t + 1], answers)
-      tokens = ar.generate(model.params, model.config, [ids], max_new_tokens=MAX_NEW_TOKENS,
-                           stop_at_eos=True).tokens[0]
-      answers.append(tokenizer.decode(tokens, skip_special_tokens=True))
-      m = top2_margins(model.params, model.config, ids, tokens)[:-1]   # the rows that chose them
+    turns = answer(model, tokenizer, ar, questions[qid], None, None, None, MAX_NEW_TOKENS, seed=0)
+    for t, turn_run in enumerate(turns):
+      m = top2_margins(model.params, model.config, turn_run["prompt"], turn_run["tokens"])[:-1]  # rows that chose them
       every.append(m)
       for q, turn, at in PARTINGS:
         if (q, turn) == (qid, t + 1):
-          smaller = int((m < m[at]).sum())
-          at_parting.append(m[at])
-          print(f"question {qid} turn {turn} token {at}: margin {m[at]:.4f}; "
-                f"{smaller} of this turn's {len(m)} margins are smaller")
+          d = parting(m, at)
+          at_parting.append(d["margin"])
+          print(f"question {qid} turn {turn} token {at}: margin {d['margin']:.4f}; "
+                f"{d['smaller_in_answer']} of this turn's {len(m)} margins are smaller")
   every = np.concatenate(every)
   print(f"all {len(every)} tokens of these turns: median margin {np.median(every):.3f}, "
         f"5th percentile {np.percentile(every, 5):.4f}, 1st {np.percentile(every, 1):.4f}")

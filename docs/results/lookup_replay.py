@@ -16,7 +16,9 @@ import json
 import pathlib
 import sys
 
-from hitree_jax.tree.shapes import offer_widths
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from hitree_jax.tree.shapes import offer_widths  # noqa: E402
 
 RELATIVE_COST = {1: 1.0, 3: 1.2, 5: 1.35, 9: 1.65, 17: 2.3}   # a forward of w tokens over one of 1
 
@@ -25,17 +27,13 @@ def ar_answers(tasks: list[str], per_task: int) -> list[tuple[list[int], list[in
   """(prompt ids, `ar`'s greedy answer) per turn, as launch.benchmark --prompts=specbench asks."""
   from hitree_jax import methods, spec_bench
   from hitree_jax.loading import load_model
-  from hitree_jax.tokenizer import conversation_prompt, load_tokenizer
+  from hitree_jax.tokenizer import load_tokenizer
+  from launch.spec_bench_run import answer
   model = load_model("smollm2", "float32")
-  tokenizer, ar, turns = load_tokenizer(model.path), methods.method("ar"), []
-  for question in spec_bench.select(spec_bench.read(None), tasks, per_category=per_task):
-    answers = []
-    for t in range(len(question.turns)):
-      ids = conversation_prompt(tokenizer, question.turns[:t + 1], answers)
-      answer = ar.generate(model.params, model.config, [ids], max_new_tokens=256, stop_at_eos=True).tokens[0]
-      answers.append(tokenizer.decode(answer, skip_special_tokens=True))
-      turns.append((ids, answer))
-  return turns
+  tokenizer, ar = load_tokenizer(model.path), methods.method("ar")
+  return [(turn["prompt"], turn["tokens"])
+          for question in spec_bench.select(spec_bench.read(None), tasks, per_category=per_task)
+          for turn in answer(model, tokenizer, ar, question, None, None, None, 256, seed=0)]
 
 
 def offer(history: list[int], min_n: int, max_n: int, size: int, cap) -> list[int]:
