@@ -1,6 +1,21 @@
-"""Suite-wide hygiene: one pytest process compiles hundreds of programs; and 8 simulated CPU
-devices, so that sharded decoding is tested on a mesh (tests/test_sharding.py). Programs not
-given a mesh run on the first device, as on a machine with one."""
+"""Suite-wide settings: 8 simulated CPU devices, so that sharded decoding is tested on a mesh
+(tests/test_sharding.py), and what makes the suite's hundreds of compilations cheap. Programs not
+given a mesh run on the first device, as on a machine with one.
+
+Most of the suite's time is XLA:CPU compiling (a decode loop over a 3-layer random model takes
+longer to compile than to run), so before jax starts:
+
+- LLVM optimises the suite's programs less (`--xla_backend_optimization_level=0`, unless
+  $XLA_FLAGS names a level): about a third less time compiling. XLA's own passes run as always;
+  LLVM may round a multiply-add differently, and every test compares results computed under the
+  same flags (or within a tolerance, against PyTorch). Launcher subprocesses inherit it. CI's
+  real generations (the README's command, .ci/runtime_smoke) keep the shipped defaults.
+- Programs go to the persistent compilation cache (compile_cache: $HITREE_COMPILE_CACHE, else
+  <assets>/xla_cache, shared with the launcher subprocesses and both pytest-xdist workers), so a
+  program that two tests or two modules compile is compiled once.
+- Launcher subprocesses start with glibc's huge-page tunable already set, so they do not restart
+  themselves for it (hitree_jax/huge_pages.py), which would import everything twice.
+"""
 
 import gc
 import os
@@ -8,13 +23,24 @@ import os
 # The suite runs on the CPU: jax[tpu] is a test package (tests/test_tpu_compile.py compiles for a
 # TPU slice without one), and without this every process would look for a TPU first.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
-import jax
-import pytest
+from hitree_jax import huge_pages  # noqa: E402  (imports no jax)
+
+os.environ.update(huge_pages.launcher_environ(os.environ))
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)  # before anything starts the CPU backend
 
-from hitree_jax.decode import programs
+from hitree_jax import compile_cache  # noqa: E402
+from hitree_jax.decode import programs  # noqa: E402
+
+compile_cache.enable()
+# Eager operations compile in milliseconds: reading them back would cost as much as compiling.
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 @pytest.fixture(autouse=True, scope="module")

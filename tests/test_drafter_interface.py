@@ -65,7 +65,8 @@ def table_from(rows) -> tuple[int, ...]:
   return tuple(int(t) for t in table)
 
 
-@pytest.mark.parametrize("verifiers", [(), (Verifier("target", Retrieval(16, 4), 4),)], ids=["flat", "retrieval"])
+@pytest.mark.parametrize("verifiers", [(), pytest.param((Verifier("target", Retrieval(16, 4), 4),), marks=pytest.mark.slow)],
+                         ids=["flat", "retrieval"])
 def test_a_drafter_from_outside_is_exact_and_accepted(params, ar_tokens, verifiers):
   drafter = LookupDrafter(table_from([p + t for p, t in zip(PROMPTS, ar_tokens)]))
   stack = Stack(drafter, tree_lib.chain(3), verifiers)

@@ -83,6 +83,7 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, teacher_para
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), straight, resumed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 def test_a_saved_draft_loads_into_a_stack_that_decodes_like_ar(tmp_path, teacher_params, labelled, kind):  # noqa: F811
   _, vocab = labelled
@@ -118,6 +119,7 @@ def test_a_saved_draft_loads_into_a_stack_that_decodes_like_ar(tmp_path, teacher
   assert jnp.all(jnp.isfinite(loaded["head"]))
 
 
+@pytest.mark.slow
 def test_own_text_is_the_teachers_continuation_of_book_windows(teacher_params, data):  # noqa: F811
   from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.train import teacher

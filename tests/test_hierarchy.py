@@ -60,7 +60,10 @@ def ar_tokens(params):
   return engine.generate(params, CONFIG, PROMPTS, max_new_tokens=30).tokens
 
 
-@pytest.mark.parametrize("name", list(GREEDY_STACKS))
+# The fast tier (-m "not slow") keeps the stack the project is named for: a streaming draft's tree
+# under a retrieval level.
+@pytest.mark.parametrize("name", [n if n == "hitree-binary" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in GREEDY_STACKS])
 def test_greedy_equals_ar(params, draft, ar_tokens, name):
   stack = GREEDY_STACKS[name]
   result = engine.generate(params, CONFIG, PROMPTS, stack=stack, draft=draft, max_new_tokens=30)
@@ -76,6 +79,7 @@ def test_greedy_equals_ar(params, draft, ar_tokens, name):
     assert levels[-2]["forwards"] > levels[-1]["forwards"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["triforce", "self-under-retrieval", "4-level"])
 def test_bfloat16_keys_keep_every_level_exact(params, draft, name):
   """The target's keys in bfloat16 (--key_dtype) make another target; each stack equals `ar`
@@ -87,6 +91,7 @@ def test_bfloat16_keys_keep_every_level_exact(params, draft, name):
   assert result.tokens == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["triforce", "4-level"])
 def test_level_times_leave_the_output_alone(params, draft, ar_tokens, name):
   """time_levels times one round of each level alone before decoding: same tokens, and every
@@ -113,6 +118,7 @@ RESELECTING = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", list(RESELECTING))
 def test_retrieval_reselection_keeps_greedy_exact(monkeypatch, params, draft, ar_tokens, where):
   """A retrieval level that chooses its chunks again every 4 committed tokens (each round its
@@ -128,6 +134,7 @@ def test_retrieval_reselection_keeps_greedy_exact(monkeypatch, params, draft, ar
   assert "reselections" not in result.levels[-1]  # the target's full cache never re-selects
 
 
+@pytest.mark.slow
 def test_retrieval_level_with_the_whole_context_is_the_target(params):
   """A retrieval budget covering the context gives the target's own law, so with the target's
   weights it drafts exactly what the target samples: every proposal is accepted."""
@@ -138,12 +145,13 @@ def test_retrieval_level_with_the_whole_context_is_the_target(params):
   assert target["accepted"] >= 0.99 * target["proposed"]
 
 
+@pytest.mark.slow
 def test_second_generation_compiles_nothing(params, draft):
   stack = GREEDY_STACKS["hitree-binary"]
   engine.generate(params, CONFIG, PROMPTS, stack=stack, draft=draft, max_new_tokens=12)
   again = engine.generate(params, CONFIG, PROMPTS, stack=stack, draft=draft, max_new_tokens=12,
                           sampling=SamplingParams.create(0.7, top_p=0.9), seed=5)
-  assert again.compiles == 0
+  assert again.compiles == again.cache_loads == 0
 
 
 @pytest.mark.parametrize("stack,message", [

@@ -19,6 +19,7 @@ def launch(module, *args, timeout=600, env=None):
                         capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_generate_json_record():
   proc = launch("generate", "--model=smollm2", "--book=austen", "--prompt_tokens=64",
                 "--max_new_tokens=6", "--ignore_eos", "--temperature=0.6", "--top_p=0.9",
@@ -32,6 +33,7 @@ def test_generate_json_record():
   assert record["compile_s"] > 0 and record["decode_tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_benchmark_writes_json_table_and_plots(tmp_path):
   out = tmp_path / "bench.json"
   proc = launch("benchmark", "--model=smollm2", "--methods=ar,sd/ngram/2", "--prompt_tokens=32,48",
@@ -235,6 +237,7 @@ def test_distill_checks_sampling_flags_before_any_slow_work(tmp_path):
   assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.slow
 def test_distill_trains_exports_and_evaluates_a_draft(tmp_path):
   out = tmp_path / "draft.gguf"
   proc = launch("distill", "--teacher=smollm2", f"--workdir={tmp_path / 'work'}", f"--out={out}",
@@ -251,6 +254,7 @@ def test_distill_trains_exports_and_evaluates_a_draft(tmp_path):
     assert line in proc.stderr, line
 
 
+@pytest.mark.slow
 def test_distill_refuses_bad_taps(tmp_path):
   for args, message in ((["--kind=medusa", "--taps=2"], "--taps=2 is for --kind=eagle"),
                         (["--kind=eagle", "--taps=2,29"], "--taps=2,29: expected teacher layers in 0..28"),
@@ -261,6 +265,7 @@ def test_distill_refuses_bad_taps(tmp_path):
 
 
 # medusa: the same launcher path (test_heads_training); eagle without taps: the shipped draft's tests
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle"])
 def test_distill_trains_heads_that_generate_like_ar(tmp_path, kind):
   """launch.distill --kind=eagle|medusa writes a folder that --draft=KIND:PATH decodes with; an

@@ -79,6 +79,7 @@ def hf_greedy(hf, prompt, new):
   return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved", ["qwen2", "mistral"], indirect=True)
 @pytest.mark.parametrize("spec", ["ar", "sd/ngram/3", "sd/self:1/3"])
 def test_greedy_generation_equals_transformers_generate(saved, spec):

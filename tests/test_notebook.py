@@ -21,6 +21,7 @@ def printed(notebook) -> str:
                    for out in cell.get("outputs", []))
 
 
+@pytest.mark.slow
 def test_notebook_runs_top_to_bottom(monkeypatch):
   for name, value in TINY_ON_TWO_DEVICES.items():
     monkeypatch.setenv(name, value)

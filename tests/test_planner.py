@@ -418,6 +418,7 @@ def test_predictions_name_what_the_profile_lacks():
           == "draft@streaming:16x234/chain:1+retrieval:512/6")
 
 
+@pytest.mark.slow
 def test_measure_and_choose_on_tiny_models_and_the_plan_is_exact(tiny_pair):
   """The whole planner on tiny models: a profile measured (costs, acceptance with an n-gram,
   overheads fitted to generations, ar), a plan chosen from it, and its greedy tokens = ar's."""
@@ -452,6 +453,7 @@ def test_measure_and_choose_on_tiny_models_and_the_plan_is_exact(tiny_pair):
   assert got == ar
 
 
+@pytest.mark.slow
 def test_plan_writes_a_config_that_generate_runs_and_auto_plans_the_same(tmp_path):
   """launch.plan and --method=auto from stored profiles (made up here: measuring SmolLM2's takes
   minutes), on the real SmolLM2 with its draft, and with its EAGLE draft too: each config runs,
@@ -598,6 +600,7 @@ def eagle_trio():
   return target, draft, eagles
 
 
+@pytest.mark.slow
 def test_an_eagle_drafts_acceptance_reads_its_verifiers_features(eagle_trio):
   """Against the EAGLE layer run offline over the whole sequence with the target's true features."""
   import jax.numpy as jnp
@@ -670,6 +673,7 @@ def test_an_eagle3_drafts_acceptance_reads_its_verifiers_tapped_layers():
   assert got["retrieval:256<-eagle"]["alpha"] == pytest.approx(expected, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_measure_with_an_eagle_draft_and_its_plan_is_exact(tmp_path, eagle_trio):
   from hitree_jax.decode import engine
   from hitree_jax.decode.sampling import SamplingParams

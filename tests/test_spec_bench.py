@@ -66,6 +66,7 @@ def chat_recipe():
   return shipped.config("distill_eagle_chat")
 
 
+@pytest.mark.slow
 def test_chat_windows_are_instructions_over_book_passages_of_one_length(tokenizer):
   from hitree_jax.train import instructions
   windows, texts = instructions.chat_windows(tokenizer, "train", 96, 12, 72)
@@ -82,6 +83,7 @@ def test_chat_windows_are_instructions_over_book_passages_of_one_length(tokenize
     instructions.chat_windows(tokenizer, "train", 96, 2, 40)
 
 
+@pytest.mark.slow
 def test_no_training_instruction_shares_13_words_with_a_spec_bench_question(tokenizer):
   """The chat recipe's training and held-out instructions, and the chat profile's open ones,
   against all 480 questions' turns; and a negative control: a question copied into a passage is caught."""

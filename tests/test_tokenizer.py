@@ -255,6 +255,7 @@ def _tiny_gguf_with_tokenizer_from(folder, path, vocab_size: int):
                    quantize=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [49152, 49152 + 40])
 def test_gguf_written_from_a_hugging_face_folder_carries_its_tokenizer(ours, tmp_path, monkeypatch, rows):
   """launch.convert and launch.distill from a Hugging Face folder write its tokenizer.json into the

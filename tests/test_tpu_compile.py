@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from hitree_jax import memory_plan, sharding, topology
+from hitree_jax.decode import loop
 from hitree_jax.decode.drafters import ModelDrafter
 from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
 from hitree_jax.heads import eagle
@@ -71,26 +72,52 @@ def weight_bytes(config: ModelConfig, split: int) -> int:
   return 2 * (config.num_layers * layer + 2 * e * v // split + e)          # + embedding, head, norm
 
 
+def decode_loop_for_a_tpu(name: str, mesh):
+  """The preset's decode loop compiled by the TPU compiler over the arguments a generation would
+  give it (memory_plan.decode_arguments), and its memory analysis. The decode loop alone: it is
+  where a long cache could be copied every round (the prefill chunk and the retrieval selection
+  run once, and plan() compiles them too: test_plan_counts_the_arrays_by_hand)."""
+  with sharding.use(mesh):
+    args = memory_plan.decode_arguments(TARGET, PRESETS[name], mesh, PROMPT, NEW)
+    compiled = loop.decode_loop.lower(args.sizes, args.weights, args.longs, args.start, NEW).compile()
+  return args, memory_plan.Program.of("decode loop", compiled)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_spec", MESHES)
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_every_preset_compiles_for_a_tpu_and_updates_its_caches_in_place(devices, name, mesh_spec):
   mesh = sharding.make_mesh(mesh_spec, devices)
-  plan = memory_plan.plan(TARGET, DRAFT, lambda _: PRESETS[name], mesh, PROMPT, NEW)
-  assert plan["compiler"] == "tpu" and plan["device_kind"] == "TPU v5 lite"
+  args, decode = decode_loop_for_a_tpu(name, mesh)
   model, sequence = mesh.shape["model"], mesh.shape["sequence"]
-  full = kv_bytes(TARGET, plan["slots"], model, sequence)
-  assert plan["params"] == weight_bytes(TARGET, model)               # the arrays, counted by hand
-  assert plan["caches"]["target full cache"] == full + 4               # + the lengths
-  decode = {p["name"]: p for p in plan["programs"]}["decode loop"]
-  held = plan["params"] + plan["draft_params"] + sum(
-      size for cache, size in plan["caches"].items() if "prefill only" not in cache)
+  full = kv_bytes(TARGET, args.slots, model, sequence)
+  weights = memory_plan.per_device_bytes(args.weights)
+  caches = memory_plan.per_device_bytes(args.longs)
+  assert memory_plan.per_device_bytes(args.params) == weight_bytes(TARGET, model)  # counted by hand
+  assert memory_plan.per_device_bytes(args.full) == full + 4                       # + the lengths
   # Its arguments are the weights and the long caches, and what the loop starts from (the first
   # logits, the token buffer, the settings), each padded to the TPU's tiles: a few % here.
-  assert held <= decode["arguments"] <= 1.05 * held
-  assert decode["aliased"] >= held - plan["params"] - plan["draft_params"]  # every cache in place
+  assert weights + caches <= decode.arguments <= 1.05 * (weights + caches)
+  assert decode.aliased >= caches                                   # every cache in place
   # No copy of the long cache: what a round computes is small beside it.
-  assert decode["temporaries"] < 0.1 * full, (decode, full)
+  assert decode.temporaries < 0.1 * full, (decode, full)
+
+
+@pytest.mark.slow
+def test_plan_counts_the_arrays_by_hand(devices):
+  """plan() on a TPU slice: the TPU compiler's figures for every program of a generation (the
+  prefill chunk, the retrieval selection, the decode loop), and the arrays as counted by hand."""
+  mesh = sharding.make_mesh(MESHES[-1], devices)
+  plan = memory_plan.plan(TARGET, DRAFT, lambda _: PRESETS["triforce"], mesh, PROMPT, NEW)
+  assert plan["compiler"] == "tpu" and plan["device_kind"] == "TPU v5 lite"
+  assert [p["name"] for p in plan["programs"]] == ["prefill chunk", "retrieval selection (level 1)",
+                                                   "decode loop"]
+  model, sequence = mesh.shape["model"], mesh.shape["sequence"]
+  assert plan["params"] == weight_bytes(TARGET, model)
+  assert plan["caches"]["target full cache"] == kv_bytes(TARGET, plan["slots"], model, sequence) + 4
+  _, decode = decode_loop_for_a_tpu("triforce", mesh)   # the same program as plan()'s
+  assert {p["name"]: p for p in plan["programs"]}["decode loop"]["arguments"] == decode.arguments
+  assert plan["peak"] == max(p["peak"] for p in plan["programs"]) > decode.arguments
 
 
 @pytest.mark.slow
