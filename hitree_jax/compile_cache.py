@@ -13,22 +13,30 @@ from __future__ import annotations
 
 import os
 import pathlib
+from typing import Mapping
 
 import jax
 from jax import monitoring
 
+from hitree_jax import errors
 from hitree_jax.data import assets_dir
 
 ENV = "HITREE_COMPILE_CACHE"
+ON = ("1", "true", "yes", "on")   # a switch said on: the default folder, not one named "true"
 _HIT, _MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
 
 
-def default_dir() -> pathlib.Path | None:
-  """`$HITREE_COMPILE_CACHE` (None when it says `off`), else `<assets>/xla_cache`."""
-  env = os.environ.get(ENV)
-  if env is not None and env.strip().lower() in ("off", "0", "none", ""):
+def default_dir(environ: Mapping[str, str] = os.environ) -> pathlib.Path | None:
+  """`$HITREE_COMPILE_CACHE`: a folder; off as every switch is (errors.env_switch: 0, false, no,
+  off, empty; and none), giving None; on (1, true, yes...) or unset: `<assets>/xla_cache`."""
+  env = environ.get(ENV)
+  if env is None:
+    return assets_dir() / "xla_cache"
+  if env.strip().lower() == "none" or not errors.env_switch(ENV, True, environ):
     return None
-  return pathlib.Path(env).expanduser() if env else assets_dir() / "xla_cache"
+  if env.strip().lower() in ON:
+    return assets_dir() / "xla_cache"
+  return pathlib.Path(env).expanduser()
 
 
 def enable(directory: str | pathlib.Path | None = None) -> pathlib.Path | None:

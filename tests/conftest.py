@@ -5,11 +5,11 @@ given a mesh run on the first device, as on a machine with one.
 Most of the suite's time is XLA:CPU compiling (a decode loop over a 3-layer random model takes
 longer to compile than to run), so before jax starts:
 
-- LLVM optimises the suite's programs less (`--xla_backend_optimization_level=0`, unless
-  $XLA_FLAGS names a level): about a third less time compiling. XLA's own passes run as always;
-  LLVM may round a multiply-add differently, and every test compares results computed under the
-  same flags (or within a tolerance, against PyTorch). Launcher subprocesses inherit it. CI's
-  real generations (the README's command, .ci/runtime_smoke) keep the shipped defaults.
+- On the CPU, LLVM optimises the suite's programs less (`--xla_backend_optimization_level=0`,
+  unless $XLA_FLAGS names a level): about a third less time compiling. XLA's own passes run as
+  always; LLVM may round a multiply-add differently, and every test compares results computed
+  under the same flags (or within a tolerance, against PyTorch). Launcher subprocesses inherit
+  it. CI's real generations (the README's command, .ci/runtime_smoke) keep the shipped defaults.
 - Programs go to the persistent compilation cache (compile_cache: $HITREE_COMPILE_CACHE, else
   <assets>/xla_cache, shared with the launcher subprocesses and both pytest-xdist workers), so a
   program that two tests or two modules compile is compiled once.
@@ -23,8 +23,9 @@ import os
 # The suite runs on the CPU: jax[tpu] is a test package (tests/test_tpu_compile.py compiles for a
 # TPU slice without one), and without this every process would look for a TPU first.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+_flags = os.environ.get("XLA_FLAGS", "")
+if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in _flags:
+  os.environ["XLA_FLAGS"] = f"{_flags} --xla_backend_optimization_level=0".strip()
 
 from hitree_jax import huge_pages  # noqa: E402  (imports no jax)
 

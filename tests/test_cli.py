@@ -229,6 +229,20 @@ def test_env_switches_read_one_way(value, default, expected):
   assert errors.env_switch("HITREE_X", default, environ) is expected
 
 
+def test_the_compile_cache_switch_reads_like_the_others(tmp_path):
+  """$HITREE_COMPILE_CACHE is a folder or a switch: off as every switch is off (no folder named
+  `false`), on for the default folder."""
+  from hitree_jax import compile_cache
+  default = compile_cache.default_dir({})
+  assert default.name == "xla_cache"
+  for off in ("0", "false", "No", "off", "", " none "):
+    assert compile_cache.default_dir({compile_cache.ENV: off}) is None, off
+  for on in ("1", "true", "yes", "ON"):
+    assert compile_cache.default_dir({compile_cache.ENV: on}) == default, on
+  assert compile_cache.default_dir({compile_cache.ENV: str(tmp_path / "x")}) == tmp_path / "x"
+  assert compile_cache.default_dir({compile_cache.ENV: "~/x"}) == pathlib.Path.home() / "x"
+
+
 @pytest.mark.slow
 def test_draft_with_another_tokenizer_is_refused(tmp_path):
   """A draft whose tokenizer differs (here: one merge rule dropped) is named before any load."""

@@ -264,48 +264,35 @@ def test_distill_refuses_bad_taps(tmp_path):
   assert not (tmp_path / "work").exists()
 
 
-# medusa: the same launcher path (test_heads_training); eagle without taps: the shipped draft's tests
+# One EAGLE distillation checks both what a chat recipe and what taps change (they were two launcher
+# runs of about 3 minutes each). Medusa: the same launcher path (test_heads_training); EAGLE
+# without taps: the shipped draft's tests.
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["eagle"])
-def test_distill_trains_heads_that_generate_like_ar(tmp_path, kind):
-  """launch.distill --kind=eagle|medusa writes a folder that --draft=KIND:PATH decodes with; an
-  EAGLE-3 one here (--taps), which reads three of the target's layers beside its final states."""
-  out = tmp_path / kind
-  proc = launch("distill", f"--kind={kind}", "--teacher=smollm2", f"--workdir={tmp_path / 'work'}",
-                f"--out={out}", "--vocab_size=512", "--window=32", "--train_windows=4", "--num_heads=2",
-                "--eval_windows=1", "--steps=2", "--batch=2", "--cost_context=32", "--taps=2,15,27", "--json")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  record = json.loads(proc.stdout.strip().splitlines()[-1])
-  meta = json.loads((out / "heads.json").read_text())
-  assert meta["kind"] == kind and meta["vocab_size"] == 512 and "--kind=" + kind in meta["command"]
-  assert meta["taps"] == [2, 15, 27] and "--taps=2,15,27" in meta["command"]
-  assert 0 <= record["greedy_agreement"] <= 1 and 0 < record["cost_ratio"] < 1
-  assert meta["evaluation"]["greedy_agreement"] == record["greedy_agreement"]
-  runs = [json.loads(launch("generate", "--book=austen", "--prompt_tokens=64", "--max_new_tokens=12",
-                            "--temperature=0", "--json", *args).stdout.strip().splitlines()[-1])
-          for args in ([], ["--method=sd", f"--draft={kind}:{out}", "--gamma=2"])]
-  assert runs[0]["tokens"] == runs[1]["tokens"]
-  proc = launch("generate", "--method=sd", f"--draft={kind}:{tmp_path / 'none'}", "--prompt=hi")
-  assert proc.returncode != 0 and "expected a folder with heads.json" in proc.stderr
-
-
-@pytest.mark.slow
-def test_distill_trains_a_chat_draft_on_the_teachers_answers_to_instructions(tmp_path):
-  """--train_text=chat: the teacher answers instructions over book passages, in the chat template;
-  the draft trains on those answers and is evaluated on held-out ones, and its vocabulary is
-  that text's (the chat template's tokens, which the books' most frequent 511 lack)."""
+def test_distill_trains_eagle3_chat_heads_that_generate_like_ar(tmp_path):
+  """launch.distill --kind=eagle writes a folder that --draft=eagle:PATH decodes with, here an
+  EAGLE-3 one (--taps: it reads three of the target's layers beside its final states) trained
+  with --train_text=chat: the teacher answers instructions over book passages, in the chat
+  template; the draft trains on those answers and is evaluated on held-out ones, and its
+  vocabulary is that text's (the chat template's tokens, which the books' most frequent 511 lack)."""
   import numpy as np
   from hitree_jax.heads import saved
   from hitree_jax.loading import load_model
   out, work = tmp_path / "eagle_chat", tmp_path / "work"
-  proc = launch("distill", "--config=configs/distill_eagle_chat.py", "--teacher=smollm2", f"--workdir={work}",
-                f"--out={out}", "--vocab_size=512", "--window=80", "--train_windows=4", "--eval_windows=1",
-                "--steps=2", "--batch=2", "--cost_context=32", "--own_prompt_tokens=64", "--json")
+  proc = launch("distill", "--config=configs/distill_eagle_chat.py", "--kind=eagle", "--teacher=smollm2",
+                f"--workdir={work}", f"--out={out}", "--vocab_size=512", "--window=80", "--train_windows=4",
+                "--num_heads=2", "--eval_windows=1", "--steps=2", "--batch=2", "--cost_context=32",
+                "--own_prompt_tokens=64", "--taps=2,15,27", "--json")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  command = json.loads((out / "heads.json").read_text())["command"]   # the recipe, then what overrode it
-  assert command.startswith("python -m launch.distill --config=configs/distill_eagle_chat.py --batch=2 ")
+  record = json.loads(proc.stdout.strip().splitlines()[-1])
+  meta = json.loads((out / "heads.json").read_text())
+  assert meta["kind"] == "eagle" and meta["vocab_size"] == 512 and "--kind=eagle" in meta["command"]
+  assert meta["taps"] == [2, 15, 27] and "--taps=2,15,27" in meta["command"]
+  assert 0 <= record["greedy_agreement"] <= 1 and 0 < record["cost_ratio"] < 1
+  assert meta["evaluation"]["greedy_agreement"] == record["greedy_agreement"]
+  # the recipe, then what overrode it
+  assert meta["command"].startswith("python -m launch.distill --config=configs/distill_eagle_chat.py --batch=2 ")
   for split, n in (("train", 4), ("eval", 1)):   # both splits are chat windows, answered by the teacher
-    (text,) = work.glob(f"labels_{split}_{n}x80_top32_features_chat64_t0.6_p0.9_text.npy")
+    (text,) = work.glob(f"labels_{split}_{n}x80_top32_features*_chat64_t0.6_p0.9_text.npy")
     answers = np.load(text)
     assert answers.shape == (n, 80) and answers[:, 64:].any()
   # --eval judges a draft on the same held-out chat windows (the labels are kept): the figure the run wrote
@@ -314,7 +301,7 @@ def test_distill_trains_a_chat_draft_on_the_teachers_answers_to_instructions(tmp
                 "--own_prompt_tokens=64", "--json")
   assert proc.returncode == 0, proc.stderr[-3000:]
   evaluated = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert evaluated["greedy_agreement"] == json.loads((out / "heads.json").read_text())["evaluation"]["greedy_agreement"]
+  assert evaluated["greedy_agreement"] == meta["evaluation"]["greedy_agreement"]
   from hitree_jax.model.vocab import ReducedVocab
   from hitree_jax.tokenizer import chat_prompt, load_tokenizer
   from hitree_jax.train import corpus
@@ -323,6 +310,13 @@ def test_distill_trains_a_chat_draft_on_the_teachers_answers_to_instructions(tmp
   template = set(chat_prompt(load_tokenizer(target.path), ""))
   books = ReducedVocab.most_frequent(corpus.token_counts(load_tokenizer(target.path), 49152), 512)
   assert template <= set(vocab.target_ids.tolist()) and not template <= set(books.target_ids.tolist())
+  # it decodes: its chain gives ar's tokens
+  runs = [json.loads(launch("generate", "--book=austen", "--prompt_tokens=64", "--max_new_tokens=12",
+                            "--temperature=0", "--json", *args).stdout.strip().splitlines()[-1])
+          for args in ([], ["--method=sd", f"--draft=eagle:{out}", "--gamma=2"])]
+  assert runs[0]["tokens"] == runs[1]["tokens"]
+  proc = launch("generate", "--method=sd", f"--draft=eagle:{tmp_path / 'none'}", "--prompt=hi")
+  assert proc.returncode != 0 and "expected a folder with heads.json" in proc.stderr
 
 
 def test_reselection_in_presets_and_levels():

@@ -13,7 +13,9 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "hitree_colab.ipynb"
-TINY_ON_TWO_DEVICES = {"HITREE_NOTEBOOK_TINY": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+# conftest's XLA flags, and two simulated devices
+TINY_ON_TWO_DEVICES = {"HITREE_NOTEBOOK_TINY": "1", "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+                                                                 "--xla_force_host_platform_device_count=2".strip()}
 
 
 def printed(notebook) -> str:

@@ -47,6 +47,13 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 DRAFT_FILE = "drafts/smollm2-draft.gguf"
 
 
+def with_devices(devices: int) -> dict:
+  """This environment, for a process that simulates `devices` CPU devices (keeping conftest's
+  XLA flags)."""
+  return dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
+                                    f"--xla_force_host_platform_device_count={devices}".strip())
+
+
 @pytest.fixture(scope="module")
 def params():
   return peaked(CONFIG, 0)
@@ -283,7 +290,7 @@ def test_level_cost_times_every_level_against_the_floor_and_skips_what_does_not_
   config = tmp_path / "tiny.py"
   config.write_text(TINY_SHAPES)
   weights, held_512, full_512 = tiny_shapes_bytes(512, model=4)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env = with_devices(4)
   proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--config={config}", "--mesh=model:4",
                          "--contexts=512,1024", "--widths=1,3", "--repeats=2", "--bandwidth_gb_s=10",
                          "--memory_gib=0.00035", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
@@ -313,12 +320,15 @@ def test_level_cost_times_every_level_against_the_floor_and_skips_what_does_not_
 def test_level_cost_times_caches_of_the_engines_shape():
   """level_cost's cache for a context holds that many tokens in the slots the engine allocates
   (the bucket's multiple): the shape decides the GPU's kernels (an H200 padded a 131,008-slot
-  cache every step, at 2.5x the time of a 131,072-slot one)."""
-  from launch import level_cost
-  cache = level_cost.Arrays(CONFIG, None, split=True).cache(600, seed=0)
-  assert cache.keys[0].shape[-1] == prefill_lib.cache_slots(600, 0) == 768
-  assert cache.lengths.tolist() == [600]
-  assert level_cost.engine_slots(768) == 768
+  cache every step, at 2.5x the time of a 131,072-slot one). In a process of its own: the
+  launcher's --config (a shapes file) is another flag than the other launchers' --config."""
+  code = ("from launch import level_cost; from tests.test_sharding import CONFIG; "
+          "cache = level_cost.Arrays(CONFIG, None, split=True).cache(600, seed=0); "
+          "print(cache.keys[0].shape[-1], cache.lengths.tolist(), level_cost.engine_slots(768))")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert prefill_lib.cache_slots(600, 0) == 768
+  assert proc.stdout.split() == ["768", "[600]", "768"]
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -347,6 +357,9 @@ SMOLLM2 = ["--model=smollm2", "--book=austen", "--prompt_tokens=300", "--max_new
 
 
 def launch_generate(*args, devices: int = 1, wait: bool = True):
+  # XLA's default optimisation, not conftest's -O0: the real model's decoding over 8 simulated
+  # devices on 2 cores is dominated by running, not compiling (hitree split by slot: 104 s
+  # optimised, 600 s at -O0).
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
   proc = subprocess.Popen([sys.executable, "-m", "launch.generate", *SMOLLM2, *args], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -387,7 +400,7 @@ def test_smollm2_over_two_processes_equals_one_device(smollm2_one_device):
 
 @pytest.mark.slow
 def test_smollm2_mesh_that_does_not_divide_its_heads_is_refused():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  env = with_devices(2)
   proc = subprocess.run([sys.executable, "-m", "launch.generate", "--model=smollm2", "--prompt=Hi",
                          "--mesh=model:2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2
