@@ -211,6 +211,13 @@ def decode_arguments(config: ModelConfig, stack: Stack, mesh, prompt_tokens: int
   return DecodeArguments(sizes, slots, tail, params, weights, full, draft_full, tuple(longs), start, lengths)
 
 
+def decode_loop_program(a: DecodeArguments, max_new_tokens: int) -> Program:
+  """The decode loop compiled over a generation's abstract arguments (inside sharding.use(mesh)),
+  and its memory: where a long cache copied every round would show."""
+  compiled = loop.decode_loop.lower(a.sizes, a.weights, a.longs, a.start, max_new_tokens).compile()
+  return Program.of("decode loop", compiled)
+
+
 def _compile(config: ModelConfig, stack: Stack, mesh, prompt_tokens: int, max_new_tokens: int, batch: int):
   """-> ([Program] of the prefill chunk, each retrieval selection and the decode loop, the
   arrays' per-device bytes)."""
@@ -230,8 +237,7 @@ def _compile(config: ModelConfig, stack: Stack, mesh, prompt_tokens: int, max_ne
       compiled = long_caches.select_retrieval.lower(params, config, full, a.lengths, kind.budget, kind.chunk,
                                                     a.tail, sharding.sequence_shards(mesh)).compile()
       programs.append(Program.of(f"retrieval selection (level {j})", compiled))
-  compiled = loop.decode_loop.lower(sizes, a.weights, longs, a.start, max_new_tokens).compile()
-  programs.append(Program.of("decode loop", compiled))
+  programs.append(decode_loop_program(a, max_new_tokens))
 
   caches = {}
   for j, long in enumerate(longs):

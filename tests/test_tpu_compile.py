@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from hitree_jax import memory_plan, sharding, topology
-from hitree_jax.decode import loop
 from hitree_jax.decode.drafters import ModelDrafter
 from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
 from hitree_jax.heads import eagle
@@ -79,8 +78,7 @@ def decode_loop_for_a_tpu(name: str, mesh):
   run once, and plan() compiles them too: test_plan_counts_the_arrays_by_hand)."""
   with sharding.use(mesh):
     args = memory_plan.decode_arguments(TARGET, PRESETS[name], mesh, PROMPT, NEW)
-    compiled = loop.decode_loop.lower(args.sizes, args.weights, args.longs, args.start, NEW).compile()
-  return args, memory_plan.Program.of("decode loop", compiled)
+    return args, memory_plan.decode_loop_program(args, NEW)
 
 
 @pytest.mark.slow
