@@ -15,6 +15,9 @@ longer to compile than to run), so before jax starts:
   program that two tests or two modules compile is compiled once.
 - Launcher subprocesses start with glibc's huge-page tunable already set, so they do not restart
   themselves for it (hitree_jax/huge_pages.py), which would import everything twice.
+- PyTorch's OpenMP threads (the parity references, the `hf` peer) wait passively. Two workers
+  share two cores, and a spinning thread holds the core that the thread it waits for needs: a
+  16-token PyTorch decode beside two busy processes took 8.3 s spinning and 1.4 s passive.
 """
 
 import gc
@@ -30,6 +33,7 @@ if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not
 from hitree_jax import huge_pages  # noqa: E402  (imports no jax)
 
 os.environ.update(huge_pages.launcher_environ(os.environ))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read by libgomp when torch loads
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -81,7 +81,21 @@ def open_reader(path: str | pathlib.Path) -> gguf.GGUFReader:
 @functools.lru_cache(maxsize=4)
 def _open_reader(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
   del size, mtime_ns  # part of the cache key only: a rewritten file is parsed again
-  return gguf.GGUFReader(path)
+  return _PlainViewReader(path)
+
+
+class _PlainViewReader(gguf.GGUFReader):
+  """gguf's reader, slicing a plain ndarray view of its memory map instead of the np.memmap.
+
+  Every slice of an np.memmap runs the subclass's Python hooks; the header's ~150k slices (one
+  per vocabulary string and merge) took 2.1-2.6 s for SmolLM2, and 0.76 s over the plain view.
+  The view shares the map's pages (nothing is copied), and the tensors come out as plain views.
+  """
+
+  def _get(self, offset, dtype, count=1, override_order=None):
+    if type(self.data) is not np.ndarray:
+      self.data = self.data.view(np.ndarray)
+    return super()._get(offset, dtype, count, override_order)
 
 
 def read_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:

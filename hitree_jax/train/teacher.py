@@ -74,10 +74,13 @@ def teacher_topk(params, config: ModelConfig, windows: np.ndarray, k: int, batch
 def own_continuations(params, config: ModelConfig, windows: np.ndarray, prompt_tokens: int, sampling,
                       seed: int = 0, batch: int = 64, progress=None) -> np.ndarray:
   """[N, T] windows whose first prompt_tokens are the book's and the rest the teacher's own
-  continuation, sampled with `sampling`: the text a draft meets while decoding (ar, batched)."""
+  continuation, sampled with `sampling`: the text a draft meets while decoding (ar, batched; the
+  last batch is padded, so that one program serves every batch, and fewer windows than `batch`
+  are one batch of their own size)."""
   from hitree_jax.decode import engine
   from hitree_jax.decode.programs import Programs
   n, t = windows.shape
+  batch = min(batch, n)
   out = windows.copy()
   programs = Programs()
   if progress:
