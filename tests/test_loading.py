@@ -264,12 +264,113 @@ def test_gguf_without_vocab_loads_as_none(tmp_path):
   assert load_model(str(tmp_path / "m.gguf")).vocab is None
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}   # 64: scaled frequencies matter within 200 tokens
+
+
+def llama_cpp_rope_freqs(rope: dict, head_dim: int, theta: float) -> np.ndarray:
+  """What llama.cpp's converter writes as `rope_freqs` for `llama3` scaling (and no scaling key):
+  a divisor per frequency, 1 for wavelengths under original/high_freq_factor, `factor` for those
+  over original/low_freq_factor, the reciprocal of the smoothed mix between."""
+  factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+  old = rope["original_max_position_embeddings"]
+  factors = []
+  for inv_freq in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+    wavelen = 2 * np.pi / inv_freq
+    if wavelen < old / high:
+      factors.append(1.0)
+    elif wavelen > old / low:
+      factors.append(factor)
+    else:
+      smooth = (old / wavelen - low) / (high - low)
+      factors.append(1 / ((1 - smooth) / factor + smooth))
+  return np.asarray(factors, np.float32)
+
+
+def write_gguf_as_llama_cpp_does(path, model, theta: float, rope: dict | None):
+  """An HF Llama written the way llama.cpp's converter writes one: llama.* keys, its tensor names,
+  q/k rows permuted, a llama3 scaling as the rope_freqs tensor only (no rope.scaling key).
+  rope: the model's llama3 scaling, or None to write the file without it."""
+  c = model.config
+  w = gguf.GGUFWriter(str(path), "llama")
+  w.add_context_length(c.max_position_embeddings)
+  w.add_embedding_length(c.hidden_size)
+  w.add_block_count(c.num_hidden_layers)
+  w.add_feed_forward_length(c.intermediate_size)
+  w.add_head_count(c.num_attention_heads)
+  w.add_head_count_kv(c.num_key_value_heads)
+  w.add_rope_dimension_count(c.head_dim)
+  w.add_rope_freq_base(theta)
+  w.add_layer_norm_rms_eps(c.rms_norm_eps)
+  w.add_vocab_size(c.vocab_size)
+  names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+           "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+           "post_attention_layernorm": "ffn_norm"}
+  for name, tensor in model.state_dict().items():
+    x = tensor.detach().numpy().astype(np.float32)
+    if name == "lm_head.weight":
+      if not c.tie_word_embeddings:
+        w.add_tensor("output.weight", x)
+      continue
+    if name in ("model.embed_tokens.weight", "model.norm.weight"):
+      w.add_tensor({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name], x)
+      continue
+    _, _, layer, part = name.split(".", 3)
+    part = part.removesuffix(".weight")
+    if part == "self_attn.q_proj":
+      x = llama_cpp_permute(x, c.num_attention_heads)
+    elif part == "self_attn.k_proj":
+      x = llama_cpp_permute(x, c.num_key_value_heads)
+    w.add_tensor(f"blk.{layer}.{names[part]}.weight", np.ascontiguousarray(x))
+  if rope is not None:
+    w.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(rope, c.head_dim, theta))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_llama3_gguf_as_llama_cpp_writes_it_matches_transformers(tmp_path, tied):
+  """Llama 3.x's RoPE scaling lives only in a GGUF's rope_freqs tensor: applied, the model is
+  transformers' within 2e-4 over 200 positions; dropped (the old loader), it is not."""
+  torch.manual_seed(3)
+  hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=67, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+      rope_theta=10000.0, tie_word_embeddings=tied, rope_scaling=LLAMA3)).eval()
+  tokens = np.random.default_rng(0).integers(0, 67, size=200)
+  with torch.no_grad():
+    expected = hf(torch.tensor(tokens[None])).logits[0].numpy()
+  write_gguf_as_llama_cpp_does(tmp_path / "llama3.gguf", hf, 10000.0, LLAMA3)
+  model = load_model(str(tmp_path / "llama3.gguf"))
+  assert model.config.rope_scaling is None and model.config.tie_word_embeddings == tied
+  np.testing.assert_allclose(our_logits(model, tokens), expected, atol=2e-4, rtol=1e-4)
+  write_gguf_as_llama_cpp_does(tmp_path / "dropped.gguf", hf, 10000.0, None)
+  dropped = our_logits(load_model(str(tmp_path / "dropped.gguf")), tokens)
+  assert np.abs(dropped - expected).max() > 10 * 2e-4   # random weights: positions move logits little
+
+
+def test_a_llama3_config_writes_llama_cpp_rope_freqs_and_reads_back_the_same_frequencies(tmp_path):
+  from hitree_jax.model.llama import rope_inv_freq
+  config = tiny_config(rope_theta=10000.0, rope_scaling=tuple(sorted(LLAMA3.items())))
+  params = tiny_params(config)
+  save_gguf(tmp_path / "m.gguf", config, params, quantize=False)
+  stored = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}["rope_freqs.weight"]
+  factors = llama_cpp_rope_freqs(LLAMA3, config.head_dim, config.rope_theta)
+  assert 1.0 in factors and 8.0 in factors and ((factors > 1) & (factors < 8)).any()  # every branch
+  np.testing.assert_allclose(np.asarray(stored.data), factors, rtol=1e-6)
+  loaded, params2, _ = load_gguf(tmp_path / "m.gguf")
+  assert loaded == config.replace(rope_scaling=None, rope_freq_factors=loaded.rope_freq_factors)
+  np.testing.assert_allclose(rope_inv_freq(loaded), rope_inv_freq(config), rtol=1e-6)
+  assert ModelConfig.from_dict(json.loads(json.dumps(loaded.to_dict()))) == loaded
+
+
 def test_gguf_rejects_rope_scaling_it_cannot_store(tmp_path):
-  config = tiny_config(rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0),
-                                     ("low_freq_factor", 1.0),
-                                     ("original_max_position_embeddings", 8192),
-                                     ("rope_type", "llama3")))
-  with pytest.raises(NotImplementedError, match="linear"):
+  config = tiny_config(rope_scaling=(("factor", 2.0), ("original_max_position_embeddings", 64),
+                                     ("rope_type", "linear")))
+  with pytest.raises(NotImplementedError, match="linear RoPE scaling"):
     save_gguf(tmp_path / "m.gguf", config, tiny_params(config))
 
 
@@ -325,10 +426,14 @@ def test_copied_smollm2_tokenizer_encodes_the_same(tmp_path):
   assert (ours.bos_token, ours.eos_token) == (reference.bos_token, reference.eos_token)
 
 
-@pytest.mark.parametrize("extra,loads", [("rope_freqs.weight", True), ("blk.0.ffn_gate_exps.weight", False)])
-def test_a_gguf_tensor_the_model_does_not_use_is_named(tmp_path, extra, loads):
-  """llama.cpp's rope_freqs is what the config's rope scaling gives (recomputed); any other
-  tensor the model has no place for (here a mixture-of-experts gate) is refused, naming it."""
+@pytest.mark.parametrize("extra,length,error", [
+    ("rope_freqs.weight", 8, None),
+    ("rope_freqs.weight", 5, "extra.gguf: rope_freqs.weight: rope_freq_factors: expected head_dim / 2 = 8"),
+    ("blk.0.ffn_gate_exps.weight", 8, "extra.gguf: blk.0.ffn_gate_exps.weight: a tensor this model does not use")])
+def test_a_gguf_tensor_the_model_does_not_use_is_named(tmp_path, extra, length, error):
+  """llama.cpp's rope_freqs (all ones: no scaling) goes into the config, and one of the wrong
+  length is named; any other tensor the model has no place for (here a mixture-of-experts gate)
+  is refused, naming it."""
   from hitree_jax.errors import UsageError
   config = tiny_config()
   save_gguf(tmp_path / "m.gguf", config, tiny_params(config), quantize=False)
@@ -340,13 +445,13 @@ def test_a_gguf_tensor_the_model_does_not_use_is_named(tmp_path, extra, loads):
                            sub_type=field.types[-1] if len(field.types) > 1 else None)
   for tensor in reader.tensors:
     writer.add_tensor(tensor.name, np.array(tensor.data))
-  writer.add_tensor(extra, np.ones(8, np.float32))
+  writer.add_tensor(extra, np.ones(length, np.float32))
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
   writer.close()
-  if loads:
-    assert load_gguf(tmp_path / "extra.gguf")[0] == config
+  if error is None:
+    assert load_gguf(tmp_path / "extra.gguf")[0] == config.replace(rope_freq_factors=(1.0,) * 8)
   else:
-    with pytest.raises(UsageError, match=f"extra.gguf: {extra}: a tensor this model does not use"):
+    with pytest.raises(UsageError, match=error):
       load_gguf(tmp_path / "extra.gguf")

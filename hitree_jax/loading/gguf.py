@@ -6,6 +6,10 @@ it on save) so the model keeps a single (HF) RoPE layout while our files follow
 llama.cpp's convention. Parity with transformers' own GGUF loading is tested in
 tests/test_smollm2.py.
 
+Llama 3's `llama3` RoPE scaling has no GGUF key: llama.cpp writes it as the `rope_freqs` tensor
+of per-frequency divisors, which `read_config` puts in config.rope_freq_factors (and `save_gguf`
+writes for a llama3 config).
+
 A draft with a reduced vocabulary (hitree_jax.vocab) stores its subset under
 `hitree.vocab.*`; its token ids are draft ids. A copied tokenizer is always the
 full target's, so when the config's bos/eos ids differ from the copied
@@ -24,6 +28,7 @@ import numpy as np
 from hitree_jax.errors import NotFound, UsageError
 from hitree_jax.loading.hf import params_from_state_dict
 from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import rope_freq_factors
 from hitree_jax.model.vocab import ReducedVocab
 
 _LAYER_NAMES = {
@@ -99,13 +104,20 @@ class _PlainViewReader(gguf.GGUFReader):
 
 
 def read_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:
-  """The model's config from the GGUF metadata alone (no tensor is read)."""
+  """The model's config from the GGUF metadata (and `rope_freqs`, the one tensor that is config:
+  a Llama 3's RoPE scaling, which llama.cpp stores as per-frequency factors and no key)."""
   reader = open_reader(path)
-  tensor_names = {t.name for t in reader.tensors}
+  tensors = {t.name: t for t in reader.tensors}
   meta = read_metadata(reader)
-  config = ModelConfig.from_gguf_metadata(meta, dtype=dtype, tied="output.weight" not in tensor_names)
-  config = config.replace(qkv_bias="blk.0.attn_q.bias" in tensor_names,  # llama.cpp's optional
-                          o_bias="blk.0.attn_output.bias" in tensor_names)  # attention biases
+  config = ModelConfig.from_gguf_metadata(meta, dtype=dtype, tied="output.weight" not in tensors)
+  config = config.replace(qkv_bias="blk.0.attn_q.bias" in tensors,  # llama.cpp's optional
+                          o_bias="blk.0.attn_output.bias" in tensors)  # attention biases
+  if ROPE_FREQS in tensors:
+    factors = gguf.quants.dequantize(tensors[ROPE_FREQS].data, tensors[ROPE_FREQS].tensor_type)
+    try:
+      config = config.replace(rope_freq_factors=tuple(np.asarray(factors, np.float64).ravel().tolist()))
+    except UsageError as e:
+      raise UsageError(f"{path}: {ROPE_FREQS}: {e}") from None
   return _own_token_ids(config, meta)
 
 
@@ -118,7 +130,7 @@ def read_metadata(reader: gguf.GGUFReader) -> dict:
   return meta
 
 
-RECOMPUTED = ("rope_freqs.weight",)   # llama.cpp's copy of what the config's rope scaling gives
+ROPE_FREQS = "rope_freqs.weight"   # per-frequency RoPE factors: read into the config (read_config)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -158,14 +170,14 @@ def load_gguf(path: str | pathlib.Path, dtype: str = "float32"):
     raise UsageError(f"{path}: reduced vocabulary of {vocab.size} ids for a model of "
                      f"vocab_size={config.vocab_size}")
   state = {}
-  unknown = [t.name for t in reader.tensors if hf_name(t.name) is None and t.name not in RECOMPUTED]
+  unknown = [t.name for t in reader.tensors if hf_name(t.name) is None and t.name != ROPE_FREQS]
   if unknown:
     raise UsageError(f"{path}: {unknown[0]}: a tensor this model does not use"
                      + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
   for tensor in reader.tensors:
     name = hf_name(tensor.name)
     if name is None:
-      continue  # RECOMPUTED
+      continue  # ROPE_FREQS, in the config
     w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
     w = w.reshape(tuple(reversed([int(d) for d in tensor.shape])))  # ggml order -> [out, in]
     if name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -188,6 +200,9 @@ def gguf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
          "output_norm.weight": f32(params["norm"]["weight"])}
   if not config.tie_word_embeddings:
     out["output.weight"] = weight(params["lm_head"])
+  factors = rope_freq_factors(config)
+  if factors is not None:
+    out[ROPE_FREQS] = factors
   hf_to_gguf = {v: k for k, v in _LAYER_NAMES.items()}
   for i in range(config.num_layers):
     layer = params[f"layers_{i}"]
@@ -230,8 +245,10 @@ def _add_config(writer: gguf.GGUFWriter, config: ModelConfig) -> None:
   writer.add_vocab_size(int(c.vocab_size))
   scaling = config.rope_scaling_dict
   kind = scaling.get("rope_type", scaling.get("type"))
-  if kind not in (None, "linear") or set(scaling) - {"rope_type", "type", "factor"}:
-    raise NotImplementedError(f"GGUF metadata holds only linear RoPE scaling, not {scaling}")
+  if kind not in (None, "linear", "llama3") or (
+      kind == "linear" and set(scaling) - {"rope_type", "type", "factor"}):
+    raise NotImplementedError(f"a GGUF holds linear RoPE scaling (a key) and llama3's (the "
+                              f"rope_freqs tensor), not {scaling}")
   if kind == "linear":
     writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     writer.add_rope_scaling_factor(scaling["factor"])

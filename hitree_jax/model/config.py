@@ -41,6 +41,10 @@ class ModelConfig:
   o_bias: bool = False
   # HF `rope_scaling`, frozen as sorted (key, value) pairs so the config hashes.
   rope_scaling: tuple[tuple[str, Any], ...] | None = None
+  # llama.cpp's `rope_freqs` tensor [head_dim / 2]: each inverse frequency is divided by its
+  # factor, after rope_scaling. It is how a GGUF stores Llama 3's `llama3` scaling (the file has
+  # no scaling key for it), so a Llama-3.x GGUF loads with these instead of rope_scaling.
+  rope_freq_factors: tuple[float, ...] | None = None
   bos_token_id: int | None = 1
   eos_token_id: int | None = 2
   dtype: str = "float32"  # parameter / activation dtype: "float32" or "bfloat16"
@@ -68,6 +72,12 @@ class ModelConfig:
       if kind not in SUPPORTED_ROPE_SCALING and kind != "default":
         raise UsageError(
             f"rope_scaling type {kind!r} is not supported; supported: {SUPPORTED_ROPE_SCALING}")
+    if self.rope_freq_factors is not None:
+      factors = tuple(float(f) for f in self.rope_freq_factors)
+      if len(factors) != self.head_dim // 2 or not all(f > 0 for f in factors):
+        raise UsageError(f"rope_freq_factors: expected head_dim / 2 = {self.head_dim // 2} positive "
+                         f"factors, found {len(factors)} (min {min(factors, default=0):g})")
+      object.__setattr__(self, "rope_freq_factors", factors)
 
   @property
   def rope_scaling_dict(self) -> dict[str, Any]:
@@ -89,6 +99,8 @@ class ModelConfig:
   def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
     d = dict(d)
     d["rope_scaling"] = _freeze_rope_scaling(d.get("rope_scaling"))
+    if d.get("rope_freq_factors") is not None:
+      d["rope_freq_factors"] = tuple(d["rope_freq_factors"])
     return cls(**d)
 
   @classmethod

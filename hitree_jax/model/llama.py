@@ -27,7 +27,24 @@ _MASKED = -1e30
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-  """Inverse frequencies [D/2], with HF's `linear` and `llama3` scaling."""
+  """Inverse frequencies [D/2], with HF's `linear` and `llama3` scaling, then divided by a
+  GGUF's per-frequency factors (config.rope_freq_factors) where it has them."""
+  return _inv_freq(config).astype(np.float32)
+
+
+def rope_freq_factors(config: ModelConfig) -> np.ndarray | None:
+  """What a GGUF stores as llama.cpp's `rope_freqs` [D/2] (float32) for this config: the factors
+  that divide the unscaled inverse frequencies, for `llama3` scaling (which GGUF has no key for)
+  or factors loaded from a GGUF; None when there are none (no scaling, or linear: a key)."""
+  kind = config.rope_scaling_dict.get("rope_type", config.rope_scaling_dict.get("type"))
+  if kind != "llama3" and config.rope_freq_factors is None:
+    return None
+  unscaled = config.replace(rope_scaling=None if kind == "llama3" else config.rope_scaling,
+                            rope_freq_factors=None)
+  return (_inv_freq(unscaled) / _inv_freq(config)).astype(np.float32)
+
+
+def _inv_freq(config: ModelConfig) -> np.ndarray:
   d = config.head_dim
   inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
   scaling = config.rope_scaling_dict
@@ -44,7 +61,9 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     inv_freq = np.where(medium, smoothed, scaled)
-  return inv_freq.astype(np.float32)
+  if config.rope_freq_factors is not None:
+    inv_freq = inv_freq / np.asarray(config.rope_freq_factors, np.float64)
+  return inv_freq
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq) -> tuple[jax.Array, jax.Array]:
