@@ -1,4 +1,4 @@
-"""Qwen2, Mistral and a biased Llama from HF folders, against transformers' own models (tiny random
+"""Qwen2, Qwen3, Mistral and a biased Llama from HF folders, against transformers' own models (tiny random
 configs), and the one-line refusals of what the model does not implement."""
 
 import json
@@ -23,12 +23,15 @@ SHAPE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_lay
              rms_norm_eps=1e-6, initializer_range=0.1)  # wide init: greedy without near-ties
 FAMILIES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
 }
 # What each family's folder is saved with: a tied Qwen2 (as Qwen2-0.5B), a Mistral whose window
-# holds the test's 256 positions, a Llama with HF's attention_bias (q, k, v and o).
+# holds the test's 256 positions, a Llama with HF's attention_bias (q, k, v and o), a tied Qwen3
+# whose head_dim is not hidden_size / heads (as Qwen3-0.6B's 128 of 1024 / 16).
 SETTINGS = {"qwen2": dict(tie_word_embeddings=True, eos_token_id=None),
+            "qwen3": dict(tie_word_embeddings=True, head_dim=24, eos_token_id=None),
             "mistral": dict(sliding_window=256, eos_token_id=2),
             "llama": dict(attention_bias=True, eos_token_id=2)}
 PROMPTS = [[3, 8, 13, 21, 34, 55, 89, 44, 33, 77], [5, 12, 70, 1, 9]]
@@ -61,10 +64,11 @@ def test_logits_match_transformers(saved):
   family, hf, folder = saved
   model = load_model(str(folder))
   c = model.config
-  assert (c.qkv_bias, c.o_bias) == {"qwen2": (True, False), "mistral": (False, False),
-                                    "llama": (True, True)}[family]
+  assert (c.qkv_bias, c.o_bias) == {"qwen2": (True, False), "qwen3": (False, False),
+                                    "mistral": (False, False), "llama": (True, True)}[family]
   biases = [n for n, p in hf.named_parameters() if n.endswith(".bias")]
-  assert len(biases) == 2 * {"qwen2": 3, "mistral": 0, "llama": 4}[family]
+  assert len(biases) == 2 * {"qwen2": 3, "qwen3": 0, "mistral": 0, "llama": 4}[family]
+  assert c.qk_norm == (family == "qwen3") and (family != "qwen3" or c.head_dim * c.num_heads != c.hidden_size)
   tokens = list(np.random.default_rng(0).integers(0, 97, 200))
   with torch.no_grad():
     expected = hf(torch.tensor([tokens])).logits.numpy()[0]
@@ -80,7 +84,7 @@ def hf_greedy(hf, prompt, new):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved", ["qwen2", "mistral"], indirect=True)
+@pytest.mark.parametrize("saved", ["qwen2", "qwen3", "mistral"], indirect=True)
 @pytest.mark.parametrize("spec", ["ar", "sd/ngram/3", "sd/self:1/3"])
 def test_greedy_generation_equals_transformers_generate(saved, spec):
   _, hf, folder = saved
@@ -119,7 +123,7 @@ def write_config(folder, **changes):
 def test_an_unknown_model_type_is_named(tmp_path):
   write_config(tmp_path, model_type="gemma")
   with pytest.raises(ValueError, match=r"model_type 'gemma' is not supported; supported: llama, "
-                                       r"mistral, qwen2$"):
+                                       r"mistral, qwen2, qwen3$"):
     load_model(str(tmp_path))
 
 
@@ -138,6 +142,8 @@ def test_a_missing_config_key_is_named_with_the_file(tmp_path, key):
           max_position_embeddings=256), "use_sliding_window.* in layers 1-1 "),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=128,
           layer_types=["sliding_attention", "full_attention"]), "in layers 0-0 "),
+    (dict(model_type="qwen3", use_sliding_window=True, sliding_window=128,
+          layer_types=["full_attention", "sliding_attention"]), "in layers 1-1 "),
 ])
 def test_settings_the_model_does_not_implement_are_named(changes, named):
   hf = {**tiny_hf("llama").config.to_dict(), **changes}
@@ -173,6 +179,19 @@ def test_a_tensor_the_model_does_not_use_is_named():
   tolerated = dict(state, **{"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32),
                              "lm_head.weight": state["model.embed_tokens.weight"]})
   params_from_state_dict(tolerated, config)
+
+
+def test_qwen3s_norms_are_named_where_they_are_missing_or_not_used(tmp_path):
+  from hitree_jax.loading.gguf import save_gguf
+  state, config = state_and_config("qwen3")
+  with pytest.raises(ValueError, match=r"^checkpoint: model.layers.0.self_attn.k_norm.weight: a tensor "
+                                       r"this model does not use \(and 3 more\)$"):
+    params_from_state_dict(state, config.replace(qk_norm=False))  # a Qwen3 read as a Llama
+  del state["model.layers.1.self_attn.q_norm.weight"]
+  with pytest.raises(ValueError, match=r"^checkpoint lacks model.layers.1.self_attn.q_norm.weight$"):
+    params_from_state_dict(state, config)
+  with pytest.raises(ValueError, match="no per-head q/k norms"):
+    save_gguf(tmp_path / "q.gguf", config, {})
 
 
 def test_a_missing_tensor_is_named(tmp_path):

@@ -341,6 +341,9 @@ def save_gguf(path: str | pathlib.Path, config: ModelConfig, params: dict, *,
   reduced vocabulary).
   """
   path = pathlib.Path(path)
+  if config.qk_norm:
+    raise UsageError(f"{path}: a GGUF of architecture llama has no per-head q/k norms (Qwen3): "
+                     "convert this model to a checkpoint instead")
   if vocab is not None and vocab.size != config.vocab_size:
     raise UsageError(f"vocab has {vocab.size} ids but config.vocab_size={config.vocab_size}")
   writer = gguf.GGUFWriter(str(path), "llama")

@@ -1,4 +1,4 @@
-"""Hugging Face Llama-family weights (Llama, Mistral, Qwen2) -> our parameter tree.
+"""Hugging Face Llama-family weights (Llama, Mistral, Qwen2, Qwen3) -> our parameter tree.
 
 `params_from_state_dict` is the single place that knows HF's tensor names; the
 safetensors and GGUF loaders both produce an HF-named state dict and go
@@ -58,8 +58,11 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig,
             "norm": {"weight": take("model.norm.weight")}}
   for i in range(config.num_layers):
     p = f"model.layers.{i}."
+    attn = {n: linear(p + f"self_attn.{n}", biased[n]) for n in _ATTN}
+    if config.qk_norm:
+      attn |= {n: {"weight": take(p + f"self_attn.{n}.weight")} for n in ("q_norm", "k_norm")}
     params[f"layers_{i}"] = {
-        "self_attn": {n: linear(p + f"self_attn.{n}", biased[n]) for n in _ATTN},
+        "self_attn": attn,
         "mlp": {n: linear(p + f"mlp.{n}", False) for n in _MLP},
         "input_layernorm": {"weight": take(p + "input_layernorm.weight")},
         "post_attention_layernorm": {"weight": take(p + "post_attention_layernorm.weight")},

@@ -13,13 +13,13 @@ from hitree_jax.errors import UsageError
 
 SUPPORTED_ROPE_SCALING = ("linear", "llama3")
 # HF `model_type`s whose config.json and tensors this model reproduces exactly.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # config.json keys without a default: their absence is a broken folder, named in one line.
 REQUIRED_HF_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                     "num_hidden_layers", "num_attention_heads")
 # (bos, eos) ids transformers' config class of each type assumes when config.json leaves them out
 # (save_pretrained writes only what differs from them).
-HF_DEFAULT_TOKEN_IDS = {"llama": (1, 2), "mistral": (1, 2), "qwen2": (None, None)}
+HF_DEFAULT_TOKEN_IDS = {"llama": (1, 2), "mistral": (1, 2), "qwen2": (None, None), "qwen3": (None, None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,8 @@ class ModelConfig:
   # puts one on q, k, v and o (qkv_bias and o_bias). The MLP never has any.
   qkv_bias: bool = False
   o_bias: bool = False
+  # Qwen3: an RMSNorm over each head's query and each head's key (weights [head_dim]), before RoPE.
+  qk_norm: bool = False
   # HF `rope_scaling`, frozen as sorted (key, value) pairs so the config hashes.
   rope_scaling: tuple[tuple[str, Any], ...] | None = None
   # llama.cpp's `rope_freqs` tensor [head_dim / 2]: each inverse frequency is divided by its
@@ -106,7 +108,7 @@ class ModelConfig:
   @classmethod
   def from_hf(cls, hf: Mapping[str, Any], dtype: str = "float32",
               source: str = "config.json") -> "ModelConfig":
-    """Builds a config from an HF `config.json` dict of a Llama, Mistral or Qwen2 model.
+    """Builds a config from an HF `config.json` dict of a Llama, Mistral, Qwen2 or Qwen3 model.
 
     A model type or a setting this model does not implement is refused in one line naming it
     (`source` says which file): loaded anyway, the model would generate wrong text silently.
@@ -141,6 +143,7 @@ class ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
+        qk_norm=hf["model_type"] == "qwen3",
         rope_scaling=_freeze_rope_scaling(rope),
         bos_token_id=hf.get("bos_token_id", default_bos),
         eos_token_id=eos,
@@ -192,10 +195,10 @@ def hf_max_positions(hf: Mapping[str, Any]) -> int:
 
 
 def hf_attention_biases(hf: Mapping[str, Any]) -> tuple[bool, bool]:
-  """(qkv_bias, o_bias): Qwen2 biases q, k and v; a Llama with `attention_bias` all four."""
+  """(qkv_bias, o_bias): Qwen2 biases q, k and v; a Llama or Qwen3 with `attention_bias` all four."""
   if hf["model_type"] == "qwen2":
     return True, False
-  both = hf["model_type"] == "llama" and bool(hf.get("attention_bias", False))
+  both = hf["model_type"] in ("llama", "qwen3") and bool(hf.get("attention_bias", False))
   return both, both
 
 
@@ -228,10 +231,10 @@ def _check_hf_implemented(hf: Mapping[str, Any], max_positions: int, source: str
 
 
 def _qwen2_sliding_layers(hf: Mapping[str, Any]) -> list[int]:
-  """The layers a Qwen2 config gives a sliding window, by transformers' rule: with
+  """The layers a Qwen2 or Qwen3 config gives a sliding window, by transformers' rule: with
   use_sliding_window, those from max_window_layers on (28 where unset), unless layer_types
   names them. (Mistral's window is every layer's, and caps the context instead.)"""
-  if hf["model_type"] != "qwen2" or not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
+  if hf["model_type"] not in ("qwen2", "qwen3") or not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
     return []
   kinds = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28)
                                     else "full_attention" for i in range(hf["num_hidden_layers"])]

@@ -1,5 +1,6 @@
-"""A pure-functional Flax (linen) Llama; also Mistral's and Qwen2's decoder (ModelConfig.from_hf:
-Qwen2 adds biases to q/k/v, a Mistral's sliding window caps its positions).
+"""A pure-functional Flax (linen) Llama; also Mistral's, Qwen2's and Qwen3's decoder
+(ModelConfig.from_hf: Qwen2 adds biases to q/k/v, Qwen3 norms each head's query and key, a
+Mistral's sliding window caps its positions).
 
 The model knows nothing about speculation. One call takes T new tokens with
 explicit positions, writes their keys/values into the cache at explicit slots,
@@ -223,6 +224,8 @@ PARAM_AXES = {
     ("gate_proj", "kernel"): ("embed", "mlp"),
     ("up_proj", "kernel"): ("embed", "mlp"),
     ("down_proj", "kernel"): ("mlp", "embed"),
+    ("q_norm", "weight"): ("head_dim",),          # Qwen3's per-head norms (qk_norm)
+    ("k_norm", "weight"): ("head_dim",),
     ("input_layernorm", "weight"): ("embed",),
     ("post_attention_layernorm", "weight"): ("embed",),
     ("norm", "weight"): ("embed",),
@@ -262,6 +265,9 @@ class Attention(nn.Module):
 
     q = project(c.num_heads, "q_proj")
     k, v = project(c.num_kv_heads, "k_proj"), project(c.num_kv_heads, "v_proj")
+    if c.qk_norm:  # Qwen3: each head's query and key normalised over its D
+      q = RMSNorm(c.rms_norm_eps, dtype, name="q_norm")(q)
+      k = RMSNorm(c.rms_norm_eps, dtype, name="k_norm")(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_buf = write_slots(k_buf, k, write_at)
     v_buf = write_slots(v_buf, v, write_at)
