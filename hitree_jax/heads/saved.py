@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 
 from hitree_jax import shipped
 from hitree_jax.errors import NotFound, UsageError
-from hitree_jax.heads import eagle, medusa
+from hitree_jax.heads import eagle, medusa, medusa_format
 from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.vocab import ReducedVocab
@@ -52,9 +52,9 @@ def save(path: pathlib.Path, kind: str, params, target_config: ModelConfig, voca
 
 def _folder(path, kind: str | None) -> pathlib.Path:
   """The folder of a saved draft, as given or a shipped one (drafts/NAME): NotFound naming the
-  path when it holds no heads.json."""
+  path when it holds no heads.json (nor, for Medusa, published heads: medusa_format.py)."""
   folder = shipped.find(path)
-  if not (folder / META).is_file():
+  if not (folder / META).is_file() and not (kind in (None, "medusa") and medusa_format.is_folder(folder)):
     raise NotFound(f"{kind or 'feature'} draft {str(path)!r} not found: expected a folder "
                    f"with {META} (written by `python -m launch.distill --kind={kind or 'eagle'}`)")
   return folder
@@ -67,7 +67,8 @@ def read_meta(path, kind: str | None = None) -> dict:
 
 
 def _meta_in(folder: pathlib.Path, path, kind: str | None) -> dict:
-  meta = json.loads((folder / META).read_text())
+  meta = (json.loads((folder / META).read_text()) if (folder / META).is_file()
+          else medusa_format.read_meta(folder))
   if kind is not None and meta["kind"] != kind:
     raise UsageError(f"{str(path)!r} holds {meta['kind']} heads, not {kind}: use {meta['kind']}:{path}")
   return meta
@@ -79,7 +80,9 @@ def drafter(meta: dict, target_config: ModelConfig, mode: str = "deterministic")
   reduced = target_config.vocab_size if size else None
   size = size or target_config.vocab_size
   if meta["kind"] == "medusa":
-    return MedusaDrafter(meta["medusa_heads"], size, mode, reduced)
+    published = meta.get("format") == "medusa"
+    return MedusaDrafter(meta["medusa_heads"], size, mode, reduced,
+                         layers=meta.get("medusa_layers", 1), published=published)
   return EagleDrafter(eagle.layer_config(target_config, size), mode, reduced,
                       taps=tuple(meta.get("taps", ())))
 
@@ -90,7 +93,8 @@ def check_target(meta: dict, target_config: ModelConfig, path) -> None:
               num_kv_heads=target_config.num_kv_heads, target_vocab_size=target_config.vocab_size,
               qkv_bias=target_config.qkv_bias, o_bias=target_config.o_bias)
   # An EAGLE layer has its target's attention biases; a file from before they were recorded
-  # was trained for a target without any.
+  # was trained for a target without any. Published heads say only what their shapes do.
+  want = {k: v for k, v in want.items() if k in meta.get("checked", want)}
   got = {k: meta.get(k, False if k.endswith("_bias") else None) for k in want}
   wrong = {k: (got[k], v) for k, v in want.items() if got[k] != v}
   if wrong:
@@ -103,6 +107,9 @@ def load(path, target_params, target_config: ModelConfig, kind: str | None = Non
   folder = _folder(path, kind)
   meta = _meta_in(folder, path, kind)
   check_target(meta, target_config, path)
+  if meta.get("format") == "medusa":   # published heads: their own output matrices, no vocab
+    params = medusa_format.load_params(folder, meta)
+    return meta, jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(target_config.dtype)), params), None
   with ocp.StandardCheckpointer() as checkpointer:
     tree = checkpointer.restore(folder.absolute() / "checkpoint")
   ids = np.asarray(tree["target_ids"])

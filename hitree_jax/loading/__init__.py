@@ -42,14 +42,14 @@ def resolve(spec: str) -> pathlib.Path:
   path = shipped.find(spec)   # as given, else a shipped draft (drafts/NAME[.gguf])
   if path.is_file() and path.suffix == ".gguf":
     return path
+  kind = shipped.heads_kind(path) if path.is_dir() else None
+  if kind is not None:   # a trained or published EAGLE or Medusa draft (heads/saved.py), not a model
+    raise UsageError(f"{spec!r} holds {kind} heads, not a model: use --draft={kind}:{spec}")
   if path.is_dir() and (checkpoint.is_checkpoint(path) or (path / "config.json").is_file()):
     return path
   if not path.exists():
     raise NotFound(f"model {spec!r} not found: expected one of {ALIASES}, a .gguf file, "
                             "an HF folder with config.json, or a checkpoint from launch.convert")
-  kind = shipped.heads_kind(path)
-  if kind is not None:   # a trained EAGLE or Medusa draft (heads/saved.py), not a model
-    raise UsageError(f"{spec!r} holds {kind} heads, not a model: use --draft={kind}:{spec}")
   raise UsageError(f"model {spec!r} is neither a .gguf file, an HF folder (config.json) "
                    "nor a launch.convert checkpoint")
 

@@ -1,0 +1,93 @@
+"""FasterDecoding's published Medusa heads, as `--draft=medusa:PATH` reads them.
+
+A folder holds `config.json` (MedusaConfig: `medusa_num_heads`, `medusa_num_layers`,
+`base_model_name_or_path`) and `medusa_lm_head.safetensors`, the state dict of its heads:
+head k is `k.0` .. `k.{L-1}` residual blocks (`k.l.linear.weight` [E, E], `.bias` [E]) then
+`k.L.weight` [V, E], its own output matrix over the target's vocabulary. (Medusa's code applies
+one block object L times, so a saved head holds L equal copies; each is read as it is.) Some
+exports prefix every name with `medusa_head.`.
+
+The older releases ship `medusa_lm_head.pt`, a pickle: it is never opened at run time, since
+unpickling runs code; `python -m launch.convert --medusa=PATH` rewrites it as safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import safetensors
+
+from hitree_jax.errors import UsageError
+
+CONFIG = "config.json"
+WEIGHTS = "medusa_lm_head.safetensors"
+PICKLES = ("medusa_lm_head.pt", "medusa_lm_head.bin")
+CHECKED = ("hidden_size", "target_vocab_size")   # what its shapes say of the target it was trained for
+
+
+def is_folder(folder: pathlib.Path) -> bool:
+  """Whether `folder` holds published Medusa heads (its config.json names medusa_num_heads)."""
+  config = pathlib.Path(folder) / CONFIG
+  if not config.is_file():
+    return False
+  try:
+    return "medusa_num_heads" in json.loads(config.read_text())
+  except json.JSONDecodeError:
+    return False
+
+
+def read_meta(folder: pathlib.Path) -> dict:
+  """heads.json's fields for published heads, from config.json and the tensors' shapes alone."""
+  folder = pathlib.Path(folder)
+  config = json.loads((folder / CONFIG).read_text())
+  weights = folder / WEIGHTS
+  if not weights.is_file():
+    pickle = next((folder / name for name in PICKLES if (folder / name).is_file()), None)
+    if pickle is not None:
+      raise UsageError(f"{pickle} is a pickle, which is never opened here (loading one runs its "
+                       f"code): `python -m launch.convert --medusa={folder}` writes {WEIGHTS} "
+                       "(it needs torch)")
+    raise UsageError(f"{folder}: no {WEIGHTS} beside its {CONFIG}")
+  heads, layers = int(config["medusa_num_heads"]), int(config.get("medusa_num_layers", 1))
+  with safetensors.safe_open(weights, framework="numpy") as f:
+    prefix = "medusa_head." if any(k.startswith("medusa_head.") for k in f.keys()) else ""
+    name = f"{prefix}0.{layers}.weight"
+    if name not in f.keys():
+      raise UsageError(f"{weights} lacks {name} (config.json: {heads} heads of {layers} blocks)")
+    vocab, hidden = f.get_slice(name).get_shape()
+  return {"kind": "medusa", "format": "medusa", "medusa_heads": heads, "medusa_layers": layers,
+          "hidden_size": int(hidden), "target_vocab_size": int(vocab), "vocab_size": None,
+          "checked": list(CHECKED), "base_model": config.get("base_model_name_or_path")}
+
+
+def load_params(folder: pathlib.Path, meta: dict) -> dict:
+  """{"blocks" [K, L, E, E] (kernels: in, out), "bias" [K, L, E], "heads" [K, E, V]}, float32:
+  every tensor accounted for, a missing or unexpected one named with the file."""
+  weights = pathlib.Path(folder) / WEIGHTS
+  k_heads, layers = meta["medusa_heads"], meta["medusa_layers"]
+  with safetensors.safe_open(weights, framework="numpy") as f:
+    names = set(f.keys())
+    prefix = "medusa_head." if any(n.startswith("medusa_head.") for n in names) else ""
+    used = set()
+
+    def take(name, shape):
+      if prefix + name not in names:
+        raise UsageError(f"{weights} lacks {prefix}{name}")
+      used.add(prefix + name)
+      found = tuple(f.get_slice(prefix + name).get_shape())
+      if found != shape:
+        raise UsageError(f"{weights}: {prefix}{name} has shape {found}, expected {shape}")
+      return np.asarray(f.get_tensor(prefix + name), np.float32)
+
+    e, v = meta["hidden_size"], meta["target_vocab_size"]
+    blocks = [[take(f"{k}.{l}.linear.weight", (e, e)).T for l in range(layers)] for k in range(k_heads)]
+    bias = [[take(f"{k}.{l}.linear.bias", (e,)) for l in range(layers)] for k in range(k_heads)]
+    heads = [take(f"{k}.{layers}.weight", (v, e)).T for k in range(k_heads)]
+  unused = sorted(names - used)
+  if unused:
+    raise UsageError(f"{weights}: {unused[0]}: a tensor these {k_heads} heads of {layers} blocks do not use")
+  return {"blocks": np.ascontiguousarray(np.stack([np.stack(b) for b in blocks])),
+          "bias": np.stack([np.stack(b) for b in bias]),
+          "heads": np.ascontiguousarray(np.stack(heads))}
