@@ -35,16 +35,17 @@ def find(path: str | os.PathLike, folder: str = "drafts", suffixes: tuple[str, .
 
 
 def heads_kind(path: str | os.PathLike) -> str | None:
-  """The kind ("eagle", "medusa") of the trained heads `path` names (as given or shipped), from
-  its heads.json alone (or a config.json naming medusa_num_heads: FasterDecoding's published
-  heads); None where it names no such folder. Light: heads/saved.py reads them."""
+  """The kind ("eagle", "medusa", "dflash") of the trained heads `path` names (as given or shipped), from
+  its heads.json alone (or a config.json naming medusa_num_heads or dflash_config: the
+  published Medusa heads and DFlash drafts); None where it names no such folder. Light: heads/saved.py reads them."""
   folder = find(path)
   if (folder / HEADS_META).is_file():
     return json.loads((folder / HEADS_META).read_text())["kind"]
   try:
-    return "medusa" if "medusa_num_heads" in json.loads((folder / "config.json").read_text()) else None
+    config = json.loads((folder / "config.json").read_text())
   except (OSError, ValueError):
     return None
+  return "medusa" if "medusa_num_heads" in config else "dflash" if "dflash_config" in config else None
 
 
 def names(folder: str, suffix: str = "") -> list[str]:

@@ -15,7 +15,7 @@ from hitree_jax import methods
 from hitree_jax.decode import engine
 from hitree_jax.errors import UsageError
 from hitree_jax.heads import medusa, saved
-from hitree_jax.loading import load_model
+from hitree_jax.loading import load_model, resolve
 from hitree_jax.tokenizer import load_tokenizer
 
 HEADS = 3
@@ -32,7 +32,7 @@ def target(tmp_path_factory):
   folder = tmp_path_factory.mktemp("target")
   hf.save_pretrained(folder)
   tokenizer = tmp_path_factory.mktemp("tokenizer")
-  load_tokenizer(load_model("smollm2").path).save_pretrained(tokenizer)
+  load_tokenizer(resolve("smollm2")).save_pretrained(tokenizer)
   return hf, folder, tokenizer
 
 

@@ -4,7 +4,7 @@
   BOTTOM  = LEVEL "/" TREE                        TREE: N, chain:N, kary:KxD, sequoia:B,D, dynamic:B,D
   MIDDLE  = LEVEL "/" GAMMA                       a level that buffers GAMMA tokens for the one above
   LEVEL   = NAME ["@" CACHE] ["," MODE]
-  NAME    = ngram[:N | :MIN-MAX] | self:K | retrieval:BUDGET[:RESELECT] | eagle:PATH | medusa:PATH | draft | PATH
+  NAME    = ngram[:N | :MIN-MAX] | self:K | retrieval:BUDGET[:RESELECT] | eagle:PATH | medusa:PATH | dflash:PATH | draft | PATH
   CACHE   = full | streaming:SINKSxWINDOW[:reindex]
   MODE    = deterministic | iid | without_replacement
 
@@ -23,6 +23,7 @@ from hitree_jax.decode.stack import Full, Retrieval, Streaming
 from hitree_jax.errors import UsageError
 
 DRAW_MODES = ("iid", "without_replacement", "deterministic")   # how a drafter draws children (verify.py)
+FEATURE_DRAFTS = ("eagle", "medusa", "dflash")  # drafts on the target's features, read by heads/saved.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +36,9 @@ class Level:
 
   @property
   def kind(self) -> str:
-    """ngram, self, retrieval, eagle, medusa or draft (the --draft model, or a draft model's path)."""
-    for kind in ("ngram", "self", "retrieval", "eagle", "medusa"):
+    """ngram, self, retrieval, eagle, medusa, dflash or draft (the --draft model, or a draft
+    model's path)."""
+    for kind in ("ngram", "self", "retrieval", "eagle", "medusa", "dflash"):
       if self.name == kind or self.name.startswith(kind + ":"):
         return kind
     return "draft"
@@ -59,8 +61,8 @@ class Level:
 
   @property
   def feature_draft(self) -> tuple[str, str] | None:
-    """(eagle or medusa, PATH) for a draft on the target's features."""
-    return (self.kind, self.name.partition(":")[2]) if self.kind in ("eagle", "medusa") else None
+    """(eagle, medusa or dflash, PATH) for a draft on the target's features."""
+    return (self.kind, self.name.partition(":")[2]) if self.kind in FEATURE_DRAFTS else None
 
   def __str__(self) -> str:
     cache = "" if self.cache is None else "@" + ("full" if isinstance(self.cache, Full) else
@@ -125,7 +127,7 @@ def parse(text: str) -> Levels:
     level = parse_level(name)
     if level.mode != "deterministic":
       raise UsageError(f"level {piece!r}: a middle level hands up its own samples; no draw mode")
-    if level.kind in ("ngram", "self", "eagle", "medusa"):
+    if level.kind in ("ngram", "self", *FEATURE_DRAFTS):
       raise UsageError(f"level {piece!r}: {level.name} only proposes (it must be the bottom level)")
     middles.append((level, int(gamma)))
   return Levels(parse_level(who), tree, tuple(middles))

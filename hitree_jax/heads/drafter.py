@@ -32,7 +32,7 @@ from hitree_jax.decode.features import feature_at
 from hitree_jax.decode.levels import commit, round_mask
 from hitree_jax.decode.stack import Full
 from hitree_jax.errors import UsageError
-from hitree_jax.heads import eagle, medusa
+from hitree_jax.heads import dflash, eagle, medusa
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.tree import dynamic as dynamic_tree
 from hitree_jax.tree.shapes import DynamicTree, TokenTree
@@ -209,26 +209,118 @@ class MedusaDrafter(Drafter):
     return medusa.logits(inp.draft.params, feature, self.target_vocab_size is not None)
 
   def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
-    heads = self._head_logits(inp)
-    depth = np.concatenate([[0], tree.depth])                     # of the root, then each node
-
-    def step(state, fed, idx):  # the children of slot idx (root 0, node i at i + 1) are head depth+1's
-      del fed
-      return heads[:, depth[idx]], state
-
-    tokens, q, _ = fill_tree(key, tree, inp.lead.tokens[:, -1:], step, None, self.vocab_size,
-                             inp.sampling, self.mode)
-    return Proposal(tokens=jnp.maximum(inp.draft.to_target(tokens), 0),
-                    q=inp.draft.target_probs(q, self.target_vocab_size), start=inp.end,
-                    depth=jnp.asarray(tree.depth), attend=jnp.asarray(tree_attend_mask(tree)))
+    return per_depth_proposal(key, tree, inp, self._head_logits(inp), self.vocab_size, self.mode,
+                              self.target_vocab_size)
 
   def propose_dynamic(self, tree: DynamicTree, inp: DraftInputs) -> Proposal:
-    heads = self._head_logits(inp)
+    return per_depth_dynamic_proposal(tree, inp, self._head_logits(inp))
 
-    def run(state, fed, depth, first, attend, parents):
-      del first, attend, parents
-      return jnp.broadcast_to(heads[:, depth, None], (*fed.shape, heads.shape[-1])), state
 
-    tokens, trees = dynamic_tree.grow(tree, inp.draft.to_draft(inp.lead.root), run, None)
-    return Proposal(tokens=jnp.maximum(inp.draft.to_target(tokens), 0), q=None, start=inp.end,
-                    depth=trees.depth, attend=trees.attend, children=trees.children)
+def per_depth_proposal(key, tree: TokenTree, inp: DraftInputs, rows, vocab_size: int, mode: str,
+                       target_vocab_size: int | None = None, cache=None) -> Proposal:
+  """A static tree whose depth-d children are drawn from rows[:, d - 1] [B, K, V'] under every
+  parent (Medusa's heads, DFlash's block): the law of a node's children is its depth's."""
+  depth = np.concatenate([[0], tree.depth])                     # of the root, then each node
+
+  def step(state, fed, idx):  # the children of slot idx (root 0, node i at i + 1) are row depth's
+    del fed
+    return rows[:, depth[idx]], state
+
+  tokens, q, _ = fill_tree(key, tree, inp.lead.tokens[:, -1:], step, None, vocab_size, inp.sampling, mode)
+  return Proposal(tokens=jnp.maximum(inp.draft.to_target(tokens), 0),
+                  q=inp.draft.target_probs(q, target_vocab_size), start=inp.end,
+                  depth=jnp.asarray(tree.depth), attend=jnp.asarray(tree_attend_mask(tree)),
+                  cache=cache, committed=cache is not None)
+
+
+def per_depth_dynamic_proposal(tree: DynamicTree, inp: DraftInputs, rows, cache=None) -> Proposal:
+  """EAGLE-2's tree grown over per-depth rows [B, K, V'] (per_depth_proposal)."""
+
+  def run(state, fed, depth, first, attend, parents):
+    del first, attend, parents
+    return jnp.broadcast_to(rows[:, depth, None], (*fed.shape, rows.shape[-1])), state
+
+  tokens, trees = dynamic_tree.grow(tree, inp.draft.to_draft(inp.lead.root), run, None)
+  return Proposal(tokens=jnp.maximum(inp.draft.to_target(tokens), 0), q=None, start=inp.end,
+                  depth=trees.depth, attend=trees.attend, children=trees.children, cache=cache,
+                  committed=cache is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashDrafter(Drafter):
+  """z-lab's DFlash block draft (heads/dflash.py): each round commits the new context to its own
+  cache and runs one forward of its block; depth d's children are block row d's top tokens."""
+  config: ModelConfig          # the draft's layers: the target's width and vocabulary
+  spec: dflash.BlockSpec
+  mode: str = "deterministic"
+  cache: Full = Full()
+
+  reads_features = True
+  reads_from_above = "features"
+  keeps_tree = False            # nothing of the block is kept: the context is the target's
+  needs_draft_weights = True    # its layers (DraftWeights.params), the target's embedding and head
+  prefills_own_cache = True     # from the prompt's features
+
+  @property
+  def taps(self) -> tuple[int, ...]:
+    return self.spec.target_layer_ids
+
+  def __str__(self) -> str:
+    return f"dflash:{self.spec.block_size}"
+
+  def level_config(self, target: ModelConfig, draft: ModelConfig | None) -> ModelConfig:
+    return self.config
+
+  def check(self, tree, config: ModelConfig) -> None:
+    if (self.config.hidden_size, self.config.vocab_size) != (config.hidden_size, config.vocab_size):
+      raise UsageError(f"the DFlash draft reads features of width {self.config.hidden_size} and "
+                       f"proposes among {self.config.vocab_size} tokens; the target's are "
+                       f"{config.hidden_size} and {config.vocab_size}: it was trained for another target")
+    if max(self.taps) >= config.num_layers:
+      raise UsageError(f"the DFlash draft reads layers {list(self.taps)} of its target; this target "
+                       f"has {config.num_layers} layers: it was trained for another target")
+    if tree.max_depth > self.spec.block_size - 1:
+      raise UsageError(f"a tree of depth {tree.max_depth} is deeper than the DFlash draft's block "
+                       f"of {self.spec.block_size} proposes (at most {self.spec.block_size - 1})")
+    check_dynamic_mode(tree, self.mode)
+
+  def prefill_cache(self, draft_params, target_params, config: ModelConfig, empty: KVCache, batch,
+                    hidden, programs) -> KVCache:
+    from hitree_jax.decode.programs import shape_key
+    args = (draft_params, self.config, empty, hidden, jnp.asarray(batch.lengths, jnp.int32))
+    step = programs.get(("dflash_prefill", self.config, shape_key(args)), dflash.prefill, *args)
+    return step(draft_params, empty, hidden, args[-1])
+
+  def abstract_heads(self, config: ModelConfig) -> dict:
+    c, dtype = self.config, jnp.dtype(config.dtype)
+    shape = lambda *dims: jax.ShapeDtypeStruct(dims, dtype)
+    e, q, kv, i = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    layer = {"q": shape(e, q), "k": shape(e, kv), "v": shape(e, kv), "o": shape(q, e), "q_norm": shape(c.head_dim),
+             "k_norm": shape(c.head_dim), "input_norm": shape(e), "post_norm": shape(e), "gate": shape(e, i),
+             "up": shape(e, i), "down": shape(i, e)}
+    return {"fc": shape(len(self.taps) * e, e), "hidden_norm": shape(e), "norm": shape(e),
+            "layers": (layer,) * c.num_layers, "head": _target_head_shape(config, c.vocab_size)}
+
+  def _block_rows(self, inp: DraftInputs):
+    """Commits the pending tokens' context, then runs the block: -> ([B, block - 1, V], cache)."""
+    lead, cache, params = inp.lead, inp.cache, inp.draft.params
+    recent = cache.recent
+    features = feature_at(inp.features, lead.positions - 1)[..., :len(self.taps) * self.config.hidden_size]
+    recent = dflash.write_context(params, self.config, recent, features, lead.positions - 1, recent.lengths)
+    batch = lead.tokens.shape[0]
+    recent = commit(recent, lead, jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32),
+                    jnp.ones((batch,), bool))
+    long = cache.long
+    contexts = ((long.keys, long.values, dflash.visible(long, jnp.zeros_like(long.lengths))),
+                (recent.keys, recent.values, dflash.visible(recent, long.next_positions)))
+    rows = dflash.block_logits(params, self.config, self.spec, inp.params["embed_tokens"]["embedding"],
+                               lead.root, inp.end - 1, contexts)
+    return rows, cache.replace(recent=recent)
+
+  def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
+    rows, cache = self._block_rows(inp)
+    return per_depth_proposal(key, tree, inp, rows, self.config.vocab_size, self.mode, cache=cache)
+
+  def propose_dynamic(self, tree: DynamicTree, inp: DraftInputs) -> Proposal:
+    rows, cache = self._block_rows(inp)
+    return per_depth_dynamic_proposal(tree, inp, rows, cache)

@@ -16,8 +16,8 @@ import orbax.checkpoint as ocp
 
 from hitree_jax import shipped
 from hitree_jax.errors import NotFound, UsageError
-from hitree_jax.heads import eagle, medusa, medusa_format
-from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter
+from hitree_jax.heads import dflash_format, eagle, medusa, medusa_format
+from hitree_jax.heads.drafter import DFlashDrafter, EagleDrafter, MedusaDrafter
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.vocab import ReducedVocab
 
@@ -50,11 +50,20 @@ def save(path: pathlib.Path, kind: str, params, target_config: ModelConfig, voca
   (path / META).write_text(json.dumps({"kind": kind, **shape, **meta}, indent=1))
 
 
+def _published(folder: pathlib.Path, kind: str | None):
+  """The module that reads `folder` when it holds a published draft of `kind` (any: None):
+  FasterDecoding's Medusa heads or z-lab's DFlash; else None."""
+  for name, module in (("medusa", medusa_format), ("dflash", dflash_format)):
+    if kind in (None, name) and module.is_folder(folder):
+      return module
+  return None
+
+
 def _folder(path, kind: str | None) -> pathlib.Path:
   """The folder of a saved draft, as given or a shipped one (drafts/NAME): NotFound naming the
-  path when it holds no heads.json (nor, for Medusa, published heads: medusa_format.py)."""
+  path when it holds no heads.json nor a published draft (medusa_format.py, dflash_format.py)."""
   folder = shipped.find(path)
-  if not (folder / META).is_file() and not (kind in (None, "medusa") and medusa_format.is_folder(folder)):
+  if not (folder / META).is_file() and _published(folder, kind) is None:
     raise NotFound(f"{kind or 'feature'} draft {str(path)!r} not found: expected a folder "
                    f"with {META} (written by `python -m launch.distill --kind={kind or 'eagle'}`)")
   return folder
@@ -68,7 +77,7 @@ def read_meta(path, kind: str | None = None) -> dict:
 
 def _meta_in(folder: pathlib.Path, path, kind: str | None) -> dict:
   meta = (json.loads((folder / META).read_text()) if (folder / META).is_file()
-          else medusa_format.read_meta(folder))
+          else _published(folder, kind).read_meta(folder))
   if kind is not None and meta["kind"] != kind:
     raise UsageError(f"{str(path)!r} holds {meta['kind']} heads, not {kind}: use {meta['kind']}:{path}")
   return meta
@@ -79,6 +88,9 @@ def drafter(meta: dict, target_config: ModelConfig, mode: str = "deterministic")
   size = meta.get("vocab_size")
   reduced = target_config.vocab_size if size else None
   size = size or target_config.vocab_size
+  if meta["kind"] == "dflash":
+    config = ModelConfig.from_dict(meta["draft_config"]).replace(dtype=target_config.dtype)
+    return DFlashDrafter(config, dflash_format.spec(meta), mode)
   if meta["kind"] == "medusa":
     published = meta.get("format") == "medusa"
     return MedusaDrafter(meta["medusa_heads"], size, mode, reduced,
@@ -91,10 +103,13 @@ def check_target(meta: dict, target_config: ModelConfig, path) -> None:
   """Refuses a draft trained for a target of another shape (from heads.json alone)."""
   want = dict(hidden_size=target_config.hidden_size, num_heads=target_config.num_heads,
               num_kv_heads=target_config.num_kv_heads, target_vocab_size=target_config.vocab_size,
-              qkv_bias=target_config.qkv_bias, o_bias=target_config.o_bias)
+              qkv_bias=target_config.qkv_bias, o_bias=target_config.o_bias,
+              num_layers=target_config.num_layers)
   # An EAGLE layer has its target's attention biases; a file from before they were recorded
-  # was trained for a target without any. Published heads say only what their shapes do.
-  want = {k: v for k, v in want.items() if k in meta.get("checked", want)}
+  # was trained for a target without any. Published drafts say only what they know of it.
+  checked = meta.get("checked", ("hidden_size", "num_heads", "num_kv_heads", "target_vocab_size",
+                                 "qkv_bias", "o_bias"))
+  want = {k: v for k, v in want.items() if k in checked}
   got = {k: meta.get(k, False if k.endswith("_bias") else None) for k in want}
   wrong = {k: (got[k], v) for k, v in want.items() if got[k] != v}
   if wrong:
@@ -107,9 +122,12 @@ def load(path, target_params, target_config: ModelConfig, kind: str | None = Non
   folder = _folder(path, kind)
   meta = _meta_in(folder, path, kind)
   check_target(meta, target_config, path)
+  as_target = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(target_config.dtype)), tree)
   if meta.get("format") == "medusa":   # published heads: their own output matrices, no vocab
-    params = medusa_format.load_params(folder, meta)
-    return meta, jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(target_config.dtype)), params), None
+    return meta, as_target(medusa_format.load_params(folder, meta)), None
+  if meta.get("format") == "dflash":   # the target's embedding (read from its params) and head
+    params = as_target(dflash_format.load_params(folder, meta))
+    return meta, dict(params, head=frozen_arrays(target_params, None)["head"]), None
   with ocp.StandardCheckpointer() as checkpointer:
     tree = checkpointer.restore(folder.absolute() / "checkpoint")
   ids = np.asarray(tree["target_ids"])
