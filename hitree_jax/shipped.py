@@ -35,9 +35,9 @@ def find(path: str | os.PathLike, folder: str = "drafts", suffixes: tuple[str, .
 
 
 def heads_kind(path: str | os.PathLike) -> str | None:
-  """The kind ("eagle", "medusa", "dflash") of the trained heads `path` names (as given or shipped), from
-  its heads.json alone (or a config.json naming medusa_num_heads or dflash_config: the
-  published Medusa heads and DFlash drafts); None where it names no such folder. Light: heads/saved.py reads them."""
+  """The kind ("eagle", "eagle3", "medusa", "dflash") of the trained heads `path` names (as given or shipped), from
+  its heads.json alone (or a config.json naming medusa_num_heads, dflash_config or an
+  EAGLE-3 architecture: the published Medusa heads, DFlash and EAGLE-3 drafts); None where it names no such folder. Light: heads/saved.py reads them."""
   folder = find(path)
   if (folder / HEADS_META).is_file():
     return json.loads((folder / HEADS_META).read_text())["kind"]
@@ -45,6 +45,8 @@ def heads_kind(path: str | os.PathLike) -> str | None:
     config = json.loads((folder / "config.json").read_text())
   except (OSError, ValueError):
     return None
+  if config.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in config.get("architectures", ()):
+    return "eagle3"
   return "medusa" if "medusa_num_heads" in config else "dflash" if "dflash_config" in config else None
 
 

@@ -5,6 +5,7 @@ or published Medusa heads from their pickle to safetensors.
   python -m launch.generate --model=checkpoints/smollm2 --prompt="..."
   python -m launch.convert --model=smollm2 --out=smollm2_f32.gguf   # llama.cpp at F32
   python -m launch.convert --medusa=medusa-vicuna-7b-v1.3           # writes medusa_lm_head.safetensors
+  python -m launch.convert --eagle3=EAGLE3-LLaMA3.1-Instruct-8B        # writes model.safetensors
 
 An --out ending in .gguf writes a llama.cpp GGUF: float32 matrices by default
 (--gguf_type=q8_0 for llama.cpp's 8-bit blocks), with the source's tokenizer (a
@@ -34,16 +35,30 @@ flags.DEFINE_string("medusa", None, "A folder of FasterDecoding's Medusa heads w
                     "the pickle medusa_lm_head.pt: write them as medusa_lm_head.safetensors, which "
                     "--draft=medusa:PATH reads (needs torch; the pickle is read with "
                     "weights_only=True, which runs none of its code).")
+flags.DEFINE_string("eagle3", None, "A folder of an EAGLE-3 draft whose weights are the pickle "
+                    "pytorch_model.bin: write them as model.safetensors, which --draft=eagle3:PATH "
+                    "reads (as --medusa).")
 FLAGS = flags.FLAGS
 
 
 def medusa_to_safetensors(folder: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
   """Rewrites a Medusa folder's pickled heads as safetensors in `out` (config.json copied)."""
   from hitree_jax.heads import medusa_format
-  pickle = next((folder / name for name in medusa_format.PICKLES if (folder / name).is_file()), None)
-  if not medusa_format.is_folder(folder) or pickle is None:
-    raise UsageError(f"--medusa={folder}: expected a folder with a config.json naming "
-                     f"medusa_num_heads and {' or '.join(medusa_format.PICKLES)}")
+  return _pickle_to_safetensors("medusa", medusa_format, folder, out, "medusa_num_heads")
+
+
+def eagle3_to_safetensors(folder: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+  """Rewrites an EAGLE-3 folder's pickled weights as safetensors in `out` (config.json copied)."""
+  from hitree_jax.heads import eagle3
+  return _pickle_to_safetensors("eagle3", eagle3, folder, out, "an EAGLE-3 architecture")
+
+
+def _pickle_to_safetensors(flag: str, module, folder: pathlib.Path, out: pathlib.Path, marks: str):
+  """module: its format's module (is_folder, PICKLES, CONFIG, WEIGHTS)."""
+  pickle = next((folder / name for name in module.PICKLES if (folder / name).is_file()), None)
+  if not module.is_folder(folder) or pickle is None:
+    raise UsageError(f"--{flag}={folder}: expected a folder with a config.json naming "
+                     f"{marks} and {' or '.join(module.PICKLES)}")
   try:
     import torch
     from safetensors.torch import save_file
@@ -53,19 +68,20 @@ def medusa_to_safetensors(folder: pathlib.Path, out: pathlib.Path) -> pathlib.Pa
   state = torch.load(pickle, map_location="cpu", weights_only=True)
   out.mkdir(parents=True, exist_ok=True)
   if out.resolve() != folder.resolve():
-    shutil.copyfile(folder / medusa_format.CONFIG, out / medusa_format.CONFIG)
+    shutil.copyfile(folder / module.CONFIG, out / module.CONFIG)
   # Medusa applies one block object L times: its copies share storage, which safetensors refuses.
   save_file({name: tensor.detach().clone().contiguous() for name, tensor in state.items()},
-            str(out / medusa_format.WEIGHTS))
-  return out / medusa_format.WEIGHTS
+            str(out / module.WEIGHTS))
+  return out / module.WEIGHTS
 
 
 def main(argv):
   del argv
-  if FLAGS.medusa:
-    folder = pathlib.Path(FLAGS.medusa)
-    logging.info("wrote %s", medusa_to_safetensors(folder, pathlib.Path(FLAGS.out or folder)))
-    return
+  for flag, convert in (("medusa", medusa_to_safetensors), ("eagle3", eagle3_to_safetensors)):
+    if getattr(FLAGS, flag):
+      folder = pathlib.Path(getattr(FLAGS, flag))
+      logging.info("wrote %s", convert(folder, pathlib.Path(FLAGS.out or folder)))
+      return
   if not FLAGS.out:
     raise UsageError("--out is required: a folder for the checkpoint, or a .gguf file")
   from hitree_jax.loading import load_model

@@ -4,7 +4,7 @@
   BOTTOM  = LEVEL "/" TREE                        TREE: N, chain:N, kary:KxD, sequoia:B,D, dynamic:B,D
   MIDDLE  = LEVEL "/" GAMMA                       a level that buffers GAMMA tokens for the one above
   LEVEL   = NAME ["@" CACHE] ["," MODE]
-  NAME    = ngram[:N | :MIN-MAX] | self:K | retrieval:BUDGET[:RESELECT] | eagle:PATH | medusa:PATH | dflash:PATH | draft | PATH
+  NAME    = ngram[:N | :MIN-MAX] | self:K | retrieval:BUDGET[:RESELECT] | eagle:PATH | eagle3:PATH | medusa:PATH | dflash:PATH | draft | PATH
   CACHE   = full | streaming:SINKSxWINDOW[:reindex]
   MODE    = deterministic | iid | without_replacement
 
@@ -23,7 +23,7 @@ from hitree_jax.decode.stack import Full, Retrieval, Streaming
 from hitree_jax.errors import UsageError
 
 DRAW_MODES = ("iid", "without_replacement", "deterministic")   # how a drafter draws children (verify.py)
-FEATURE_DRAFTS = ("eagle", "medusa", "dflash")  # drafts on the target's features, read by heads/saved.py
+FEATURE_DRAFTS = ("eagle", "eagle3", "medusa", "dflash")  # drafts on the target's features, read by heads/saved.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +36,9 @@ class Level:
 
   @property
   def kind(self) -> str:
-    """ngram, self, retrieval, eagle, medusa, dflash or draft (the --draft model, or a draft
-    model's path)."""
-    for kind in ("ngram", "self", "retrieval", "eagle", "medusa", "dflash"):
+    """ngram, self, retrieval, eagle, eagle3, medusa, dflash or draft (the --draft model, or a
+    draft model's path)."""
+    for kind in ("ngram", "self", "retrieval", *FEATURE_DRAFTS):
       if self.name == kind or self.name.startswith(kind + ":"):
         return kind
     return "draft"
@@ -61,7 +61,7 @@ class Level:
 
   @property
   def feature_draft(self) -> tuple[str, str] | None:
-    """(eagle, medusa or dflash, PATH) for a draft on the target's features."""
+    """(eagle, eagle3, medusa or dflash, PATH) for a draft on the target's features."""
     return (self.kind, self.name.partition(":")[2]) if self.kind in FEATURE_DRAFTS else None
 
   def __str__(self) -> str:

@@ -51,6 +51,7 @@ class EagleDrafter(Drafter):
   target_vocab_size: int | None = None  # set when its vocabulary is a subset (vocab.py)
   cache: Full = Full()
   taps: tuple[int, ...] = ()            # the target's layers it reads beside the final states (EAGLE-3)
+  net: object = eagle.EagleNet()        # how a position's state and logits are computed (eagle3.Eagle3Net)
 
   reads_features = True
   reads_from_above = "features"
@@ -59,7 +60,7 @@ class EagleDrafter(Drafter):
   prefills_own_cache = True     # from the prompt's features
 
   def __str__(self) -> str:
-    return "eagle"
+    return "eagle" if isinstance(self.net, eagle.EagleNet) else "eagle3"
 
   def level_config(self, target: ModelConfig, draft: ModelConfig | None) -> ModelConfig:
     return self.config
@@ -68,9 +69,11 @@ class EagleDrafter(Drafter):
                     hidden, programs) -> KVCache:
     tokens, chunk = prefill_lib.chunked_tokens(batch)
     return eagle.prefill(draft_params, config, target_params["embed_tokens"]["embedding"], empty, tokens,
-                         hidden, batch.lengths, chunk, programs)
+                         hidden, batch.lengths, chunk, programs, self.net)
 
   def abstract_heads(self, config: ModelConfig) -> dict:
+    if not isinstance(self.net, eagle.EagleNet):   # published EAGLE-3: its own lm_head
+      return None
     shapes = jax.eval_shape(lambda: eagle.init_params(self.config, jax.random.key(0), len(self.taps)))
     return dict(shapes, head=_target_head_shape(config, self.config.vocab_size))
 
@@ -79,7 +82,8 @@ class EagleDrafter(Drafter):
     if target_vocab != config.vocab_size:
       raise UsageError(f"draft and target vocabularies differ: the EAGLE draft's maps onto "
                        f"{target_vocab} tokens, the target has {config.vocab_size}")
-    if (self.config.hidden_size, self.config.num_heads) != (config.hidden_size, config.num_heads):
+    ours = isinstance(self.net, eagle.EagleNet)   # our layer has its target's heads too (EAGLE-3's its own)
+    if self.config.hidden_size != config.hidden_size or (ours and self.config.num_heads != config.num_heads):
       raise UsageError(f"the EAGLE draft reads features of width {self.config.hidden_size} "
                        f"({self.config.num_heads} heads); the target's are {config.hidden_size} "
                        f"({config.num_heads} heads): it was trained for another target")
@@ -96,8 +100,8 @@ class EagleDrafter(Drafter):
     lead, cache, draft = inp.lead, inp.cache, inp.draft
     recent = cache.recent
     attend = round_attend(recent.lengths, recent.max_len, round_mask(lead.valid, np.ones((1, 1), bool)))
-    out, recent = eagle.features(draft.params, self.config, inp.params["embed_tokens"]["embedding"],
-                                 lead.tokens, eagle.fuse(draft.params, feature_at(inp.features, lead.positions - 1)),
+    out, recent = self.net.features(draft.params, self.config, inp.params["embed_tokens"]["embedding"],
+                                 lead.tokens, self.net.fuse(draft.params, feature_at(inp.features, lead.positions - 1)),
                                  lead.positions, recent, attend, context=(cache.long,))
     batch = lead.tokens.shape[0]
     recent = commit(recent, lead, jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32),
@@ -109,11 +113,11 @@ class EagleDrafter(Drafter):
     unused: the root is in the draft's cache) -> (predicted features [B, T, E], logits, scratch)."""
     draft = inp.draft
     tokens = jnp.maximum(draft.to_target(fed), 0)
-    out, scratch = eagle.features(draft.params, self.config, inp.params["embed_tokens"]["embedding"],
+    out, scratch = self.net.features(draft.params, self.config, inp.params["embed_tokens"]["embedding"],
                                   tokens, prev, positions, scratch, attend.at[..., 0].set(False),
                                   write_at=jnp.full((fed.shape[0],), first, jnp.int32),
                                   context=(cache.long, cache.recent))
-    return out, eagle.logits(draft.params, out, self._reduced()), scratch
+    return out, self.net.logits(draft.params, out, self._reduced()), scratch
 
   def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
     """A static tree, one forward per depth; node i's scratch slot is i + 1."""
@@ -126,7 +130,7 @@ class EagleDrafter(Drafter):
     def step(state, fed, idx):
       scratch, predicted = state
       if idx[0] == 0:  # the root: predicted by the lead round
-        return eagle.logits(inp.draft.params, root_feature[:, None], self._reduced()), state
+        return self.net.logits(inp.draft.params, root_feature[:, None], self._reduced()), state
       nodes = idx - 1
       out, logits, scratch = self._node_features(inp, cache, scratch, fed, predicted[:, parent_slot[nodes]],
                                                  positions[:, nodes], attend[:, nodes], int(idx[0]))
@@ -150,7 +154,7 @@ class EagleDrafter(Drafter):
     def run(state, fed, depth, first, attend, parent_slots):
       scratch, predicted = state
       if depth == 0:
-        return eagle.logits(inp.draft.params, root_feature[:, None], self._reduced()), state
+        return self.net.logits(inp.draft.params, root_feature[:, None], self._reduced()), state
       prev = jnp.take_along_axis(predicted, parent_slots[:, :, None], axis=1)
       out, logits, scratch = self._node_features(inp, cache, scratch, fed, prev,
                                                  tree_positions(base, depth, fed), attend, first)

@@ -31,6 +31,7 @@ exactly EAGLE, and training adds what the taps say.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -131,27 +132,42 @@ def shifted(hidden):
   return jnp.pad(hidden, ((0, 0), (1, 0), (0, 0)))[:, :-1]
 
 
-@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(3,))
-def _prefill_chunk(params, config: ModelConfig, embedding, cache: KVCache, tokens, prev, start):
+@dataclasses.dataclass(frozen=True)
+class EagleNet:
+  """How our EAGLE draft computes a position's state and its logits: this module's functions.
+  heads/drafter.py's EagleDrafter runs any such `net` (heads/eagle3.py: published EAGLE-3)."""
+
+  def fuse(self, params, hidden):
+    return fuse(params, hidden)
+
+  def features(self, *args, **kwargs):
+    return features(*args, **kwargs)
+
+  def logits(self, params, predicted, reduced: bool):
+    return logits(params, predicted, reduced)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 7), donate_argnums=(3,))
+def _prefill_chunk(params, config: ModelConfig, embedding, cache: KVCache, tokens, prev, start, net):
   """Runs prompt tokens [B, C] (prev: their f_{i-1} [B, C, E]) at slots start.., then appends them."""
   batch, chunk = tokens.shape
   cache = cache.replace(lengths=jnp.full((batch,), start, jnp.int32))
   own = KVCache.init(config, batch, chunk)
   positions = start + jnp.broadcast_to(jnp.arange(chunk), (batch, chunk))
-  _, own = features(params, config, embedding, tokens, prev, positions, own,
-                    causal_attend(own.lengths, chunk, chunk), context=(cache,))
+  _, own = net.features(params, config, embedding, tokens, prev, positions, own,
+                        causal_attend(own.lengths, chunk, chunk), context=(cache,))
   return cache.append(own.advance(chunk))
 
 
 def prefill(params, config: ModelConfig, embedding, cache: KVCache, tokens: np.ndarray, hidden,
-            lengths, chunk: int, programs):
+            lengths, chunk: int, programs, net=EagleNet()):
   """The draft's cache of the prompts: tokens [B, P] (P a multiple of chunk), the target's
   features there hidden [B, P, E] (with taps: [B, P, (k+1)E]), lengths [B]; one compiled
   program per chunk shape."""
   from hitree_jax.decode.programs import shape_key
-  prev = shifted(fuse(params, hidden))
-  args = (params, config, embedding, cache, tokens[:, :chunk], prev[:, :chunk], jnp.int32(0))
-  step = programs.get(("eagle_prefill", config, shape_key(args)), _prefill_chunk, *args)
+  prev = shifted(net.fuse(params, hidden))
+  args = (params, config, embedding, cache, tokens[:, :chunk], prev[:, :chunk], jnp.int32(0), net)
+  step = programs.get(("eagle_prefill", config, net, shape_key(args)), _prefill_chunk, *args)
   for start in range(0, tokens.shape[1], chunk):
     cache = step(params, embedding, cache, tokens[:, start:start + chunk], prev[:, start:start + chunk],
                  jnp.int32(start))

@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 
 from hitree_jax import shipped
 from hitree_jax.errors import NotFound, UsageError
-from hitree_jax.heads import dflash_format, eagle, medusa, medusa_format
+from hitree_jax.heads import dflash_format, eagle, eagle3, medusa, medusa_format
 from hitree_jax.heads.drafter import DFlashDrafter, EagleDrafter, MedusaDrafter
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.vocab import ReducedVocab
@@ -52,8 +52,8 @@ def save(path: pathlib.Path, kind: str, params, target_config: ModelConfig, voca
 
 def _published(folder: pathlib.Path, kind: str | None):
   """The module that reads `folder` when it holds a published draft of `kind` (any: None):
-  FasterDecoding's Medusa heads or z-lab's DFlash; else None."""
-  for name, module in (("medusa", medusa_format), ("dflash", dflash_format)):
+  FasterDecoding's Medusa heads, z-lab's DFlash or an EAGLE-3 draft; else None."""
+  for name, module in (("medusa", medusa_format), ("dflash", dflash_format), ("eagle3", eagle3)):
     if kind in (None, name) and module.is_folder(folder):
       return module
   return None
@@ -88,6 +88,11 @@ def drafter(meta: dict, target_config: ModelConfig, mode: str = "deterministic")
   size = meta.get("vocab_size")
   reduced = target_config.vocab_size if size else None
   size = size or target_config.vocab_size
+  if meta["kind"] == "eagle3":
+    size = meta["draft_vocab_size"] + 1 if meta["reduced"] else target_config.vocab_size   # + OTHER
+    config = ModelConfig.from_dict(meta["draft_config"]).replace(vocab_size=size, dtype=target_config.dtype)
+    return EagleDrafter(config, mode, target_config.vocab_size if meta["reduced"] else None,
+                        taps=eagle3.taps(meta, target_config), net=eagle3.net(meta))
   if meta["kind"] == "dflash":
     config = ModelConfig.from_dict(meta["draft_config"]).replace(dtype=target_config.dtype)
     return DFlashDrafter(config, dflash_format.spec(meta), mode)
@@ -125,6 +130,9 @@ def load(path, target_params, target_config: ModelConfig, kind: str | None = Non
   as_target = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(target_config.dtype)), tree)
   if meta.get("format") == "medusa":   # published heads: their own output matrices, no vocab
     return meta, as_target(medusa_format.load_params(folder, meta)), None
+  if meta["kind"] == "eagle3":          # its own lm_head over its vocabulary (d2t)
+    params, vocab = eagle3.load(folder, meta, target_config)
+    return meta, as_target(params), vocab
   if meta.get("format") == "dflash":   # the target's embedding (read from its params) and head
     params = as_target(dflash_format.load_params(folder, meta))
     return meta, dict(params, head=frozen_arrays(target_params, None)["head"]), None

@@ -1,0 +1,249 @@
+"""Published EAGLE-3 drafts (Li et al. 2025), as `--draft=eagle3:PATH` reads them.
+
+An EAGLE-3 draft reads three layers of its target (a low, a middle and a high one: by default
+the inputs of layers 2, L/2 and L-3, i.e. the outputs of layers 1, L/2-1 and L-4, our taps),
+fused by `fc` into the draft's width. Its first layer reads, at position p, the target's
+embedding of token x_p beside the fused states g of position p-1, each RMS-normalised
+(`input_layernorm`, `hidden_norm`), as one [2E] input to its attention; the residual stream
+starts from g. Further layers, if any, are plain decoder layers. The last layer's output h_p
+is what a child in the draft's tree reads as its g; `norm` then its own `lm_head` over a
+smaller vocabulary turn h_p into the draft's distribution of x_{p+1}, and `d2t` maps a draft
+id d to the target's id d + d2t[d].
+
+  g_{p-1} = fc([taps at p-1])   h_p = layers([input_norm(embed(x_p)), hidden_norm(g_{p-1})])
+  logits_{p+1} = lm_head(norm(h_p))   a child of x_{p+1} reads g = h_p
+
+EagleDrafter (heads/drafter.py) runs it as it runs our own EAGLE draft; only this module's
+`Eagle3Net` (how a position's state and logits are computed) differs. A draft vocabulary maps
+to a ReducedVocab whose OTHER slot (never proposed) is put before the draft's own ids.
+
+Two formats hold one:
+  * the EAGLE authors' folder: config.json (`LlamaForCausalLMEagle3`: the layer's shape,
+    `draft_vocab_size`, the target's `vocab_size`) and `midlayer.*`, `fc`, `norm`, `lm_head`,
+    `d2t`, `t2d` (and possibly `embed_tokens`) in model.safetensors; the taps are the default;
+  * vLLM's speculators folder: config.json with `speculators_model_type: eagle3`, the layer's
+    config as `transformer_layer_config`, `eagle_aux_hidden_state_layer_ids` and the norm
+    options, and `layers.i.*` for the layers.
+A pickle (pytorch_model.bin) is never opened at run time: `launch.convert --eagle3=PATH`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+
+from hitree_jax.cache.full import KVCache, write_slots
+from hitree_jax.errors import UsageError
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.llama import apply_rope, attention, rope_cos_sin, rope_inv_freq
+from hitree_jax.model.vocab import ReducedVocab
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+PICKLES = ("pytorch_model.bin", "model.pt")
+CHECKED = ("hidden_size", "target_vocab_size")
+
+
+def _norm(x, weight, eps):
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight * x32.astype(x.dtype)
+
+
+def _project(x, layer, name):
+  out = jnp.dot(x, layer[name])
+  return out + layer[f"{name}_bias"] if f"{name}_bias" in layer else out
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Net:
+  """How an EAGLE-3 draft computes a position's state and its logits (EagleDrafter's `net`)."""
+  aux: int = 3                        # target layers fc reads
+  norm_before_residual: bool = False  # the residual stream starts from hidden_norm(g)
+  norm_output: bool = False           # children read norm(h) (Eagle 3.1), and logits skip norm
+  eps: float = 1e-6                   # the draft's RMSNorm epsilon
+
+  def fuse(self, params, features):
+    """features [..., (aux+1)E] (the taps, then the final states) -> g [..., E] = fc(taps)."""
+    e = params["fc"].shape[1]
+    return jnp.dot(features[..., :self.aux * e].astype(params["fc"].dtype), params["fc"])
+
+  def features(self, params, config: ModelConfig, embedding, tokens, prev, positions, cache: KVCache,
+               attend, write_at=None, context: tuple[KVCache, ...] = ()):
+    """States [B, T, E] of tokens [B, T] (target ids) that follow states prev [B, T, E]; writes
+    each layer's keys/values into `cache` at write_at (default: its length), uncommitted."""
+    write_at = cache.lengths if write_at is None else write_at
+    eps, (b, t) = config.rms_norm_eps, tokens.shape
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
+    embedding = params.get("embedding", embedding)
+    h = prev.astype(embedding.dtype)
+    keys, values = [], []
+    for i, layer in enumerate(params["layers"]):
+      if i == 0:
+        g = _norm(h, layer["hidden_norm"], eps)
+        residual = g if self.norm_before_residual else h
+        x = jnp.concatenate([_norm(jnp.take(embedding, tokens, axis=0), layer["input_norm"], eps), g], axis=-1)
+      else:
+        residual, x = h, _norm(h, layer["input_norm"], eps)
+      q = _project(x, layer, "q").reshape(b, t, config.num_heads, config.head_dim)
+      k = _project(x, layer, "k").reshape(b, t, config.num_kv_heads, config.head_dim)
+      v = _project(x, layer, "v").reshape(b, t, config.num_kv_heads, config.head_dim)
+      if "q_norm" in layer:   # a Qwen3 draft layer
+        q, k = _norm(q, layer["q_norm"], eps), _norm(k, layer["k_norm"], eps)
+      q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+      k_buf, v_buf = write_slots(cache.keys[i], k, write_at), write_slots(cache.values[i], v, write_at)
+      keys.append(k_buf)
+      values.append(v_buf)
+      layer_context = tuple((c.keys[i], c.values[i], c.lengths) for c in context)
+      out = attention(q, k_buf, v_buf, attend, layer_context).reshape(b, t, config.num_heads * config.head_dim)
+      h = residual + _project(out, layer, "o")
+      y = _norm(h, layer["post_norm"], eps)
+      h = h + jnp.dot(jax.nn.silu(jnp.dot(y, layer["gate"])) * jnp.dot(y, layer["up"]), layer["down"])
+    state = _norm(h, params["norm"], eps) if self.norm_output else h
+    return state, cache.replace(keys=tuple(keys), values=tuple(values))
+
+  def logits(self, params, state, reduced: bool):
+    """[..., E] states -> float32 logits over the draft's ids; reduced: OTHER first, at -inf."""
+    h = state if self.norm_output else _norm(state, params["norm"], self.eps)
+    out = jnp.dot(h, params["lm_head"]).astype(jnp.float32)
+    if reduced:
+      out = jnp.concatenate([jnp.full((*out.shape[:-1], 1), -jnp.inf, out.dtype), out], axis=-1)
+    return out
+
+
+# ---- the published formats ----
+
+def is_folder(folder: pathlib.Path) -> bool:
+  """Whether `folder` holds an EAGLE-3 draft in either format."""
+  try:
+    config = json.loads((pathlib.Path(folder) / CONFIG).read_text())
+  except (OSError, ValueError):
+    return False
+  return (config.get("speculators_model_type") == "eagle3"
+          or "LlamaForCausalLMEagle3" in config.get("architectures", ()))
+
+
+def _weights(folder: pathlib.Path) -> pathlib.Path:
+  weights = folder / WEIGHTS
+  if not weights.is_file():
+    pickle = next((folder / name for name in PICKLES if (folder / name).is_file()), None)
+    if pickle is not None:
+      raise UsageError(f"{pickle} is a pickle, which is never opened here (loading one runs its "
+                       f"code): `python -m launch.convert --eagle3={folder}` writes {WEIGHTS} "
+                       "(it needs torch)")
+    raise UsageError(f"{folder}: no {WEIGHTS} beside its {CONFIG}")
+  return weights
+
+
+def read_meta(folder: pathlib.Path) -> dict:
+  """heads.json's fields for an EAGLE-3 folder (either format), from config.json and the
+  safetensors header."""
+  folder = pathlib.Path(folder)
+  hf = json.loads((folder / CONFIG).read_text())
+  where = str(folder / CONFIG)
+  speculators = hf.get("speculators_model_type") == "eagle3"
+  layer = dict(hf["transformer_layer_config"]) if speculators else dict(hf)
+  for flag in ("norm_before_fc", "fc_norm"):
+    if hf.get(flag):
+      raise UsageError(f"{where}: {flag}=true is not supported")
+  model_type = layer.get("model_type", "llama")
+  if model_type not in ("llama", "qwen3"):
+    raise UsageError(f"{where}: a draft layer of model_type {model_type!r} is not supported "
+                     "(llama, qwen3)")
+  draft = ModelConfig.from_hf({**layer, "model_type": model_type, "use_sliding_window": False}, source=where)
+  taps = hf.get("eagle_aux_hidden_state_layer_ids") if speculators else None
+  if taps is not None and min(taps) < 1:
+    raise UsageError(f"{where}: eagle_aux_hidden_state_layer_ids {taps}: layer 0's input (the "
+                     "embeddings) is not one of the states a target offers")
+  with safetensors.safe_open(_weights(folder), framework="numpy") as f:
+    names = set(f.keys())
+    head = f.get_slice("lm_head.weight").get_shape() if "lm_head.weight" in names else None
+  if head is None:
+    raise UsageError(f"{folder / WEIGHTS} lacks lm_head.weight")
+  draft_vocab = int(hf.get("draft_vocab_size", head[0]))
+  return {"kind": "eagle3", "format": "speculators" if speculators else "eagle",
+          "hidden_size": draft.hidden_size, "target_vocab_size": draft.vocab_size,
+          "checked": list(CHECKED), "draft_vocab_size": draft_vocab, "reduced": "d2t" in names,
+          # EAGLE-3 numbers a tap by the layer it enters; ours by the layer it leaves
+          "aux_layers": None if taps is None else [int(i) for i in taps],
+          "norm_before_residual": bool(hf.get("norm_before_residual", False)),
+          "norm_output": bool(hf.get("norm_output", False)),
+          "draft_config": draft.to_dict()}
+
+
+def taps(meta: dict, target: ModelConfig) -> tuple[int, ...]:
+  """Our taps (layers whose outputs it reads) for its aux layers (whose inputs it reads)."""
+  aux = meta["aux_layers"] or [2, target.num_layers // 2, target.num_layers - 3]
+  return tuple(i - 1 for i in aux)
+
+
+def net(meta: dict) -> Eagle3Net:
+  return Eagle3Net(3 if meta["aux_layers"] is None else len(meta["aux_layers"]),
+                   meta["norm_before_residual"], meta["norm_output"],
+                   float(meta["draft_config"]["rms_norm_eps"]))
+
+
+def load(folder: pathlib.Path, meta: dict, target_config: ModelConfig):
+  """(params float32, ReducedVocab or None): every tensor checked, a missing, misshapen or unused
+  one named with the file."""
+  folder = pathlib.Path(folder)
+  weights = _weights(folder)
+  c = ModelConfig.from_dict(meta["draft_config"])
+  e, aux = c.hidden_size, net(meta).aux
+  q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  with safetensors.safe_open(weights, framework="numpy") as f:
+    names, used = set(f.keys()), set()
+
+    def take(name, shape):
+      if name not in names:
+        raise UsageError(f"{weights} lacks {name}")
+      found = tuple(f.get_slice(name).get_shape())
+      if found != shape:
+        raise UsageError(f"{weights}: {name} has shape {found}, expected {shape}")
+      used.add(name)
+      return np.asarray(f.get_tensor(name))
+
+    layers = []
+    for i in range(c.num_layers):
+      prefix = "midlayer." if i == 0 and meta["format"] == "eagle" else f"layers.{i}."
+      width = 2 * e if i == 0 else e
+      shapes = {"q": (q_width, width), "k": (kv_width, width), "v": (kv_width, width), "o": (e, q_width),
+                "gate": (c.intermediate_size, e), "up": (c.intermediate_size, e), "down": (e, c.intermediate_size)}
+      projections = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                     "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+      layer = {key: np.ascontiguousarray(take(f"{prefix}{name}.weight", shapes[key]).T.astype(np.float32))
+               for key, name in projections.items()}
+      if c.qkv_bias:
+        layer |= {f"{key}_bias": take(f"{prefix}{projections[key]}.bias", (shapes[key][0],)).astype(np.float32)
+                  for key in "qkvo"}
+      norms = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+      if i == 0:
+        norms["hidden_norm"] = "hidden_norm"
+      if c.qk_norm:
+        norms |= {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+      layer |= {key: take(f"{prefix}{name}.weight", (c.head_dim if key in ("q_norm", "k_norm") else e,))
+                .astype(np.float32) for key, name in norms.items()}
+      layers.append(layer)
+    v = meta["draft_vocab_size"]
+    params = {"fc": np.ascontiguousarray(take("fc.weight", (e, aux * e)).T.astype(np.float32)),
+              "norm": take("norm.weight", (e,)).astype(np.float32),
+              "lm_head": np.ascontiguousarray(take("lm_head.weight", (v, e)).T.astype(np.float32)),
+              "layers": tuple(layers)}
+    if "embed_tokens.weight" in names:   # the draft's own copy of its target's embedding
+      params["embedding"] = take("embed_tokens.weight", (target_config.vocab_size, e)).astype(np.float32)
+    vocab = None
+    if meta["reduced"]:
+      d2t = take("d2t", (v,)).astype(np.int64)
+      if "t2d" in names:
+        take("t2d", (target_config.vocab_size,))
+      vocab = ReducedVocab(np.concatenate([[-1], np.arange(v) + d2t]).astype(np.int32), target_config.vocab_size)
+  unused = sorted(names - used)
+  if unused:
+    raise UsageError(f"{weights}: {unused[0]}: a tensor this EAGLE-3 draft does not use")
+  return params, vocab
