@@ -98,6 +98,7 @@ class RecordingDrafter(DFlashDrafter):
 PROPOSED = []
 
 
+@pytest.mark.slow
 def test_every_round_proposes_what_the_authors_decoder_proposes(pair, monkeypatch):
   """Greedy, with a chain of block_size - 1: the tokens are ar's and the authors' dflash_generate's,
   and every round drafts from the same root position the same block as theirs (so it read the
@@ -128,8 +129,9 @@ def test_every_round_proposes_what_the_authors_decoder_proposes(pair, monkeypatc
     assert len({tuple(tokens) for _, tokens in full}) > 3    # the blocks depend on their context
 
 
-@pytest.mark.parametrize("method", ["tree/dflash:{}/kary:2x3", "tree/dflash:{}/dynamic:6,3",
-                                    "tree/dflash:{},iid/kary:2x2"])
+@pytest.mark.parametrize("method", ["tree/dflash:{}/kary:2x3",
+                                    pytest.param("tree/dflash:{}/dynamic:6,3", marks=pytest.mark.slow),
+                                    pytest.param("tree/dflash:{},iid/kary:2x2", marks=pytest.mark.slow)])
 def test_trees_over_the_block_decode_ar_tokens(pair, method):
   """Each depth's top tokens under every parent (the block's rows, like Medusa's heads): greedy
   gives ar's tokens; with sampling, the seeded draw is reproduced by a second run."""

@@ -119,6 +119,7 @@ def test_every_chain_step_gives_speculators_logits(pair):
       assert len({row.argmax() for row in logits}) > 3    # the draft's guesses depend on the context
 
 
+@pytest.mark.slow
 def test_the_authors_folder_reads_as_speculators_converter_reads_it(pair, tmp_path):
   """The EAGLE authors publish `midlayer.*` in pytorch_model.bin (a pickle, refused until
   launch.convert rewrites it) and a config of the layer (LlamaForCausalLMEagle3); speculators'
@@ -158,7 +159,8 @@ def jax_leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-@pytest.mark.parametrize("method", ["sd/eagle3:{}/3", "tree/eagle3:{}/dynamic:6,3", "tree/eagle3:{},iid/kary:2x2"])
+@pytest.mark.parametrize("method", ["tree/eagle3:{}/dynamic:6,3", pytest.param("sd/eagle3:{}/3", marks=pytest.mark.slow),
+                                    pytest.param("tree/eagle3:{},iid/kary:2x2", marks=pytest.mark.slow)])
 def test_chains_and_trees_decode_ar_tokens(pair, method):
   _, target_folder, _, folder, _ = pair
   model = load_model(str(target_folder))
