@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from hitree_jax.cache.full import KVCache, write_slots
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import apply_rope, rope_cos_sin, rope_inv_freq
+from hitree_jax.model.llama import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +56,6 @@ class BlockSpec:
   target_layer_ids: tuple[int, ...]   # the target layers whose outputs form its context
 
 
-def _norm(x, weight, eps):
-  """RMSNorm over the last axis, in float32, the weight applied in x's dtype (Qwen3's)."""
-  x32 = x.astype(jnp.float32)
-  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return weight * x32.astype(x.dtype)
-
-
 def _project(x, layer, name):
   out = jnp.dot(x, layer[name])
   return out + layer[f"{name}_bias"] if f"{name}_bias" in layer else out
@@ -70,7 +63,7 @@ def _project(x, layer, name):
 
 def context(params, config: ModelConfig, features):
   """features [B, T, nE] (the target layers' outputs at T positions) -> the context [B, T, E]."""
-  return _norm(jnp.dot(features.astype(params["fc"].dtype), params["fc"]), params["hidden_norm"],
+  return rms_norm(jnp.dot(features.astype(params["fc"].dtype), params["fc"]), params["hidden_norm"],
                config.rms_norm_eps)
 
 
@@ -79,7 +72,7 @@ def _keys_values(layer, config: ModelConfig, x, cos, sin):
   b, t, _ = x.shape
   k = _project(x, layer, "k").reshape(b, t, config.num_kv_heads, config.head_dim)
   v = _project(x, layer, "v").reshape(b, t, config.num_kv_heads, config.head_dim)
-  return apply_rope(_norm(k, layer["k_norm"], config.rms_norm_eps), cos, sin), v
+  return apply_rope(rms_norm(k, layer["k_norm"], config.rms_norm_eps), cos, sin), v
 
 
 def write_context(params, config: ModelConfig, cache: KVCache, features, positions, write_at) -> KVCache:
@@ -124,14 +117,14 @@ def block_hidden(params, config: ModelConfig, embedded, positions, contexts):
   cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
   x = embedded
   for i, layer in enumerate(params["layers"]):
-    h = _norm(x, layer["input_norm"], eps)
+    h = rms_norm(x, layer["input_norm"], eps)
     q = _project(h, layer, "q").reshape(b, t, config.num_heads, config.head_dim)
-    q = apply_rope(_norm(q, layer["q_norm"], eps), cos, sin)
+    q = apply_rope(rms_norm(q, layer["q_norm"], eps), cos, sin)
     k, v = _keys_values(layer, config, h, cos, sin)
     x = x + _project(_attend(q, contexts, k, v, i).astype(x.dtype), layer, "o")
-    h = _norm(x, layer["post_norm"], eps)
+    h = rms_norm(x, layer["post_norm"], eps)
     x = x + jnp.dot(jax.nn.silu(jnp.dot(h, layer["gate"])) * jnp.dot(h, layer["up"]), layer["down"])
-  return _norm(x, params["norm"], eps)
+  return rms_norm(x, params["norm"], eps)
 
 
 def block_logits(params, config: ModelConfig, spec: BlockSpec, embedding, root, root_position, contexts):

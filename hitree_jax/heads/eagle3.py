@@ -41,19 +41,13 @@ import safetensors
 from hitree_jax.cache.full import KVCache, write_slots
 from hitree_jax.errors import UsageError
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import apply_rope, attention, rope_cos_sin, rope_inv_freq
+from hitree_jax.model.llama import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq
 from hitree_jax.model.vocab import ReducedVocab
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 PICKLES = ("pytorch_model.bin", "model.pt")
 CHECKED = ("hidden_size", "target_vocab_size")
-
-
-def _norm(x, weight, eps):
-  x32 = x.astype(jnp.float32)
-  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return weight * x32.astype(x.dtype)
 
 
 def _project(x, layer, name):
@@ -86,16 +80,16 @@ class Eagle3Net:
     keys, values = [], []
     for i, layer in enumerate(params["layers"]):
       if i == 0:
-        g = _norm(h, layer["hidden_norm"], eps)
+        g = rms_norm(h, layer["hidden_norm"], eps)
         residual = g if self.norm_before_residual else h
-        x = jnp.concatenate([_norm(jnp.take(embedding, tokens, axis=0), layer["input_norm"], eps), g], axis=-1)
+        x = jnp.concatenate([rms_norm(jnp.take(embedding, tokens, axis=0), layer["input_norm"], eps), g], axis=-1)
       else:
-        residual, x = h, _norm(h, layer["input_norm"], eps)
+        residual, x = h, rms_norm(h, layer["input_norm"], eps)
       q = _project(x, layer, "q").reshape(b, t, config.num_heads, config.head_dim)
       k = _project(x, layer, "k").reshape(b, t, config.num_kv_heads, config.head_dim)
       v = _project(x, layer, "v").reshape(b, t, config.num_kv_heads, config.head_dim)
       if "q_norm" in layer:   # a Qwen3 draft layer
-        q, k = _norm(q, layer["q_norm"], eps), _norm(k, layer["k_norm"], eps)
+        q, k = rms_norm(q, layer["q_norm"], eps), rms_norm(k, layer["k_norm"], eps)
       q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
       k_buf, v_buf = write_slots(cache.keys[i], k, write_at), write_slots(cache.values[i], v, write_at)
       keys.append(k_buf)
@@ -103,14 +97,14 @@ class Eagle3Net:
       layer_context = tuple((c.keys[i], c.values[i], c.lengths) for c in context)
       out = attention(q, k_buf, v_buf, attend, layer_context).reshape(b, t, config.num_heads * config.head_dim)
       h = residual + _project(out, layer, "o")
-      y = _norm(h, layer["post_norm"], eps)
+      y = rms_norm(h, layer["post_norm"], eps)
       h = h + jnp.dot(jax.nn.silu(jnp.dot(y, layer["gate"])) * jnp.dot(y, layer["up"]), layer["down"])
-    state = _norm(h, params["norm"], eps) if self.norm_output else h
+    state = rms_norm(h, params["norm"], eps) if self.norm_output else h
     return state, cache.replace(keys=tuple(keys), values=tuple(values))
 
   def logits(self, params, state, reduced: bool):
     """[..., E] states -> float32 logits over the draft's ids; reduced: OTHER first, at -inf."""
-    h = state if self.norm_output else _norm(state, params["norm"], self.eps)
+    h = state if self.norm_output else rms_norm(state, params["norm"], self.eps)
     out = jnp.dot(h, params["lm_head"]).astype(jnp.float32)
     if reduced:
       out = jnp.concatenate([jnp.full((*out.shape[:-1], 1), -jnp.inf, out.dtype), out], axis=-1)

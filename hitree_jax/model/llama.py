@@ -233,6 +233,13 @@ PARAM_AXES = {
 }
 
 
+def rms_norm(x, weight, eps: float, dtype=None):
+  """RMSNorm over the last axis, computed in float32, the weight applied in `dtype` (x's)."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight * x32.astype(dtype or x.dtype)
+
+
 class RMSNorm(nn.Module):
   eps: float
   dtype: jnp.dtype
@@ -240,9 +247,7 @@ class RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x):
     weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return weight * x32.astype(self.dtype)
+    return rms_norm(x, weight, self.eps, self.dtype)
 
 
 def _dense(features: int, name: str, dtype, bias: bool = False) -> nn.Dense:
