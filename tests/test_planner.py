@@ -212,6 +212,30 @@ def test_profile_times_every_kind_of_level_and_is_reused(tmp_path, tiny_pair):
     profile.level_costs(target, draft, ["tree"], prompt, widths=[1])
 
 
+def test_a_torn_profile_is_measured_again_and_an_interrupted_write_keeps_the_old_one(tmp_path, monkeypatch):
+  """A profile cut short at any point (a killed writer of an older version), or not a profile at
+  all, is measured again with a warning naming the file; a write that dies before its rename
+  leaves the stored profile whole."""
+  from absl import logging as absl_logging
+  path, key = tmp_path / "p.json", profile.profile_key("tiny", "tiny-draft")
+  whole = profile.cached(path, key, lambda: {"300": {"target": {"1": 0.5}}})
+  text = path.read_text()
+  warnings = []
+  monkeypatch.setattr(absl_logging, "warning", lambda message, *args: warnings.append(message % args))
+  for torn in [text[:1], text[:len(text) // 2], text[:-2], "[]", '{"key": {}}', "\xff\xfe"]:
+    path.write_text(torn)
+    assert profile.cached(path, key, lambda: whole) == whole
+    assert json.loads(path.read_text())["profile"] == whole and warnings[-1].startswith(f"{path} is not a whole")
+  assert len(warnings) == 6
+
+  def dies(*args):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(profile.os, "replace", dies)
+  with pytest.raises(KeyboardInterrupt):
+    profile.cached(path, dict(key, jax="other"), lambda: {"1": {}})
+  assert path.read_text() == text
+
+
 def test_pair_acceptance_is_one_for_a_level_and_itself_and_less_for_a_draft(tiny_pair):
   from hitree_jax.decode.sampling import SamplingParams
   target, draft = tiny_pair

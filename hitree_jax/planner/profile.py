@@ -26,6 +26,7 @@ planner/auto.py assembles and keeps them).
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -36,6 +37,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.decode import engine, long_caches, spec
@@ -496,20 +498,30 @@ def profile_key(model: str, draft: str | None) -> dict:
 
 
 def stored(path: str | pathlib.Path, key: dict) -> dict | None:
-  """The profile stored at `path` if it was measured for `key`, else None."""
+  """The profile stored at `path` if it was measured for `key`, else None; a torn or corrupt
+  file is None too, with a one-line warning (it is measured again, not a crash of every plan)."""
   path = pathlib.Path(path)
   if not path.exists():
     return None
-  record = json.loads(path.read_text())
-  return record["profile"] if record.get("key") == key else None
+  try:
+    record = json.loads(path.read_text())
+    stored_key, profile = record["key"], record["profile"]
+  except (ValueError, KeyError, TypeError) as e:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    logging.warning("%s is not a whole planner profile (%s: %s): measuring it again", path,
+                    type(e).__name__, e)
+    return None
+  return profile if stored_key == key else None
 
 
 def cached(path: str | pathlib.Path, key: dict, measure: Callable[[], dict]) -> dict:
-  """The profile stored at `path` if it was measured for `key`, else measure() stored there."""
+  """The profile stored at `path` if it was measured for `key`, else measure() stored there:
+  written to a temporary name and renamed, so an interrupted write leaves the old file whole."""
   path = pathlib.Path(path)
   if (profile := stored(path, key)) is not None:
     return profile
   profile = measure()
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps({"key": key, "profile": profile}, indent=1))
+  partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+  partial.write_text(json.dumps({"key": key, "profile": profile}, indent=1))
+  os.replace(partial, path)
   return json.loads(path.read_text())["profile"]   # as a reader sees it (JSON keys are strings)
