@@ -455,3 +455,29 @@ def test_a_gguf_tensor_the_model_does_not_use_is_named(tmp_path, extra, length, 
   else:
     with pytest.raises(UsageError, match=error):
       load_gguf(tmp_path / "extra.gguf")
+
+
+@pytest.mark.parametrize("missing", ["llama.embedding_length", "llama.block_count", "llama.feed_forward_length",
+                                     "general.architecture"])
+def test_a_gguf_missing_a_metadata_key_is_named_in_one_line(tmp_path, missing):
+  """Each key the config needs, removed from a GGUF that loads: one line naming the file and the
+  key (it was a TypeError from int(None)), or the architecture it does not read."""
+  from hitree_jax.errors import UsageError
+  config = tiny_config()
+  save_gguf(tmp_path / "m.gguf", config, tiny_params(config), quantize=False)
+  reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+  writer = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), "llama" if missing != "general.architecture" else "qwen2")
+  for key, field in reader.fields.items():
+    if not key.startswith("GGUF.") and key not in ("general.architecture", missing):
+      writer.add_key_value(key, field.contents(), field.types[0],
+                           sub_type=field.types[-1] if len(field.types) > 1 else None)
+  for tensor in reader.tensors:
+    writer.add_tensor(tensor.name, np.array(tensor.data))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  expected = ("GGUF architecture 'qwen2' is not supported" if missing == "general.architecture"
+              else f"the GGUF metadata lacks {missing}$")
+  with pytest.raises(UsageError, match=f"^{tmp_path / 'cut.gguf'}: {expected}"):
+    load_gguf(tmp_path / "cut.gguf")

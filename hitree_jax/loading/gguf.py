@@ -109,7 +109,10 @@ def read_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig
   reader = open_reader(path)
   tensors = {t.name: t for t in reader.tensors}
   meta = read_metadata(reader)
-  config = ModelConfig.from_gguf_metadata(meta, dtype=dtype, tied="output.weight" not in tensors)
+  try:
+    config = ModelConfig.from_gguf_metadata(meta, dtype=dtype, tied="output.weight" not in tensors)
+  except UsageError as e:
+    raise UsageError(f"{path}: {e}") from None
   config = config.replace(qkv_bias="blk.0.attn_q.bias" in tensors,  # llama.cpp's optional
                           o_bias="blk.0.attn_output.bias" in tensors)  # attention biases
   if ROPE_FREQS in tensors:

@@ -158,16 +158,22 @@ class ModelConfig:
     if arch != "llama":
       raise UsageError(f"GGUF architecture {arch!r} is not supported; expected 'llama'")
     g = lambda key, default=None: meta.get(f"llama.{key}", default)
-    hidden = int(g("embedding_length"))
-    num_heads = int(g("attention.head_count"))
+
+    def required(key):
+      if meta.get(f"llama.{key}") is None:
+        raise UsageError(f"the GGUF metadata lacks llama.{key}")
+      return int(meta[f"llama.{key}"])
+
+    hidden = required("embedding_length")
+    num_heads = required("attention.head_count")
     scaling = None
     if g("rope.scaling.type") not in (None, "none"):
       scaling = {"rope_type": g("rope.scaling.type"), "factor": float(g("rope.scaling.factor"))}
     return cls(
-        vocab_size=int(g("vocab_size") or len(meta["tokenizer.ggml.tokens"])),
+        vocab_size=int(g("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or required("vocab_size"))),
         hidden_size=hidden,
-        intermediate_size=int(g("feed_forward_length")),
-        num_layers=int(g("block_count")),
+        intermediate_size=required("feed_forward_length"),
+        num_layers=required("block_count"),
         num_heads=num_heads,
         num_kv_heads=int(g("attention.head_count_kv", num_heads)),
         head_dim=int(g("rope.dimension_count", hidden // num_heads)),
