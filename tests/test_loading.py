@@ -481,3 +481,19 @@ def test_a_gguf_missing_a_metadata_key_is_named_in_one_line(tmp_path, missing):
               else f"the GGUF metadata lacks {missing}$")
   with pytest.raises(UsageError, match=f"^{tmp_path / 'cut.gguf'}: {expected}"):
     load_gguf(tmp_path / "cut.gguf")
+
+
+def test_a_cut_gguf_is_refused_in_one_line_at_every_cut(tmp_path):
+  """A GGUF cut short anywhere (the magic, the metadata, the tensor infos, the weights) is one
+  line naming the file, before anything is loaded; the whole file still loads."""
+  from hitree_jax.errors import UsageError
+  config = tiny_config()
+  whole = save_gguf(tmp_path / "m.gguf", config, tiny_params(config), quantize=False).read_bytes()
+  reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+  first_tensor = min(t.data_offset for t in reader.tensors)
+  for cut in sorted({2, 24, 200, first_tensor // 2, first_tensor - 8, first_tensor + 100, len(whole) - 4}):
+    path = tmp_path / f"cut{cut}.gguf"
+    path.write_bytes(whole[:cut])
+    with pytest.raises(UsageError, match=f"^{path}: not a whole GGUF file"):
+      load_gguf(path)
+  assert load_gguf(tmp_path / "m.gguf")[0] == config

@@ -85,8 +85,16 @@ def open_reader(path: str | pathlib.Path) -> gguf.GGUFReader:
 
 @functools.lru_cache(maxsize=4)
 def _open_reader(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
-  del size, mtime_ns  # part of the cache key only: a rewritten file is parsed again
-  return _PlainViewReader(path)
+  del mtime_ns  # part of the cache key only: a rewritten file is parsed again
+  try:
+    reader = _PlainViewReader(path)
+  except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError) as e:
+    # gguf-py reads a cut file's missing bytes as short arrays and fails on their shapes
+    raise UsageError(f"{path}: not a whole GGUF file ({size} bytes): {type(e).__name__}: {e}") from None
+  end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+  if end > size:
+    raise UsageError(f"{path}: not a whole GGUF file: its tensors end at byte {end}, the file at {size}")
+  return reader
 
 
 class _PlainViewReader(gguf.GGUFReader):
