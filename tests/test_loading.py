@@ -497,3 +497,16 @@ def test_a_cut_gguf_is_refused_in_one_line_at_every_cut(tmp_path):
     with pytest.raises(UsageError, match=f"^{path}: not a whole GGUF file"):
       load_gguf(path)
   assert load_gguf(tmp_path / "m.gguf")[0] == config
+
+
+def test_a_cut_safetensors_file_is_refused_in_one_line(tmp_path):
+  hf = tiny_hf(tied=True)
+  hf.save_pretrained(tmp_path)
+  (weights,) = tmp_path.glob("*.safetensors")
+  whole = weights.read_bytes()
+  for cut in (4, 40, len(whole) // 2, len(whole) - 4):
+    weights.write_bytes(whole[:cut])
+    with pytest.raises(ValueError, match=f"^{weights}: not a whole safetensors file \\({cut} bytes\\)"):
+      load_model(str(tmp_path))
+  weights.write_bytes(whole)
+  assert load_model(str(tmp_path)).config.tie_word_embeddings

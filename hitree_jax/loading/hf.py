@@ -95,6 +95,15 @@ def read_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig
   return ModelConfig.from_hf(hf_config, dtype=dtype, source=f"config.json at {path}")
 
 
+def read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+  """A safetensors file's arrays; a cut or corrupt file is one line naming it."""
+  try:
+    return safetensors.numpy.load_file(str(path))
+  except Exception as e:  # safetensors' SafetensorError, or numpy's on a short buffer
+    raise UsageError(f"{path}: not a whole safetensors file ({path.stat().st_size} bytes): "
+                     f"{type(e).__name__}: {e}") from None
+
+
 def load_safetensors_dir(path: str | pathlib.Path, dtype: str = "float32"):
   """(config, params) from an HF folder: config.json + one or several *.safetensors."""
   folder = pathlib.Path(path)
@@ -104,5 +113,5 @@ def load_safetensors_dir(path: str | pathlib.Path, dtype: str = "float32"):
     raise NotFound(f"{folder}: no *.safetensors files")
   state = {}
   for f in files:
-    state.update(safetensors.numpy.load_file(str(f)))
+    state.update(read_safetensors(f))
   return config, params_from_state_dict(state, config, source=str(folder))
