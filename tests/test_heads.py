@@ -326,3 +326,18 @@ def test_medusa_needs_a_head_per_depth(params):
 def test_medusa_sampling_is_exact(tree, mode):
   assert_sampling_is_exact(lambda params, config: medusa_draft(params, config, 2, 1.0, mode), tree,
                            SamplingParams.create(0.9, 0.95))
+
+
+def test_a_cut_heads_json_is_refused_in_one_line(tmp_path):
+  import pathlib
+  import shutil
+  from hitree_jax.errors import UsageError
+  from hitree_jax.heads import saved
+  folder = tmp_path / "eagle"
+  shutil.copytree(pathlib.Path(__file__).resolve().parent.parent / "drafts" / "smollm2-eagle", folder)
+  text = (folder / "heads.json").read_text()
+  assert saved.read_meta(folder)["kind"] == "eagle"
+  for cut in ("", text[:len(text) // 2], "[]"):
+    (folder / "heads.json").write_text(cut)
+    with pytest.raises(UsageError, match=f"^{folder / 'heads.json'}: not a whole heads.json"):
+      saved.read_meta(folder)

@@ -76,8 +76,14 @@ def read_meta(path, kind: str | None = None) -> dict:
 
 
 def _meta_in(folder: pathlib.Path, path, kind: str | None) -> dict:
-  meta = (json.loads((folder / META).read_text()) if (folder / META).is_file()
-          else _published(folder, kind).read_meta(folder))
+  if (folder / META).is_file():
+    try:
+      meta = json.loads((folder / META).read_text())
+      meta["kind"]
+    except (ValueError, KeyError, TypeError) as e:
+      raise UsageError(f"{folder / META}: not a whole heads.json ({type(e).__name__}: {e})") from None
+  else:
+    meta = _published(folder, kind).read_meta(folder)
   if kind is not None and meta["kind"] != kind:
     raise UsageError(f"{str(path)!r} holds {meta['kind']} heads, not {kind}: use {meta['kind']}:{path}")
   return meta
