@@ -510,3 +510,21 @@ def test_a_cut_safetensors_file_is_refused_in_one_line(tmp_path):
       load_model(str(tmp_path))
   weights.write_bytes(whole)
   assert load_model(str(tmp_path)).config.tie_word_embeddings
+
+
+def test_a_cut_checkpoint_is_refused_in_one_line(tmp_path):
+  """launch.convert's checkpoint with its config cut, or its weights' files cut: one line each."""
+  from hitree_jax.errors import UsageError
+  config = tiny_config()
+  save_checkpoint(tmp_path / "ck", config, tiny_params(config))
+  config_file = tmp_path / "ck" / "hitree_config.json"
+  text = config_file.read_text()
+  config_file.write_text(text[:len(text) // 2])
+  with pytest.raises(UsageError, match="hitree_config.json: not a whole config"):
+    load_model(str(tmp_path / "ck"))
+  config_file.write_text(text)
+  for f in (tmp_path / "ck" / "params").rglob("*"):
+    if f.is_file() and f.stat().st_size > 64:
+      f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])
+  with pytest.raises(UsageError, match="params: not a whole orbax checkpoint"):
+    load_model(str(tmp_path / "ck"))

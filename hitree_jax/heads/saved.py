@@ -18,6 +18,7 @@ from hitree_jax import shipped
 from hitree_jax.errors import NotFound, UsageError
 from hitree_jax.heads import dflash_format, eagle, eagle3, medusa, medusa_format
 from hitree_jax.heads.drafter import DFlashDrafter, EagleDrafter, MedusaDrafter
+from hitree_jax.loading.checkpoint import restore
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.vocab import ReducedVocab
 
@@ -142,8 +143,7 @@ def load(path, target_params, target_config: ModelConfig, kind: str | None = Non
   if meta.get("format") == "dflash":   # the target's embedding (read from its params) and head
     params = as_target(dflash_format.load_params(folder, meta))
     return meta, dict(params, head=frozen_arrays(target_params, None)["head"]), None
-  with ocp.StandardCheckpointer() as checkpointer:
-    tree = checkpointer.restore(folder.absolute() / "checkpoint")
+  tree = restore(folder / "checkpoint")
   ids = np.asarray(tree["target_ids"])
   vocab = ReducedVocab(ids, target_config.vocab_size) if ids.size > 1 else None
   params = jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(target_config.dtype)), tree["params"])

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from hitree_jax.errors import NotFound
+from hitree_jax.errors import NotFound, UsageError
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import without_decode_head
 
@@ -42,12 +42,24 @@ def read_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig
   path = pathlib.Path(path).resolve()
   if not is_checkpoint(path):
     raise NotFound(f"{path}: not a hitree_jax checkpoint (no {CONFIG_FILE})")
-  return ModelConfig.from_dict(json.loads((path / CONFIG_FILE).read_text())).replace(dtype=dtype)
+  try:
+    return ModelConfig.from_dict(json.loads((path / CONFIG_FILE).read_text())).replace(dtype=dtype)
+  except (ValueError, TypeError) as e:   # cut JSON, or fields that are not a config's
+    raise UsageError(f"{path / CONFIG_FILE}: not a whole config ({type(e).__name__}: {e})") from None
+
+
+def restore(folder: pathlib.Path):
+  """The tree orbax saved in `folder`; a missing, cut or corrupt one is one line naming it."""
+  try:
+    with ocp.StandardCheckpointer() as checkpointer:
+      return checkpointer.restore(pathlib.Path(folder).absolute())
+  except Exception as e:  # orbax and tensorstore raise many kinds; each means the same here
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    raise UsageError(f"{folder}: not a whole orbax checkpoint ({type(e).__name__}: {first})") from None
 
 
 def load_checkpoint(path: str | pathlib.Path, dtype: str = "float32"):
   """(config, params as numpy float32) from a folder written by `save_checkpoint`."""
   path = pathlib.Path(path).resolve()
   config = read_config(path, dtype)
-  params = ocp.StandardCheckpointer().restore(path / "params")
-  return config, jax.tree.map(np.asarray, params)
+  return config, jax.tree.map(np.asarray, restore(path / "params"))
