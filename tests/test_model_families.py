@@ -205,3 +205,14 @@ def test_a_missing_tensor_is_named(tmp_path):
   lacks = re.escape(f"{tmp_path} lacks model.layers.0.self_attn.q_proj.bias (and 7 more)")
   with pytest.raises(ValueError, match=f"^{lacks}$"):
     load_model(str(tmp_path))
+
+
+def test_a_tensor_of_the_wrong_shape_is_named_with_both_shapes():
+  state, config = state_and_config("qwen3")
+  wrong = dict(state, **{"model.layers.1.mlp.up_proj.weight": np.zeros((96, 32), np.float32)})
+  with pytest.raises(ValueError, match=r"^checkpoint: model.layers.1.mlp.up_proj.weight has shape \(96, 32\); "
+                                       r"this config expects \(96, 64\)$"):
+    params_from_state_dict(wrong, config)
+  with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight has shape \(96, 64\); "
+                                       r"this config expects \(64, 64\)"):
+    params_from_state_dict(state, config.replace(head_dim=16))   # a config of other heads

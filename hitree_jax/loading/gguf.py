@@ -196,7 +196,7 @@ def load_gguf(path: str | pathlib.Path, dtype: str = "float32"):
     elif name.endswith(("k_proj.weight", "k_proj.bias")):
       w = unpermute_rope_rows(w, config.num_kv_heads)
     state[name] = w
-  return config, params_from_state_dict(state, config), vocab
+  return config, params_from_state_dict(state, config, source=str(path)), vocab
 
 
 # ---- writing ----

@@ -37,38 +37,46 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig,
   """
   dtype = np.dtype("float32")  # converted on the device to config.dtype (numpy has no bfloat16)
   missing, used = [], set()
+  c = config
+  e, q, kv, i = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+  out_in = {"q_proj": (q, e), "k_proj": (kv, e), "v_proj": (kv, e), "o_proj": (e, q),
+            "gate_proj": (i, e), "up_proj": (i, e), "down_proj": (e, i)}
 
-  def take(name, transpose=False):
+  def take(name, shape, transpose=False):
     if name not in state:
       missing.append(name)
       return None
     used.add(name)
+    found = tuple(np.shape(state[name]))
+    if found != shape:   # as transformers says it: the tensor, then both shapes
+      raise UsageError(f"{source}: {name} has shape {found}; this config expects {shape}")
     w = np.asarray(state[name], dtype=dtype)
     return np.ascontiguousarray(w.T) if transpose else w
 
   def linear(name, bias):  # {"kernel" [in, out], "bias" [out] when the config has one}
-    p = {"kernel": take(name + ".weight", True)}
+    shape = out_in[name.rpartition(".")[2]]
+    p = {"kernel": take(name + ".weight", shape, True)}
     if bias:
-      p["bias"] = take(name + ".bias")
+      p["bias"] = take(name + ".bias", shape[:1])
     return p
 
   biased = {"q_proj": config.qkv_bias, "k_proj": config.qkv_bias, "v_proj": config.qkv_bias,
             "o_proj": config.o_bias}
-  params = {"embed_tokens": {"embedding": take("model.embed_tokens.weight")},
-            "norm": {"weight": take("model.norm.weight")}}
-  for i in range(config.num_layers):
-    p = f"model.layers.{i}."
+  params = {"embed_tokens": {"embedding": take("model.embed_tokens.weight", (c.vocab_size, e))},
+            "norm": {"weight": take("model.norm.weight", (e,))}}
+  for layer in range(config.num_layers):
+    p = f"model.layers.{layer}."
     attn = {n: linear(p + f"self_attn.{n}", biased[n]) for n in _ATTN}
     if config.qk_norm:
-      attn |= {n: {"weight": take(p + f"self_attn.{n}.weight")} for n in ("q_norm", "k_norm")}
-    params[f"layers_{i}"] = {
+      attn |= {n: {"weight": take(p + f"self_attn.{n}.weight", (c.head_dim,))} for n in ("q_norm", "k_norm")}
+    params[f"layers_{layer}"] = {
         "self_attn": attn,
         "mlp": {n: linear(p + f"mlp.{n}", False) for n in _MLP},
-        "input_layernorm": {"weight": take(p + "input_layernorm.weight")},
-        "post_attention_layernorm": {"weight": take(p + "post_attention_layernorm.weight")},
+        "input_layernorm": {"weight": take(p + "input_layernorm.weight", (e,))},
+        "post_attention_layernorm": {"weight": take(p + "post_attention_layernorm.weight", (e,))},
     }
   if not config.tie_word_embeddings:
-    params["lm_head"] = {"kernel": take("lm_head.weight", True)}
+    params["lm_head"] = {"kernel": take("lm_head.weight", (c.vocab_size, e), True)}
   if missing:
     raise UsageError(f"{source} lacks {missing[0]}{_and_more(missing)}")
   unused = sorted(n for n in state if n not in used and not tolerated(n, config))
