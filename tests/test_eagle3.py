@@ -159,8 +159,8 @@ def jax_leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-@pytest.mark.parametrize("method", ["tree/eagle3:{}/dynamic:6,3", pytest.param("sd/eagle3:{}/3", marks=pytest.mark.slow),
-                                    pytest.param("tree/eagle3:{},iid/kary:2x2", marks=pytest.mark.slow)])
+@pytest.mark.slow   # the fast tier runs EAGLE-3's net (above) and EagleDrafter's trees (test_heads)
+@pytest.mark.parametrize("method", ["tree/eagle3:{}/dynamic:6,3", "sd/eagle3:{}/3", "tree/eagle3:{},iid/kary:2x2"])
 def test_chains_and_trees_decode_ar_tokens(pair, method):
   _, target_folder, _, folder, _ = pair
   model = load_model(str(target_folder))

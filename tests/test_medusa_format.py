@@ -79,8 +79,8 @@ def test_published_heads_give_the_authors_logits(target, tmp_path, layers):
   np.testing.assert_allclose(got, expected.transpose(1, 2, 0, 3), atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("spec", ["tree/medusa:{}/kary:2x2", pytest.param("sd/medusa:{}/3", marks=pytest.mark.slow),
-                                  pytest.param("tree/medusa:{}/dynamic:6,3", marks=pytest.mark.slow)])
+@pytest.mark.slow   # the fast tier runs the heads (above) and Medusa's trees (test_heads)
+@pytest.mark.parametrize("spec", ["tree/medusa:{}/kary:2x2", "sd/medusa:{}/3", "tree/medusa:{}/dynamic:6,3"])
 def test_published_heads_decode_ar_tokens(target, tmp_path, spec):
   _, folder, _ = target
   heads = write_published(reference(target, 1), tmp_path / "heads")
