@@ -16,19 +16,15 @@ import json
 import pathlib
 
 import numpy as np
-import safetensors
 
 from hitree_jax.errors import UsageError
+from hitree_jax.heads import published
 from hitree_jax.heads.dflash import BlockSpec
 from hitree_jax.model.config import ModelConfig
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 CHECKED = ("hidden_size", "target_vocab_size", "num_layers")
-_LAYER = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-          "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-_LAYER_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm", "input_norm": "input_layernorm",
-                "post_norm": "post_attention_layernorm"}
 
 
 def is_folder(folder: pathlib.Path) -> bool:
@@ -74,42 +70,14 @@ def spec(meta: dict) -> BlockSpec:
 def load_params(folder: pathlib.Path, meta: dict) -> dict:
   """The draft's parameters (heads/dflash.py's layout), float32, every tensor checked: a missing,
   misshapen or unused one is named with the file."""
-  weights = pathlib.Path(folder) / WEIGHTS
-  if not weights.is_file():
-    raise UsageError(f"{folder}: no {WEIGHTS} beside its {CONFIG}")
+  weights = published.weights_file(pathlib.Path(folder), WEIGHTS, CONFIG, (), "dflash")
   c = ModelConfig.from_dict(meta["draft_config"])
   e, n = c.hidden_size, len(meta["target_layer_ids"])
-  q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-  linear = {"q": (q_width, e), "k": (kv_width, e), "v": (kv_width, e), "o": (e, q_width),
-            "gate": (c.intermediate_size, e), "up": (c.intermediate_size, e), "down": (e, c.intermediate_size)}
-  with safetensors.safe_open(weights, framework="numpy") as f:
-    names = set(f.keys())
-    prefix = "model." if "model.fc.weight" in names else ""
-    used = set()
-
-    def take(name, shape):
-      name = prefix + name
-      if name not in names:
-        raise UsageError(f"{weights} lacks {name}")
-      found = tuple(f.get_slice(name).get_shape())
-      if found != shape:
-        raise UsageError(f"{weights}: {name} has shape {found}, expected {shape}")
-      used.add(name)
-      return np.asarray(f.get_tensor(name), np.float32)
-
-    layers = []
-    for i in range(c.num_layers):
-      layer = {key: np.ascontiguousarray(take(f"layers.{i}.{name}.weight", linear[key]).T)
-               for key, name in _LAYER.items()}
-      if c.qkv_bias:
-        layer |= {f"{key}_bias": take(f"layers.{i}.{_LAYER[key]}.bias", (linear[key][0],)) for key in "qkvo"}
-      layer |= {key: take(f"layers.{i}.{name}.weight", (c.head_dim if key in ("q_norm", "k_norm") else e,))
-                for key, name in _LAYER_NORMS.items()}
-      layers.append(layer)
-    params = {"fc": np.ascontiguousarray(take("fc.weight", (e, n * e)).T),
-              "hidden_norm": take("hidden_norm.weight", (e,)), "norm": take("norm.weight", (e,)),
-              "layers": tuple(layers)}
-  unused = sorted(names - used)
-  if unused:
-    raise UsageError(f"{weights}: {unused[0]}: a tensor this DFlash draft does not use")
+  with published.Tensors(weights) as tensors:
+    tensors.prefix = "model." if "model.fc.weight" in tensors.names else ""
+    layers = tuple(published.decoder_layer(tensors, f"layers.{i}.", c, e) for i in range(c.num_layers))
+    params = {"fc": np.ascontiguousarray(tensors.take("fc.weight", (e, n * e)).T),
+              "hidden_norm": tensors.take("hidden_norm.weight", (e,)),
+              "norm": tensors.take("norm.weight", (e,)), "layers": layers}
+    tensors.finish("this DFlash draft does not use")
   return params

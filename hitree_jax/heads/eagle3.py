@@ -40,6 +40,7 @@ import safetensors
 
 from hitree_jax.cache.full import KVCache, write_slots
 from hitree_jax.errors import UsageError
+from hitree_jax.heads import published
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq
 from hitree_jax.model.vocab import ReducedVocab
@@ -124,15 +125,7 @@ def is_folder(folder: pathlib.Path) -> bool:
 
 
 def _weights(folder: pathlib.Path) -> pathlib.Path:
-  weights = folder / WEIGHTS
-  if not weights.is_file():
-    pickle = next((folder / name for name in PICKLES if (folder / name).is_file()), None)
-    if pickle is not None:
-      raise UsageError(f"{pickle} is a pickle, which is never opened here (loading one runs its "
-                       f"code): `python -m launch.convert --eagle3={folder}` writes {WEIGHTS} "
-                       "(it needs torch)")
-    raise UsageError(f"{folder}: no {WEIGHTS} beside its {CONFIG}")
-  return weights
+  return published.weights_file(folder, WEIGHTS, CONFIG, PICKLES, "eagle3")
 
 
 def read_meta(folder: pathlib.Path) -> dict:
@@ -189,55 +182,21 @@ def load(folder: pathlib.Path, meta: dict, target_config: ModelConfig):
   folder = pathlib.Path(folder)
   weights = _weights(folder)
   c = ModelConfig.from_dict(meta["draft_config"])
-  e, aux = c.hidden_size, net(meta).aux
-  q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-  with safetensors.safe_open(weights, framework="numpy") as f:
-    names, used = set(f.keys()), set()
-
-    def take(name, shape):
-      if name not in names:
-        raise UsageError(f"{weights} lacks {name}")
-      found = tuple(f.get_slice(name).get_shape())
-      if found != shape:
-        raise UsageError(f"{weights}: {name} has shape {found}, expected {shape}")
-      used.add(name)
-      return np.asarray(f.get_tensor(name))
-
-    layers = []
-    for i in range(c.num_layers):
-      prefix = "midlayer." if i == 0 and meta["format"] == "eagle" else f"layers.{i}."
-      width = 2 * e if i == 0 else e
-      shapes = {"q": (q_width, width), "k": (kv_width, width), "v": (kv_width, width), "o": (e, q_width),
-                "gate": (c.intermediate_size, e), "up": (c.intermediate_size, e), "down": (e, c.intermediate_size)}
-      projections = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-                     "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-      layer = {key: np.ascontiguousarray(take(f"{prefix}{name}.weight", shapes[key]).T.astype(np.float32))
-               for key, name in projections.items()}
-      if c.qkv_bias:
-        layer |= {f"{key}_bias": take(f"{prefix}{projections[key]}.bias", (shapes[key][0],)).astype(np.float32)
-                  for key in "qkvo"}
-      norms = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
-      if i == 0:
-        norms["hidden_norm"] = "hidden_norm"
-      if c.qk_norm:
-        norms |= {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
-      layer |= {key: take(f"{prefix}{name}.weight", (c.head_dim if key in ("q_norm", "k_norm") else e,))
-                .astype(np.float32) for key, name in norms.items()}
-      layers.append(layer)
-    v = meta["draft_vocab_size"]
-    params = {"fc": np.ascontiguousarray(take("fc.weight", (e, aux * e)).T.astype(np.float32)),
-              "norm": take("norm.weight", (e,)).astype(np.float32),
-              "lm_head": np.ascontiguousarray(take("lm_head.weight", (v, e)).T.astype(np.float32)),
-              "layers": tuple(layers)}
-    if "embed_tokens.weight" in names:   # the draft's own copy of its target's embedding
-      params["embedding"] = take("embed_tokens.weight", (target_config.vocab_size, e)).astype(np.float32)
+  e, aux, v = c.hidden_size, net(meta).aux, meta["draft_vocab_size"]
+  with published.Tensors(weights) as tensors:
+    take = tensors.take
+    layers = tuple(published.decoder_layer(
+        tensors, "midlayer." if i == 0 and meta["format"] == "eagle" else f"layers.{i}.", c,
+        2 * e if i == 0 else e, {"hidden_norm": "hidden_norm"} if i == 0 else None) for i in range(c.num_layers))
+    params = {"fc": np.ascontiguousarray(take("fc.weight", (e, aux * e)).T), "norm": take("norm.weight", (e,)),
+              "lm_head": np.ascontiguousarray(take("lm_head.weight", (v, e)).T), "layers": layers}
+    if tensors.has("embed_tokens.weight"):   # the draft's own copy of its target's embedding
+      params["embedding"] = take("embed_tokens.weight", (target_config.vocab_size, e))
     vocab = None
     if meta["reduced"]:
-      d2t = take("d2t", (v,)).astype(np.int64)
-      if "t2d" in names:
-        take("t2d", (target_config.vocab_size,))
+      d2t = take("d2t", (v,), dtype=np.int64)
+      if tensors.has("t2d"):
+        take("t2d", (target_config.vocab_size,), dtype=None)
       vocab = ReducedVocab(np.concatenate([[-1], np.arange(v) + d2t]).astype(np.int32), target_config.vocab_size)
-  unused = sorted(names - used)
-  if unused:
-    raise UsageError(f"{weights}: {unused[0]}: a tensor this EAGLE-3 draft does not use")
+    tensors.finish("this EAGLE-3 draft does not use")
   return params, vocab

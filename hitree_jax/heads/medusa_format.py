@@ -20,6 +20,7 @@ import numpy as np
 import safetensors
 
 from hitree_jax.errors import UsageError
+from hitree_jax.heads import published
 
 CONFIG = "config.json"
 WEIGHTS = "medusa_lm_head.safetensors"
@@ -42,14 +43,7 @@ def read_meta(folder: pathlib.Path) -> dict:
   """heads.json's fields for published heads, from config.json and the tensors' shapes alone."""
   folder = pathlib.Path(folder)
   config = json.loads((folder / CONFIG).read_text())
-  weights = folder / WEIGHTS
-  if not weights.is_file():
-    pickle = next((folder / name for name in PICKLES if (folder / name).is_file()), None)
-    if pickle is not None:
-      raise UsageError(f"{pickle} is a pickle, which is never opened here (loading one runs its "
-                       f"code): `python -m launch.convert --medusa={folder}` writes {WEIGHTS} "
-                       "(it needs torch)")
-    raise UsageError(f"{folder}: no {WEIGHTS} beside its {CONFIG}")
+  weights = published.weights_file(folder, WEIGHTS, CONFIG, PICKLES, "medusa")
   heads, layers = int(config["medusa_num_heads"]), int(config.get("medusa_num_layers", 1))
   with safetensors.safe_open(weights, framework="numpy") as f:
     prefix = "medusa_head." if any(k.startswith("medusa_head.") for k in f.keys()) else ""
@@ -67,27 +61,14 @@ def load_params(folder: pathlib.Path, meta: dict) -> dict:
   every tensor accounted for, a missing or unexpected one named with the file."""
   weights = pathlib.Path(folder) / WEIGHTS
   k_heads, layers = meta["medusa_heads"], meta["medusa_layers"]
-  with safetensors.safe_open(weights, framework="numpy") as f:
-    names = set(f.keys())
-    prefix = "medusa_head." if any(n.startswith("medusa_head.") for n in names) else ""
-    used = set()
-
-    def take(name, shape):
-      if prefix + name not in names:
-        raise UsageError(f"{weights} lacks {prefix}{name}")
-      used.add(prefix + name)
-      found = tuple(f.get_slice(prefix + name).get_shape())
-      if found != shape:
-        raise UsageError(f"{weights}: {prefix}{name} has shape {found}, expected {shape}")
-      return np.asarray(f.get_tensor(prefix + name), np.float32)
-
-    e, v = meta["hidden_size"], meta["target_vocab_size"]
+  e, v = meta["hidden_size"], meta["target_vocab_size"]
+  with published.Tensors(weights) as tensors:
+    tensors.prefix = "medusa_head." if any(n.startswith("medusa_head.") for n in tensors.names) else ""
+    take = tensors.take
     blocks = [[take(f"{k}.{l}.linear.weight", (e, e)).T for l in range(layers)] for k in range(k_heads)]
     bias = [[take(f"{k}.{l}.linear.bias", (e,)) for l in range(layers)] for k in range(k_heads)]
     heads = [take(f"{k}.{layers}.weight", (v, e)).T for k in range(k_heads)]
-  unused = sorted(names - used)
-  if unused:
-    raise UsageError(f"{weights}: {unused[0]}: a tensor these {k_heads} heads of {layers} blocks do not use")
+    tensors.finish(f"these {k_heads} heads of {layers} blocks do not use")
   return {"blocks": np.ascontiguousarray(np.stack([np.stack(b) for b in blocks])),
           "bias": np.stack([np.stack(b) for b in bias]),
           "heads": np.ascontiguousarray(np.stack(heads))}

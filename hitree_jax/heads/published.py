@@ -1,0 +1,87 @@
+"""What every published draft's reader shares (medusa_format.py, dflash_format.py, eagle3.py): its
+safetensors file found beside its config (a pickle refused), tensors read with their shapes
+checked and every one accounted for, and a decoder layer in the layout heads/ computes with."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import safetensors
+
+from hitree_jax.errors import UsageError
+from hitree_jax.model.config import ModelConfig
+
+_PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+_NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+_QK_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+
+
+def weights_file(folder: pathlib.Path, weights: str, config: str, pickles: tuple[str, ...],
+                 flag: str) -> pathlib.Path:
+  """folder/weights; a pickle there instead is refused with the launch.convert --flag that
+  rewrites it (unpickling runs code, so it is never opened at run time)."""
+  path = folder / weights
+  if not path.is_file():
+    pickle = next((folder / name for name in pickles if (folder / name).is_file()), None)
+    if pickle is not None:
+      raise UsageError(f"{pickle} is a pickle, which is never opened here (loading one runs its "
+                       f"code): `python -m launch.convert --{flag}={folder}` writes {weights} "
+                       "(it needs torch)")
+    raise UsageError(f"{folder}: no {weights} beside its {config}")
+  return path
+
+
+class Tensors:
+  """A safetensors file read by name (each with `prefix` before it), each tensor's shape checked
+  before it is read; `finish` refuses any tensor that was not taken. A context manager."""
+
+  def __init__(self, path: pathlib.Path, prefix: str = ""):
+    self.path, self.prefix, self.used = path, prefix, set()
+
+  def __enter__(self) -> "Tensors":
+    self._file = safetensors.safe_open(self.path, framework="numpy").__enter__()
+    self.names = set(self._file.keys())
+    return self
+
+  def __exit__(self, *exc):
+    return self._file.__exit__(*exc)
+
+  def has(self, name: str) -> bool:
+    return self.prefix + name in self.names
+
+  def take(self, name: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """The tensor `name` [shape] (in dtype; None: as stored); a missing or misshapen one named."""
+    name = self.prefix + name
+    if name not in self.names:
+      raise UsageError(f"{self.path} lacks {name}")
+    found = tuple(self._file.get_slice(name).get_shape())
+    if found != shape:
+      raise UsageError(f"{self.path}: {name} has shape {found}, expected {shape}")
+    self.used.add(name)
+    tensor = self._file.get_tensor(name)
+    return tensor if dtype is None else np.asarray(tensor, dtype)
+
+  def finish(self, unused: str) -> None:
+    """Refuses the first tensor not taken: '{path}: {name}: a tensor {unused}'."""
+    left = sorted(self.names - self.used)
+    if left:
+      raise UsageError(f"{self.path}: {left[0]}: a tensor {unused}")
+
+
+def decoder_layer(tensors: Tensors, prefix: str, c: ModelConfig, in_width: int, extra_norms=None) -> dict:
+  """A Llama or Qwen3 decoder layer's tensors under `prefix` -> {"q", "k", "v", "o", "gate", "up",
+  "down" (kernels [in, out]), their biases (c.qkv_bias), "input_norm", "post_norm", "q_norm",
+  "k_norm" (c.qk_norm), and extra_norms {key: name} [E]}: q, k and v read in_width inputs."""
+  e, q, kv, i = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+  shapes = {"q": (q, in_width), "k": (kv, in_width), "v": (kv, in_width), "o": (e, q),
+            "gate": (i, e), "up": (i, e), "down": (e, i)}
+  layer = {key: np.ascontiguousarray(tensors.take(f"{prefix}{name}.weight", shapes[key]).T)
+           for key, name in _PROJECTIONS.items()}
+  if c.qkv_bias:
+    layer |= {f"{key}_bias": tensors.take(f"{prefix}{_PROJECTIONS[key]}.bias", shapes[key][:1]) for key in "qkvo"}
+  norms = {**_NORMS, **(_QK_NORMS if c.qk_norm else {}), **(extra_norms or {})}
+  layer |= {key: tensors.take(f"{prefix}{name}.weight", (c.head_dim,) if key in _QK_NORMS else (e,))
+            for key, name in norms.items()}
+  return layer
