@@ -35,17 +35,27 @@ def find(path: str | os.PathLike, folder: str = "drafts", suffixes: tuple[str, .
 
 
 def heads_kind(path: str | os.PathLike) -> str | None:
-  """The kind ("eagle", "eagle3", "medusa", "dflash") of the trained heads `path` names (as given or shipped), from
-  its heads.json alone (or a config.json naming medusa_num_heads, dflash_config or an
-  EAGLE-3 architecture: the published Medusa heads, DFlash and EAGLE-3 drafts); None where it names no such folder. Light: heads/saved.py reads them."""
+  """The kind ("eagle", "eagle3", "medusa", "dflash") of the trained or published draft `path`
+  names (as given or shipped), from its heads.json or its config.json alone (published_kind);
+  None where it names no such folder. Light: heads/saved.py reads them."""
   folder = find(path)
   if (folder / HEADS_META).is_file():
     return json.loads((folder / HEADS_META).read_text())["kind"]
+  return published_kind(folder)
+
+
+def published_kind(folder: pathlib.Path) -> str | None:
+  """The kind of draft another project published in `folder`, by its config.json: "medusa"
+  (FasterDecoding's medusa_num_heads), "dflash" (z-lab's dflash_config), "eagle3" (the EAGLE
+  authors' LlamaForCausalLMEagle3 or speculators' eagle3); None for anything else."""
   try:
-    config = json.loads((folder / "config.json").read_text())
+    config = json.loads((pathlib.Path(folder) / "config.json").read_text())
   except (OSError, ValueError):
     return None
-  if config.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in config.get("architectures", ()):
+  if not isinstance(config, dict):
+    return None
+  if (config.get("speculators_model_type") == "eagle3"
+      or "LlamaForCausalLMEagle3" in config.get("architectures", ())):
     return "eagle3"
   return "medusa" if "medusa_num_heads" in config else "dflash" if "dflash_config" in config else None
 

@@ -54,9 +54,10 @@ def eagle3_to_safetensors(folder: pathlib.Path, out: pathlib.Path) -> pathlib.Pa
 
 
 def _pickle_to_safetensors(flag: str, module, folder: pathlib.Path, out: pathlib.Path, marks: str):
-  """module: its format's module (is_folder, PICKLES, CONFIG, WEIGHTS)."""
+  """flag: the format's kind (shipped.published_kind); module: its reader (PICKLES, CONFIG, WEIGHTS)."""
+  from hitree_jax import shipped
   pickle = next((folder / name for name in module.PICKLES if (folder / name).is_file()), None)
-  if not module.is_folder(folder) or pickle is None:
+  if shipped.published_kind(folder) != flag or pickle is None:
     raise UsageError(f"--{flag}={folder}: expected a folder with a config.json naming "
                      f"{marks} and {' or '.join(module.PICKLES)}")
   try:

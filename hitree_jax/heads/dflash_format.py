@@ -27,14 +27,6 @@ WEIGHTS = "model.safetensors"
 CHECKED = ("hidden_size", "target_vocab_size", "num_layers")
 
 
-def is_folder(folder: pathlib.Path) -> bool:
-  """Whether `folder` holds a DFlash draft (its config.json has a dflash_config)."""
-  try:
-    return "dflash_config" in json.loads((pathlib.Path(folder) / CONFIG).read_text())
-  except (OSError, ValueError):
-    return False
-
-
 def _setting(hf: dict, name: str, default=None):
   return hf["dflash_config"].get(name, hf.get(name, default))
 

@@ -114,16 +114,6 @@ class Eagle3Net:
 
 # ---- the published formats ----
 
-def is_folder(folder: pathlib.Path) -> bool:
-  """Whether `folder` holds an EAGLE-3 draft in either format."""
-  try:
-    config = json.loads((pathlib.Path(folder) / CONFIG).read_text())
-  except (OSError, ValueError):
-    return False
-  return (config.get("speculators_model_type") == "eagle3"
-          or "LlamaForCausalLMEagle3" in config.get("architectures", ()))
-
-
 def _weights(folder: pathlib.Path) -> pathlib.Path:
   return published.weights_file(folder, WEIGHTS, CONFIG, PICKLES, "eagle3")
 

@@ -28,17 +28,6 @@ PICKLES = ("medusa_lm_head.pt", "medusa_lm_head.bin")
 CHECKED = ("hidden_size", "target_vocab_size")   # what its shapes say of the target it was trained for
 
 
-def is_folder(folder: pathlib.Path) -> bool:
-  """Whether `folder` holds published Medusa heads (its config.json names medusa_num_heads)."""
-  config = pathlib.Path(folder) / CONFIG
-  if not config.is_file():
-    return False
-  try:
-    return "medusa_num_heads" in json.loads(config.read_text())
-  except json.JSONDecodeError:
-    return False
-
-
 def read_meta(folder: pathlib.Path) -> dict:
   """heads.json's fields for published heads, from config.json and the tensors' shapes alone."""
   folder = pathlib.Path(folder)

@@ -51,18 +51,19 @@ def save(path: pathlib.Path, kind: str, params, target_config: ModelConfig, voca
   (path / META).write_text(json.dumps({"kind": kind, **shape, **meta}, indent=1))
 
 
+PUBLISHED = {"medusa": medusa_format, "dflash": dflash_format, "eagle3": eagle3}   # each format's reader
+
+
 def _published(folder: pathlib.Path, kind: str | None):
-  """The module that reads `folder` when it holds a published draft of `kind` (any: None):
-  FasterDecoding's Medusa heads, z-lab's DFlash or an EAGLE-3 draft; else None."""
-  for name, module in (("medusa", medusa_format), ("dflash", dflash_format), ("eagle3", eagle3)):
-    if kind in (None, name) and module.is_folder(folder):
-      return module
-  return None
+  """The module that reads `folder` when it holds a published draft (shipped.published_kind) of
+  `kind` (any: None); else None."""
+  found = shipped.published_kind(folder)
+  return PUBLISHED[found] if found is not None and kind in (None, found) else None
 
 
 def _folder(path, kind: str | None) -> pathlib.Path:
   """The folder of a saved draft, as given or a shipped one (drafts/NAME): NotFound naming the
-  path when it holds no heads.json nor a published draft (medusa_format.py, dflash_format.py)."""
+  path when it holds no heads.json nor a published draft (PUBLISHED)."""
   folder = shipped.find(path)
   if not (folder / META).is_file() and _published(folder, kind) is None:
     raise NotFound(f"{kind or 'feature'} draft {str(path)!r} not found: expected a folder "
@@ -146,6 +147,6 @@ def load(path, target_params, target_config: ModelConfig, kind: str | None = Non
   tree = restore(folder / "checkpoint")
   ids = np.asarray(tree["target_ids"])
   vocab = ReducedVocab(ids, target_config.vocab_size) if ids.size > 1 else None
-  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(target_config.dtype)), tree["params"])
+  params = as_target(tree["params"])
   params["head"] = frozen_arrays(target_params, vocab)["head"]
   return meta, params, vocab
