@@ -64,6 +64,8 @@ def test_the_block_gives_the_authors_logits(pair):
   meta, params, _ = saved.load(str(draft_folder), model.params, model.config, "dflash")
   drafter = saved.drafter(meta, model.config)
   assert drafter.taps == tuple(TAPS) and drafter.spec.block_size == BLOCK and str(drafter) == "dflash:4"
+  shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+  assert shapes(drafter.abstract_heads(model.config)) == shapes(params)   # what memory_plan counts
   for length in (5, 12):
     ids = torch.tensor(np.random.default_rng(length).integers(0, VOCAB - 1, size=(1, length + 1)))
     prompt, root = ids[:, :length], ids[:, length]

@@ -6,6 +6,7 @@ folder named in one line."""
 
 import json
 
+import jax
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -101,6 +102,9 @@ def test_every_chain_step_gives_speculators_logits(pair):
   drafter = saved.drafter(meta, model.config)
   assert meta["format"] == "speculators" and drafter.taps == (1, 3, 4) and str(drafter) == "eagle3"
   assert vocab.size == DRAFT_VOCAB + 1 and (vocab.target_ids[1:] == ids).all()
+  own = {k: v for k, v in params.items() if k != "embedding"}   # what memory_plan counts: its own weights
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), drafter.abstract_heads(model.config)) == jax.tree.map(
+      lambda x: (x.shape, x.dtype), own)
   net, config, t = drafter.net, drafter.config, len(tokens)
   cache = KVCache.init(config, 1, 3 * t)
   embedding = model.params["embed_tokens"]["embedding"]
@@ -155,7 +159,6 @@ def test_the_authors_folder_reads_as_speculators_converter_reads_it(pair, tmp_pa
 
 
 def jax_leaves(tree):
-  import jax
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 

@@ -32,7 +32,7 @@ from hitree_jax.decode.features import feature_at
 from hitree_jax.decode.levels import commit, round_mask
 from hitree_jax.decode.stack import Full
 from hitree_jax.errors import UsageError
-from hitree_jax.heads import dflash, eagle, medusa
+from hitree_jax.heads import dflash, eagle, medusa, published
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.tree import dynamic as dynamic_tree
 from hitree_jax.tree.shapes import DynamicTree, TokenTree
@@ -72,8 +72,8 @@ class EagleDrafter(Drafter):
                          hidden, batch.lengths, chunk, programs, self.net)
 
   def abstract_heads(self, config: ModelConfig) -> dict:
-    if not isinstance(self.net, eagle.EagleNet):   # published EAGLE-3: its own lm_head
-      return None
+    if not isinstance(self.net, eagle.EagleNet):   # published EAGLE-3: its own lm_head, no "head"
+      return self.net.abstract_params(self.config, self._reduced())
     shapes = jax.eval_shape(lambda: eagle.init_params(self.config, jax.random.key(0), len(self.taps)))
     return dict(shapes, head=_target_head_shape(config, self.config.vocab_size))
 
@@ -101,8 +101,8 @@ class EagleDrafter(Drafter):
     recent = cache.recent
     attend = round_attend(recent.lengths, recent.max_len, round_mask(lead.valid, np.ones((1, 1), bool)))
     out, recent = self.net.features(draft.params, self.config, inp.params["embed_tokens"]["embedding"],
-                                 lead.tokens, self.net.fuse(draft.params, feature_at(inp.features, lead.positions - 1)),
-                                 lead.positions, recent, attend, context=(cache.long,))
+                                    lead.tokens, self.net.fuse(draft.params, feature_at(inp.features, lead.positions - 1)),
+                                    lead.positions, recent, attend, context=(cache.long,))
     batch = lead.tokens.shape[0]
     recent = commit(recent, lead, jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32),
                     jnp.ones((batch,), bool))
@@ -114,9 +114,9 @@ class EagleDrafter(Drafter):
     draft = inp.draft
     tokens = jnp.maximum(draft.to_target(fed), 0)
     out, scratch = self.net.features(draft.params, self.config, inp.params["embed_tokens"]["embedding"],
-                                  tokens, prev, positions, scratch, attend.at[..., 0].set(False),
-                                  write_at=jnp.full((fed.shape[0],), first, jnp.int32),
-                                  context=(cache.long, cache.recent))
+                                     tokens, prev, positions, scratch, attend.at[..., 0].set(False),
+                                     write_at=jnp.full((fed.shape[0],), first, jnp.int32),
+                                     context=(cache.long, cache.recent))
     return out, self.net.logits(draft.params, out, self._reduced()), scratch
 
   def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
@@ -296,14 +296,12 @@ class DFlashDrafter(Drafter):
     return step(draft_params, empty, hidden, args[-1])
 
   def abstract_heads(self, config: ModelConfig) -> dict:
-    c, dtype = self.config, jnp.dtype(config.dtype)
-    shape = lambda *dims: jax.ShapeDtypeStruct(dims, dtype)
-    e, q, kv, i = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-    layer = {"q": shape(e, q), "k": shape(e, kv), "v": shape(e, kv), "o": shape(q, e), "q_norm": shape(c.head_dim),
-             "k_norm": shape(c.head_dim), "input_norm": shape(e), "post_norm": shape(e), "gate": shape(e, i),
-             "up": shape(e, i), "down": shape(i, e)}
-    return {"fc": shape(len(self.taps) * e, e), "hidden_norm": shape(e), "norm": shape(e),
-            "layers": (layer,) * c.num_layers, "head": _target_head_shape(config, c.vocab_size)}
+    c = self.config
+    shape = lambda dims: jax.ShapeDtypeStruct(dims, jnp.dtype(config.dtype))
+    layer = jax.tree.map(shape, published.layer_shapes(c, c.hidden_size), is_leaf=lambda x: isinstance(x, tuple))
+    return {"fc": shape((len(self.taps) * c.hidden_size, c.hidden_size)), "hidden_norm": shape((c.hidden_size,)),
+            "norm": shape((c.hidden_size,)), "layers": (layer,) * c.num_layers,
+            "head": _target_head_shape(config, c.vocab_size)}
 
   def _block_rows(self, inp: DraftInputs):
     """Commits the pending tokens' context, then runs the block: -> ([B, block - 1, V], cache)."""

@@ -49,6 +49,7 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 PICKLES = ("pytorch_model.bin", "model.pt")
 CHECKED = ("hidden_size", "target_vocab_size")
+FIRST_LAYER_NORMS = {"hidden_norm": "hidden_norm"}   # the first layer's norm of the fused states
 
 
 def _project(x, layer, name):
@@ -102,6 +103,17 @@ class Eagle3Net:
       h = h + jnp.dot(jax.nn.silu(jnp.dot(y, layer["gate"])) * jnp.dot(y, layer["up"]), layer["down"])
     state = rms_norm(h, params["norm"], eps) if self.norm_output else h
     return state, cache.replace(keys=tuple(keys), values=tuple(values))
+
+  def abstract_params(self, config: ModelConfig, reduced: bool) -> dict:
+    """The shapes of `load`'s parameters for a draft of this config (its vocab_size counting
+    OTHER when reduced), in its dtype; without a draft's own copy of the embedding."""
+    shape = lambda dims: jax.ShapeDtypeStruct(dims, jnp.dtype(config.dtype))
+    e = config.hidden_size
+    layers = tuple(jax.tree.map(shape, published.layer_shapes(
+        config, 2 * e if i == 0 else e, FIRST_LAYER_NORMS if i == 0 else None), is_leaf=lambda x: isinstance(x, tuple))
+        for i in range(config.num_layers))
+    return {"fc": shape((self.aux * e, e)), "norm": shape((e,)), "layers": layers,
+            "lm_head": shape((e, config.vocab_size - 1 if reduced else config.vocab_size))}
 
   def logits(self, params, state, reduced: bool):
     """[..., E] states -> float32 logits over the draft's ids; reduced: OTHER first, at -inf."""
@@ -177,7 +189,7 @@ def load(folder: pathlib.Path, meta: dict, target_config: ModelConfig):
     take = tensors.take
     layers = tuple(published.decoder_layer(
         tensors, "midlayer." if i == 0 and meta["format"] == "eagle" else f"layers.{i}.", c,
-        2 * e if i == 0 else e, {"hidden_norm": "hidden_norm"} if i == 0 else None) for i in range(c.num_layers))
+        2 * e if i == 0 else e, FIRST_LAYER_NORMS if i == 0 else None) for i in range(c.num_layers))
     params = {"fc": np.ascontiguousarray(take("fc.weight", (e, aux * e)).T), "norm": take("norm.weight", (e,)),
               "lm_head": np.ascontiguousarray(take("lm_head.weight", (v, e)).T), "layers": layers}
     if tensors.has("embed_tokens.weight"):   # the draft's own copy of its target's embedding

@@ -70,18 +70,27 @@ class Tensors:
       raise UsageError(f"{self.path}: {left[0]}: a tensor {unused}")
 
 
-def decoder_layer(tensors: Tensors, prefix: str, c: ModelConfig, in_width: int, extra_norms=None) -> dict:
-  """A Llama or Qwen3 decoder layer's tensors under `prefix` -> {"q", "k", "v", "o", "gate", "up",
-  "down" (kernels [in, out]), their biases (c.qkv_bias), "input_norm", "post_norm", "q_norm",
-  "k_norm" (c.qk_norm), and extra_norms {key: name} [E]}: q, k and v read in_width inputs."""
+def layer_shapes(c: ModelConfig, in_width: int, extra_norms=None) -> dict[str, tuple[int, ...]]:
+  """The shapes of a Llama or Qwen3 decoder layer's parameters in heads/'s layout: "q", "k", "v",
+  "o", "gate", "up", "down" (kernels [in, out]; q, k and v read in_width inputs), their biases
+  (c.qkv_bias), "input_norm", "post_norm", "q_norm", "k_norm" (c.qk_norm) and extra_norms [E]."""
   e, q, kv, i = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-  shapes = {"q": (q, in_width), "k": (kv, in_width), "v": (kv, in_width), "o": (e, q),
-            "gate": (i, e), "up": (i, e), "down": (e, i)}
-  layer = {key: np.ascontiguousarray(tensors.take(f"{prefix}{name}.weight", shapes[key]).T)
-           for key, name in _PROJECTIONS.items()}
+  shapes = {"q": (in_width, q), "k": (in_width, kv), "v": (in_width, kv), "o": (q, e),
+            "gate": (e, i), "up": (e, i), "down": (i, e)}
   if c.qkv_bias:
-    layer |= {f"{key}_bias": tensors.take(f"{prefix}{_PROJECTIONS[key]}.bias", shapes[key][:1]) for key in "qkvo"}
+    shapes |= {f"{key}_bias": shapes[key][1:] for key in "qkvo"}
   norms = {**_NORMS, **(_QK_NORMS if c.qk_norm else {}), **(extra_norms or {})}
-  layer |= {key: tensors.take(f"{prefix}{name}.weight", (c.head_dim,) if key in _QK_NORMS else (e,))
-            for key, name in norms.items()}
+  return shapes | {key: (c.head_dim,) if key in _QK_NORMS else (e,) for key in norms}
+
+
+def decoder_layer(tensors: Tensors, prefix: str, c: ModelConfig, in_width: int, extra_norms=None) -> dict:
+  """A Llama or Qwen3 decoder layer's tensors under `prefix` (HF's names) -> layer_shapes' layout."""
+  names = {**_PROJECTIONS, **{f"{key}_bias": _PROJECTIONS[key] for key in "qkvo"}, **_NORMS, **_QK_NORMS,
+           **(extra_norms or {})}
+  layer = {}
+  for key, shape in layer_shapes(c, in_width, extra_norms).items():
+    if key in _PROJECTIONS:   # stored [out, in]
+      layer[key] = np.ascontiguousarray(tensors.take(f"{prefix}{names[key]}.weight", shape[::-1]).T)
+    else:
+      layer[key] = tensors.take(f"{prefix}{names[key]}.{'bias' if key.endswith('_bias') else 'weight'}", shape)
   return layer
