@@ -341,3 +341,40 @@ def test_a_cut_heads_json_is_refused_in_one_line(tmp_path):
     (folder / "heads.json").write_text(cut)
     with pytest.raises(UsageError, match=f"^{folder / 'heads.json'}: not a whole heads.json"):
       saved.read_meta(folder)
+
+
+# --- published drafters' sampling: DFlash's block and EAGLE-3's layer, random weights ---
+
+def random_like(shapes, seed):
+  """Random arrays of abstract shapes: matrices ~ N(0, 1/fan-in), vectors (norms) near 1."""
+  leaves, tree = jax.tree.flatten(shapes)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  made = [jax.random.normal(k, s.shape) / np.sqrt(s.shape[0]) if len(s.shape) == 2
+          else 1 + 0.3 * jax.random.normal(k, s.shape) for k, s in zip(keys, leaves)]
+  return jax.tree.unflatten(tree, made)
+
+
+def dflash_draft(target, config, mode):
+  """(drafter, weights): a DFlash block of 4 over the 2-layer target's layer 0, random weights."""
+  from hitree_jax.heads import dflash
+  from hitree_jax.heads.drafter import DFlashDrafter
+  draft_config = config.replace(num_layers=1, qk_norm=True)
+  drafter = DFlashDrafter(draft_config, dflash.BlockSpec(4, config.vocab_size - 1, (0,)), mode)
+  params = random_like(drafter.abstract_heads(config), 3)
+  return drafter, DraftWeights(dict(params, head=eagle.head_from_target(target, None)))
+
+
+def eagle3_published_draft(target, config, mode):
+  """(drafter, weights): a published EAGLE-3 layer over the 2-layer target's layer 0, random weights."""
+  from hitree_jax.heads.eagle3 import Eagle3Net
+  drafter = EagleDrafter(config.replace(num_layers=1), mode, taps=(0,), net=Eagle3Net(aux=1))
+  return drafter, DraftWeights(random_like(drafter.abstract_heads(config), 4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [dflash_draft, eagle3_published_draft], ids=["dflash", "eagle3"])
+@pytest.mark.parametrize("tree,mode", [(tree_lib.chain(2), "iid"), (tree_lib.kary(2, 2), "deterministic")],
+                         ids=["chain-iid", "binary-det"])
+def test_published_drafters_sampling_is_exact(make, tree, mode):
+  assert_sampling_is_exact(lambda params, config: make(params, config, mode), tree,
+                           SamplingParams.create(0.9, 0.95), num_layers=2)
