@@ -55,6 +55,7 @@ from hitree_jax import methods as methods_lib
 from hitree_jax.errors import UsageError
 from . import common
 from .progress import Progress
+from .tables import level_markdown, markdown, prediction_markdown, stack_shape
 
 common.define_config_flag()
 common.define_model_flags()
@@ -94,86 +95,6 @@ def run_one(model, method, ids, sampling, programs, mesh=None):
   return method.generate(model.params, model.config, [ids], max_new_tokens=FLAGS.max_new_tokens,
                          sampling=sampling, seed=FLAGS.seed, stop_at_eos=False, programs=programs,
                          time_levels=FLAGS.time_levels, mesh=mesh)
-
-
-def stack_shape(stack) -> dict:
-  """The numbers a plot by (gamma1, gamma2) needs: the bottom tree's depth, size and width (the
-  root's children), and the gamma of each intermediate level, bottom-up (empty for ar)."""
-  if stack is None or stack.tree is None:
-    return {}
-  tree = stack.tree
-  width = tree.max_branching if hasattr(tree, "max_branching") else tree.width  # static; dynamic
-  return {"tree_depth": tree.max_depth, "tree_size": tree.size, "tree_width": int(width),
-          "gammas": [v.gamma for v in stack.verifiers]}
-
-
-def markdown(rows) -> str:
-  lines = ["| method | prompt tokens | decode tok/s (median) | speedup vs ar | mean accepted | prefill s | compile s |",
-           "|---|---|---|---|---|---|---|"]
-  base = {r["prompt_tokens"]: r["median_decode_tokens_per_s"] for r in rows if r["method"] == "ar"}
-  for r in rows:
-    speedup = r["median_decode_tokens_per_s"] / base[r["prompt_tokens"]] if r["prompt_tokens"] in base else float("nan")
-    accepted, compile_s = r["median_mean_accepted"], r["compile_s"]
-    lines.append(f"| {r['method']} | {r['prompt_tokens']} | {r['median_decode_tokens_per_s']:.2f} | "
-                 f"{speedup:.2f}x | {'–' if accepted is None else f'{accepted:.2f}'} | "
-                 f"{r['median_prefill_s']:.2f} | {'–' if compile_s is None else f'{compile_s:.1f}'} |")
-  return "\n".join(lines)
-
-
-def level_markdown(rows) -> str:
-  """Per verifying level of each speculative method: acceptance, forwards per run and, with
-  --time_levels, one round's time and the share of the decode time (medians over runs)."""
-  lines = ["| method | prompt tokens | level (proposer -> verifier) | accepted / proposed | alpha | "
-           "forwards | round ms | share of decode time |", "|---|---|---|---|---|---|---|---|"]
-  med = lambda values: statistics.median(values) if values else None
-  fmt = lambda x, spec: "–" if x is None else format(x, spec)
-  for r in rows:
-    runs = [run["levels"] for run in r["runs"] if run.get("levels")]
-    for j, level in enumerate(runs[0] if runs else []):
-      at = [run[j] for run in runs]
-      if j == 0 and "proposer_round_ms" in level:
-        lines.append(f"| {r['method']} | {r['prompt_tokens']} | {level['proposer']} (drafting) | – | – | "
-                     f"{fmt(med([x['forwards'] for x in at]), '.0f')} | "
-                     f"{fmt(med([x['proposer_round_ms'] for x in at]), '.1f')} | "
-                     f"{fmt(med([x['proposer_time_share'] for x in at]), '.0%')} |")
-      acceptance = med([x["acceptance"] for x in at if x["acceptance"] is not None])
-      alpha = med([x["alpha"] for x in at if x.get("alpha") is not None])
-      lines.append(f"| {r['method']} | {r['prompt_tokens']} | {level['proposer']} -> {level['name']} | "
-                   f"{fmt(acceptance, '.2f')} | {fmt(alpha, '.2f')} | "
-                   f"{fmt(med([x['forwards'] for x in at]), '.0f')} | "
-                   f"{fmt(med([x['round_ms'] for x in at if 'round_ms' in x]), '.1f')} | "
-                   f"{fmt(med([x['time_share'] for x in at if 'time_share' in x]), '.0%')} |")
-  return "\n".join(lines) if len(lines) > 2 else ""
-
-
-def prediction_markdown(rows) -> str:
-  """--predict: the planner's prediction against measurement per stack, and the summary the
-  planner is judged by (share within 15%, Spearman's rank correlation)."""
-  from .plots import prediction_errors
-  errors = prediction_errors(rows)
-  if not errors:
-    return ""
-  lines = ["| method | prompt tokens | measured tok/s | predicted tok/s | error | measured / predicted "
-           "tokens per target forward |", "|---|---|---|---|---|---|"]
-  for r, e in errors:
-    lines.append(f"| {r['method']} | {r['prompt_tokens']} | {r['median_decode_tokens_per_s']:.1f} | "
-                 f"{r['predicted_tokens_per_s']:.1f} | {e:+.0%} | {r['median_mean_accepted'] or 1:.2f} / "
-                 f"{r['predicted_tokens_per_target_forward']:.2f} |")
-  within = sum(abs(e) <= 0.15 for _, e in errors)
-  lines.append(f"\n{within} of {len(errors)} within 15%; Spearman's rank correlation "
-               f"{rank_correlation(errors):.2f}.")
-  return "\n".join(lines)
-
-
-def rank_correlation(errors) -> float:
-  """Spearman's rho of predicted against measured tok/s (ties broken by order)."""
-  import numpy as np
-  if len(errors) < 2:
-    return float("nan")
-  measured = np.array([r["median_decode_tokens_per_s"] for r, _ in errors])
-  predicted = np.array([r["predicted_tokens_per_s"] for r, _ in errors])
-  ranks = lambda x: np.argsort(np.argsort(x))
-  return float(np.corrcoef(ranks(measured), ranks(predicted))[0, 1])
 
 
 def check_flags() -> list[int]:

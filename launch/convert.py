@@ -18,7 +18,6 @@ float32 model decodes with, which is what comparing decode speed with llama.cpp
 from __future__ import annotations
 
 import pathlib
-import shutil
 import time
 
 from absl import flags, logging
@@ -41,47 +40,13 @@ flags.DEFINE_string("eagle3", None, "A folder of an EAGLE-3 draft whose weights 
 FLAGS = flags.FLAGS
 
 
-def medusa_to_safetensors(folder: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-  """Rewrites a Medusa folder's pickled heads as safetensors in `out` (config.json copied)."""
-  from hitree_jax.heads import medusa_format
-  return _pickle_to_safetensors("medusa", medusa_format, folder, out, "medusa_num_heads")
-
-
-def eagle3_to_safetensors(folder: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-  """Rewrites an EAGLE-3 folder's pickled weights as safetensors in `out` (config.json copied)."""
-  from hitree_jax.heads import eagle3
-  return _pickle_to_safetensors("eagle3", eagle3, folder, out, "an EAGLE-3 architecture")
-
-
-def _pickle_to_safetensors(flag: str, module, folder: pathlib.Path, out: pathlib.Path, marks: str):
-  """flag: the format's kind (shipped.published_kind); module: its reader (PICKLES, CONFIG, WEIGHTS)."""
-  from hitree_jax import shipped
-  pickle = next((folder / name for name in module.PICKLES if (folder / name).is_file()), None)
-  if shipped.published_kind(folder) != flag or pickle is None:
-    raise UsageError(f"--{flag}={folder}: expected a folder with a config.json naming "
-                     f"{marks} and {' or '.join(module.PICKLES)}")
-  try:
-    import torch
-    from safetensors.torch import save_file
-  except ImportError:
-    raise UsageError("--medusa needs torch to read the pickle: pip install torch "
-                     "(./setup.sh --test installs it)") from None
-  state = torch.load(pickle, map_location="cpu", weights_only=True)
-  out.mkdir(parents=True, exist_ok=True)
-  if out.resolve() != folder.resolve():
-    shutil.copyfile(folder / module.CONFIG, out / module.CONFIG)
-  # Medusa applies one block object L times: its copies share storage, which safetensors refuses.
-  save_file({name: tensor.detach().clone().contiguous() for name, tensor in state.items()},
-            str(out / module.WEIGHTS))
-  return out / module.WEIGHTS
-
-
 def main(argv):
   del argv
-  for flag, convert in (("medusa", medusa_to_safetensors), ("eagle3", eagle3_to_safetensors)):
+  from hitree_jax.heads import eagle3, medusa_format
+  for flag, format_module in (("medusa", medusa_format), ("eagle3", eagle3)):
     if getattr(FLAGS, flag):
       folder = pathlib.Path(getattr(FLAGS, flag))
-      logging.info("wrote %s", convert(folder, pathlib.Path(FLAGS.out or folder)))
+      logging.info("wrote %s", format_module.rewrite_pickle(folder, pathlib.Path(FLAGS.out or folder)))
       return
   if not FLAGS.out:
     raise UsageError("--out is required: a folder for the checkpoint, or a .gguf file")

@@ -23,7 +23,7 @@ from hitree_jax import methods
 from hitree_jax.cache.full import KVCache
 from hitree_jax.decode import engine
 from hitree_jax.errors import UsageError
-from hitree_jax.heads import saved
+from hitree_jax.heads import eagle3, saved
 from hitree_jax.loading import load_model
 
 E, VOCAB, DRAFT_VOCAB, LAYERS = 64, 97, 40, 8
@@ -129,7 +129,6 @@ def test_the_authors_folder_reads_as_speculators_converter_reads_it(pair, tmp_pa
   launch.convert rewrites it) and a config of the layer (LlamaForCausalLMEagle3); speculators'
   converter turns that into its format; every folder loads to the same draft."""
   target, target_folder, draft, folder, ids = pair
-  from launch.convert import eagle3_to_safetensors
   pickled = tmp_path / "pickled"
   pickled.mkdir()
   state = safetensors.torch.load_file(str(folder / "model.safetensors"))
@@ -142,7 +141,7 @@ def test_the_authors_folder_reads_as_speculators_converter_reads_it(pair, tmp_pa
   with pytest.raises(UsageError, match=r"pytorch_model.bin is a pickle.*launch.convert --eagle3="):
     saved.read_meta(str(pickled), "eagle3")
   authors = tmp_path / "authors"   # as published, rewritten by launch.convert --eagle3
-  assert eagle3_to_safetensors(pickled, authors) == authors / "model.safetensors"
+  assert eagle3.rewrite_pickle(pickled, authors) == authors / "model.safetensors"
   converted = tmp_path / "converted"
   Eagle3Converter().convert(authors, converted, base_model=str(target_folder), validate=False,
                             eagle_aux_hidden_state_layer_ids=AUX)

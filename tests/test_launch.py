@@ -19,6 +19,23 @@ def launch(module, *args, timeout=600, env=None):
                         capture_output=True, text=True, timeout=timeout, env=env)
 
 
+
+def test_the_launch_modules_tests_import_share_one_process():
+  """Tests import some launch modules in-process; two that define the same absl flag (every
+  model launcher defines --model) fail only when pytest-xdist puts them on one worker. Importing
+  them all in one process makes that failure certain instead of a matter of scheduling."""
+  import re
+  imported = set()
+  for test in (REPO / "tests").glob("test_*.py"):
+    for line in test.read_text().splitlines():
+      found = re.match(r"\s*from launch(?:\.(\w+))? import ([\w, ]+)$", line)
+      if found:
+        imported |= {found[1]} if found[1] else {name.strip() for name in found[2].split(",")}
+  assert {"plots", "tables", "fetch_assets"} <= imported
+  code = "; ".join(f"import launch.{name}" for name in sorted(imported))
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+
 @pytest.mark.slow
 def test_generate_json_record():
   proc = launch("generate", "--model=smollm2", "--book=austen", "--prompt_tokens=64",
@@ -85,7 +102,7 @@ def level(name, proposer, proposed, accepted, forwards, round_ms, share, **more)
 
 
 def test_level_plots_and_table(tmp_path):
-  from launch import benchmark, plots
+  from launch import plots, tables
   def levels(middle_accepted, top_accepted):
     return [level("target[retrieval:1024]/6", "draft[streaming:16x234]", 40, middle_accepted, 30, 30.0,
                   0.5, proposer_round_ms=3.0, proposer_time_share=0.05),
@@ -105,16 +122,16 @@ def test_level_plots_and_table(tmp_path):
     assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
   assert not plots.levels_figure({**record, "results": rows[:1]}, tmp_path / "none.png")
   assert not plots.gamma_figure({**record, "results": rows[:2]}, tmp_path / "none.png")  # one stack
-  table = benchmark.level_markdown(rows)
+  table = tables.level_markdown(rows)
   assert "| triforce | 64 | draft[streaming:16x234] (drafting) | – | – | 30 | 3.0 | 5% |" in table
   assert "| hitree2 | 64 | target[retrieval:1024]/6 -> target | 0.90 | – | 10 | 60.0 | 30% |" in table
-  assert benchmark.level_markdown(rows[:1]) == ""
-  assert benchmark.stack_shape(None) == {}
+  assert tables.level_markdown(rows[:1]) == ""
+  assert tables.stack_shape(None) == {}
   from hitree_jax.decode.drafters import NGramDrafter
   from hitree_jax.decode.stack import Retrieval, Stack, Verifier
   from hitree_jax.tree import shapes as tree_lib
   stack = Stack(NGramDrafter(2), tree_lib.kary(3, 2), (Verifier("target", Retrieval(64), 6),))
-  assert benchmark.stack_shape(stack) == {"tree_depth": 2, "tree_size": 12, "tree_width": 3, "gammas": [6]}
+  assert tables.stack_shape(stack) == {"tree_depth": 2, "tree_size": 12, "tree_width": 3, "gammas": [6]}
 
 
 def test_progress_reports_elapsed_and_eta():

@@ -3,6 +3,9 @@ package (medusa-llm, test-only): the same logits from the same folder, exact dec
 their pickle converted by launch.convert, and each broken folder named in one line."""
 
 import json
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,9 +17,11 @@ from medusa.model.medusa_model import MedusaConfig, MedusaModel
 from hitree_jax import methods
 from hitree_jax.decode import engine
 from hitree_jax.errors import UsageError
-from hitree_jax.heads import medusa, saved
+from hitree_jax.heads import medusa, medusa_format, saved
 from hitree_jax.loading import load_model, resolve
 from hitree_jax.tokenizer import load_tokenizer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 HEADS = 3
 PROMPTS = [[3, 8, 13, 21, 34, 55, 89, 44, 33, 77], [5, 12, 70, 1, 9]]
@@ -93,7 +98,6 @@ def test_published_heads_decode_ar_tokens(target, tmp_path, spec):
 
 
 def test_a_pickle_is_refused_until_convert_rewrites_it(target, tmp_path):
-  from launch.convert import medusa_to_safetensors
   hf, folder, _ = target
   ref = reference(target, 2)
   pickled = write_published(ref, tmp_path / "pickled", pickle=True)
@@ -101,14 +105,17 @@ def test_a_pickle_is_refused_until_convert_rewrites_it(target, tmp_path):
   with pytest.raises(UsageError, match=r"medusa_lm_head.pt is a pickle, which is never opened here.*"
                                        r"python -m launch.convert --medusa="):
     saved.load(str(pickled), model.params, model.config, "medusa")
-  out = medusa_to_safetensors(pickled, tmp_path / "converted")
-  assert out.name == "medusa_lm_head.safetensors"
+  # the command the error names, as a user runs it
+  proc = subprocess.run([sys.executable, "-m", "launch.convert", f"--medusa={pickled}",
+                         f"--out={tmp_path / 'converted'}"], cwd=REPO, capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = tmp_path / "converted" / "medusa_lm_head.safetensors"
   direct = write_published(ref, tmp_path / "direct")
   converted = saved.load(str(out.parent), model.params, model.config, "medusa")[1]
   for name, array in saved.load(str(direct), model.params, model.config, "medusa")[1].items():
     np.testing.assert_array_equal(np.asarray(converted[name]), np.asarray(array))
   with pytest.raises(UsageError, match="expected a folder with a config.json naming medusa_num_heads"):
-    medusa_to_safetensors(folder, tmp_path / "x")   # a model's folder, not heads
+    medusa_format.rewrite_pickle(folder, tmp_path / "x")   # a model's folder, not heads
 
 
 def test_broken_or_foreign_heads_are_named(target, tmp_path):

@@ -126,6 +126,12 @@ class Eagle3Net:
 
 # ---- the published formats ----
 
+def rewrite_pickle(folder: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+  """Rewrites an EAGLE-3 folder's pickled weights as out/WEIGHTS (config.json copied; needs torch)."""
+  return published.rewrite_pickle(folder, out, kind="eagle3", weights=WEIGHTS, config=CONFIG,
+                                  pickles=PICKLES, marks="an EAGLE-3 architecture")
+
+
 def _weights(folder: pathlib.Path) -> pathlib.Path:
   return published.weights_file(folder, WEIGHTS, CONFIG, PICKLES, "eagle3")
 

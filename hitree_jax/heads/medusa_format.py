@@ -28,6 +28,12 @@ PICKLES = ("medusa_lm_head.pt", "medusa_lm_head.bin")
 CHECKED = ("hidden_size", "target_vocab_size")   # what its shapes say of the target it was trained for
 
 
+def rewrite_pickle(folder: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+  """Rewrites a Medusa folder's pickled heads as out/WEIGHTS (config.json copied; needs torch)."""
+  return published.rewrite_pickle(folder, out, kind="medusa", weights=WEIGHTS, config=CONFIG,
+                                  pickles=PICKLES, marks="medusa_num_heads")
+
+
 def read_meta(folder: pathlib.Path) -> dict:
   """heads.json's fields for published heads, from config.json and the tensors' shapes alone."""
   folder = pathlib.Path(folder)

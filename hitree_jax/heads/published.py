@@ -5,6 +5,7 @@ checked and every one accounted for, and a decoder layer in the layout heads/ co
 from __future__ import annotations
 
 import pathlib
+import shutil
 
 import numpy as np
 import safetensors
@@ -31,6 +32,33 @@ def weights_file(folder: pathlib.Path, weights: str, config: str, pickles: tuple
                        "(it needs torch)")
     raise UsageError(f"{folder}: no {weights} beside its {config}")
   return path
+
+
+def rewrite_pickle(folder: pathlib.Path, out: pathlib.Path, *, kind: str, weights: str, config: str,
+                   pickles: tuple[str, ...], marks: str) -> pathlib.Path:
+  """Rewrites the pickle a `kind` draft was published with (one of `pickles` beside its config,
+  which names `marks`) as out/weights, config copied; returns that file. It needs torch, the only
+  reader of the pickle, and runs from launch.convert, never at load time."""
+  from hitree_jax import shipped
+  folder, out = pathlib.Path(folder), pathlib.Path(out)
+  pickle = next((folder / name for name in pickles if (folder / name).is_file()), None)
+  if shipped.published_kind(folder) != kind or pickle is None:
+    raise UsageError(f"--{kind}={folder}: expected a folder with a {config} naming {marks} "
+                     f"and {' or '.join(pickles)}")
+  try:
+    import torch
+    from safetensors.torch import save_file
+  except ImportError:
+    raise UsageError(f"--{kind} needs torch to read the pickle: pip install torch "
+                     "(./setup.sh --test installs it)") from None
+  state = torch.load(pickle, map_location="cpu", weights_only=True)
+  out.mkdir(parents=True, exist_ok=True)
+  if out.resolve() != folder.resolve():
+    shutil.copyfile(folder / config, out / config)
+  # Medusa applies one block object L times: its copies share storage, which safetensors refuses.
+  save_file({name: tensor.detach().clone().contiguous() for name, tensor in state.items()},
+            str(out / weights))
+  return out / weights
 
 
 class Tensors:
