@@ -204,7 +204,8 @@ def run_questions(chosen, methods, sampling, mesh) -> None:
   greedy = FLAGS.temperature == 0
   from hitree_jax import near_ties
   margins_of = lambda prompt, answer: near_ties.top2_margins(model.params, model.config, prompt, answer)
-  results = spec_bench_run.rows(by_method, greedy, margins_of)
+  tie = near_ties.tie_margin(model.config)
+  results = spec_bench_run.rows(by_method, greedy, margins_of, tie)
   out = pathlib.Path(FLAGS.out)
   runs = {m: [{**r, "turns": [{k: v for k, v in t.items() if k not in ("tokens", "prompt")}
                               for t in r["turns"]]} for r in rs] for m, rs in by_method.items()}
@@ -221,6 +222,7 @@ def run_questions(chosen, methods, sampling, mesh) -> None:
     for d in r.get("differs_from_ar", []):
       print(spec_bench_run.parting_line(r["method"], d))
   logging.info("wrote %s", ", ".join(map(str, written)))
+  fail_on_faults(results, tie, lambda d: f"question {d['question_id']} turn {d['turn']}")
 
 
 def parsed_methods(specs: list[str]) -> list:
@@ -256,6 +258,7 @@ def main(argv):
   peer_engines = make_peers(model.path, max(lengths))
   rows = []
   ar_tokens = {}  # (prompt length, prompt index) -> ar's tokens: what greedy peers are compared with
+  greedy_tokens = {}  # (method, prompt length, prompt index) -> its tokens, compared with ar's
   order = itertools.count()  # each timed run's place in the benchmark (the JSON's `order`)
   progress = Progress("benchmark", len(lengths) * (len(methods) + len(peer_engines)) * (FLAGS.n_prompts + 1))
   for n_tokens in lengths:
@@ -285,6 +288,8 @@ def main(argv):
                      "levels": r.levels})
         if method.label == "ar":
           ar_tokens[n_tokens, i] = r.tokens[0]
+        elif FLAGS.temperature == 0:
+          greedy_tokens[method.label, n_tokens, i] = r.tokens[0]
         progress.step(detail=f"{method.label} P={n_tokens} prompt {i}: "
                              f"{r.decode_tokens_per_s:.2f} tok/s")
         for peer in beside:
@@ -298,6 +303,7 @@ def main(argv):
           "median_prefill_s": statistics.median(x["prefill_s"] for x in runs)})
       rows += [peer_row(peer, n_tokens, peer_runs[peer]) for peer in beside]
       pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))  # survives a crash
+    compare_with_ar(model, rows, prompts, n_tokens, ar_tokens, greedy_tokens)
     if not any(m.label == "ar" for m in planned):  # no `ar` to time them beside: after the methods
       for peer in peer_engines:
         peer_warm_up(peer, n_tokens, prompts[0], progress)
@@ -305,6 +311,40 @@ def main(argv):
                                               for i, ids in enumerate(prompts)]))
         pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))
   write_outputs(record(rows))
+  from hitree_jax import near_ties
+  for r in rows:
+    for d in r.get("differs_from_ar", []):
+      print(f"{r['method']}: prompt {d['prompt']} of {r['prompt_tokens']} tokens {near_ties.describe(d)}")
+  fail_on_faults(rows, near_ties.tie_margin(model.config),
+                 lambda d: f"prompt {d['prompt']}")
+
+
+def compare_with_ar(model, rows, prompts, n_tokens: int, ar_tokens: dict, greedy_tokens: dict) -> None:
+  """Greedy decoding: each method's tokens on each prompt of this length against `ar`'s, as its
+  row's differs_from_ar (near_ties.compare: where it parts, the target's margin there, and
+  whether a near-tie explains it). Nothing to compare without `ar` among the methods."""
+  from hitree_jax import near_ties
+  if not any(length == n_tokens for length, _ in ar_tokens):
+    return
+  margins_of = lambda prompt, answer: near_ties.top2_margins(model.params, model.config, prompt, answer)
+  tie = near_ties.tie_margin(model.config)
+  for row in rows:
+    if row["prompt_tokens"] != n_tokens or row["method"] == "ar" or row.get("peer") or "differs_from_ar" in row:
+      continue
+    row["differs_from_ar"] = []
+    for i, ids in enumerate(prompts):
+      parted = near_ties.compare(list(ids), greedy_tokens[row["method"], n_tokens, i], ar_tokens[n_tokens, i],
+                                 margins_of, tie)
+      if parted is not None:
+        row["differs_from_ar"].append({"prompt": i, **parted})
+
+
+def fail_on_faults(rows, tie: float, where) -> None:
+  """Exits non-zero, after the record is written, on a fault (near_ties.fault_message)."""
+  from hitree_jax import near_ties
+  message = near_ties.fault_message(rows, tie, where)
+  if message:
+    raise SystemExit(message)
 
 
 def prediction(model, method, n_tokens: int, sampling) -> dict:

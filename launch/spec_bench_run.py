@@ -17,6 +17,8 @@ import statistics
 
 from hitree_jax import spec_bench
 
+from .tables import differs_cell
+
 
 def answer(model, tokenizer, method, question: spec_bench.Question, sampling, programs, mesh,
            max_new_tokens: int, seed: int) -> list[dict]:
@@ -36,32 +38,24 @@ def answer(model, tokenizer, method, question: spec_bench.Question, sampling, pr
   return turns
 
 
-def mismatches(runs: list[dict], ar_runs: list[dict], margins_of=None) -> list[dict]:
-  """The turns whose tokens differ from `ar`'s: {question_id, turn, at} (the first index that
-  differs; a shorter answer differs where it ends). With margins_of(prompt, answer) (the
-  target's top-2 margins over `ar`'s answer, near_ties.top2_margins), each also says how close
-  to a tie the target was there: near_ties.parting's margin, smaller_in_answer, median_margin."""
+def mismatches(runs: list[dict], ar_runs: list[dict], margins_of=None, tie: float | None = None) -> list[dict]:
+  """The turns whose tokens differ from `ar`'s: {question_id, turn, at} (near_ties.compare), with
+  margins_of (near_ties.top2_margins over `ar`'s answer) also how close to a tie the target was
+  there (margin, smaller_in_answer, median_margin; with `tie`, near_tie)."""
   from hitree_jax import near_ties
   out = []
   for run, ar in zip(runs, ar_runs):
     for t, (mine, theirs) in enumerate(zip(run["turns"], ar["turns"])):
-      a, b = mine["tokens"], theirs["tokens"]
-      if a != b:
-        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        entry = {"question_id": run["question_id"], "turn": t + 1, "at": at}
-        if margins_of is not None:
-          entry.update(near_ties.parting(margins_of(theirs["prompt"], b), at))
-        out.append(entry)
+      parted = near_ties.compare(theirs["prompt"], mine["tokens"], theirs["tokens"], margins_of, tie)
+      if parted is not None:
+        out.append({"question_id": run["question_id"], "turn": t + 1, **parted})
   return out
 
 
 def parting_line(method: str, d: dict) -> str:
   """One mismatch as the run prints it."""
-  line = f"{method}: question {d['question_id']} turn {d['turn']} differs from ar at token {d['at']}"
-  if "margin" in d:
-    line += (f": the target's top-2 logit margin there is {d['margin']:.4f} (median over ar's "
-             f"answer {d['median_margin']:.2f}; {d['smaller_in_answer']} positions had a smaller one)")
-  return line
+  from hitree_jax import near_ties
+  return f"{method}: question {d['question_id']} turn {d['turn']} {near_ties.describe(d)}"
 
 
 def summary(runs: list[dict]) -> dict:
@@ -75,7 +69,7 @@ def summary(runs: list[dict]) -> dict:
           "median_prefill_s": statistics.median(t["prefill_s"] for t in turns) if turns else None}
 
 
-def rows(by_method: dict[str, list[dict]], greedy: bool, margins_of=None) -> list[dict]:
+def rows(by_method: dict[str, list[dict]], greedy: bool, margins_of=None, tie: float | None = None) -> list[dict]:
   """Per method: per task and overall, tokens/s, τ and the speedup over `ar`; with greedy
   decoding, the turns that differ from `ar`'s (with margins_of: how near a tie, `mismatches`)."""
   tasks = list(dict.fromkeys(r["task"] for runs in by_method.values() for r in runs))
@@ -89,20 +83,9 @@ def rows(by_method: dict[str, list[dict]], greedy: bool, margins_of=None) -> lis
     for entry, ar in [*((per[m][t], base[0][t] if base[0] else None) for t in tasks), (overall[m], base[1])]:
       entry["speedup"] = entry["tokens_per_s"] / ar["tokens_per_s"] if ar and ar["tokens_per_s"] else None
     if greedy and "ar" in by_method and m != "ar":
-      row["differs_from_ar"] = mismatches(runs, by_method["ar"], margins_of)
+      row["differs_from_ar"] = mismatches(runs, by_method["ar"], margins_of, tie)
     out.append(row)
   return out
-
-
-def differs_cell(partings: list[dict]) -> str:
-  """The report's `greedy = ar` cell: yes, or how many turns part and the widest margin they
-  part at."""
-  if not partings:
-    return "yes"
-  cell = f"no: {len(partings)} turns"
-  if all("margin" in d for d in partings):
-    cell += f", at top-2 logit margins of at most {max(d['margin'] for d in partings):.4f}"
-  return cell
 
 
 def markdown(results: list[dict]) -> str:
@@ -112,7 +95,7 @@ def markdown(results: list[dict]) -> str:
   lines = ["| method | " + " | ".join(tasks) + " | overall | τ (tokens per target forward) | tok/s | "
            "greedy = ar |", "|---|" + "---|" * (len(tasks) + 4)]
   for r in results:
-    same = "–" if "differs_from_ar" not in r else differs_cell(r["differs_from_ar"])
+    same = "–" if "differs_from_ar" not in r else differs_cell(r["differs_from_ar"], "turns")
     lines.append(f"| {r['method']} | " + " | ".join(fmt(r["tasks"][t]["speedup"]) for t in tasks) +
                  f" | {fmt(r['overall']['speedup'])} | {fmt(r['overall']['tau'], '{:.2f}')} | "
                  f"{r['overall']['tokens_per_s']:.2f} | {same} |")

@@ -17,16 +17,31 @@ def stack_shape(stack) -> dict:
           "gammas": [v.gamma for v in stack.verifiers]}
 
 
+def differs_cell(partings: list[dict], unit: str) -> str:
+  """A report's `greedy = ar` cell: yes, or how many runs (`unit`: turns, prompts) part and the
+  widest margin they part at."""
+  if not partings:
+    return "yes"
+  cell = f"no: {len(partings)} {unit}"
+  if all("margin" in d for d in partings):
+    cell += f", at top-2 logit margins of at most {max(d['margin'] for d in partings):.4f}"
+  return cell
+
+
 def markdown(rows) -> str:
-  lines = ["| method | prompt tokens | decode tok/s (median) | speedup vs ar | mean accepted | prefill s | compile s |",
-           "|---|---|---|---|---|---|---|"]
+  """The speed table, with a `greedy = ar` column where greedy methods were compared with ar."""
+  compared = any("differs_from_ar" in r for r in rows)
+  lines = ["| method | prompt tokens | decode tok/s (median) | speedup vs ar | mean accepted | prefill s | compile s |"
+           + (" greedy = ar |" if compared else ""), "|---|---|---|---|---|---|---|" + ("---|" if compared else "")]
   base = {r["prompt_tokens"]: r["median_decode_tokens_per_s"] for r in rows if r["method"] == "ar"}
   for r in rows:
     speedup = r["median_decode_tokens_per_s"] / base[r["prompt_tokens"]] if r["prompt_tokens"] in base else float("nan")
     accepted, compile_s = r["median_mean_accepted"], r["compile_s"]
     lines.append(f"| {r['method']} | {r['prompt_tokens']} | {r['median_decode_tokens_per_s']:.2f} | "
                  f"{speedup:.2f}x | {'–' if accepted is None else f'{accepted:.2f}'} | "
-                 f"{r['median_prefill_s']:.2f} | {'–' if compile_s is None else f'{compile_s:.1f}'} |")
+                 f"{r['median_prefill_s']:.2f} | {'–' if compile_s is None else f'{compile_s:.1f}'} |"
+                 + (f" {differs_cell(r['differs_from_ar'], 'prompts') if 'differs_from_ar' in r else '–'} |"
+                    if compared else ""))
   return "\n".join(lines)
 
 

@@ -66,7 +66,10 @@ def test_benchmark_writes_json_table_and_plots(tmp_path):
   for row in record["results"]:
     assert len(row["runs"]) == 2 and row["median_decode_tokens_per_s"] > 0
     assert all(run["new_tokens"] == 4 and run["compiles"] == 0 for run in row["runs"])
-  assert "| ar | 32 |" in (tmp_path / "bench.md").read_text()
+    # greedy: every method's tokens were compared with ar's on every prompt, and equal them
+    assert row.get("differs_from_ar") == (None if row["method"] == "ar" else [])
+  table = (tmp_path / "bench.md").read_text()
+  assert "| ar | 32 |" in table and " greedy = ar |" in table and table.count(" | yes |") == 2
   for name in ("bench_speed.png", "bench_acceptance.png"):
     png = (tmp_path / name).read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, name

@@ -138,6 +138,16 @@ def _runs(tokens, prompt=PROMPT):
   return [{"question_id": 7, "task": "qa", "category": "qa", "turns": [turn]}]
 
 
+def test_a_near_ties_line_is_its_precisions():
+  from hitree_jax.model.config import ModelConfig
+  from hitree_jax.near_ties import TIE_MARGINS, tie_margin
+  config = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=8)
+  assert tie_margin(config) == TIE_MARGINS["float32"] < TIE_MARGINS["bfloat16"]
+  assert tie_margin(config.replace(key_dtype="bfloat16")) == tie_margin(config.replace(dtype="bfloat16")) \
+      == TIE_MARGINS["bfloat16"]
+
+
 def test_a_biased_method_is_caught_with_the_targets_margin_where_it_parts():
   """A negative control: a method whose token at one position is not the target's argmax is
   named, with the question, turn, position and the target's (wide) margin there; an answer that
@@ -165,6 +175,20 @@ def test_a_biased_method_is_caught_with_the_targets_margin_where_it_parts():
   assert line.startswith("biased: question 7 turn 1 differs from ar at token 11: the target's top-2")
   table = spec_bench_run.markdown(list(results.values()))
   assert "| same |" in table and f"no: 1 turns, at top-2 logit margins of at most {margins[11]:.4f} |" in table
+  # Judged against a near-tie's line: wider is a fault, and the run's one line names it.
+  from hitree_jax import near_ties
+  two = {m: by_method[m] for m in ("ar", "biased")}
+  for tie, fault in ((margins[11] / 2, True), (margins[11], False)):
+    judged = {r["method"]: r for r in spec_bench_run.rows(two, True, margins_of, tie)}
+    assert judged["biased"]["differs_from_ar"][0]["near_tie"] is not fault
+    message = near_ties.fault_message(list(judged.values()), tie, lambda d: f"question {d['question_id']}")
+    assert (message is not None) == fault
+  assert message is None and ", a near-tie" in spec_bench_run.parting_line("biased", judged["biased"]["differs_from_ar"][0])
+  judged = spec_bench_run.rows(two, True, margins_of, margins[11] / 2)
+  message = near_ties.fault_message(judged, margins[11] / 2, lambda d: f"question {d['question_id']}")
+  assert message.startswith("1 greedy runs parted from ar at a top-2 logit margin wider than a near-tie")
+  assert "the first: biased: question 7 differs from ar at token 11" in message
+  assert message.endswith("wider than a near-tie: not rounding")
   # Without a model to ask, the parting is still named.
   plain = spec_bench_run.rows(by_method, True)
   assert [r["differs_from_ar"] for r in plain if r["method"] == "biased"] == [[{"question_id": 7, "turn": 1, "at": 11}]]
