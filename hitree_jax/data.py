@@ -151,16 +151,3 @@ def book_prompts(
   if len({tuple(p) for p in prompts}) < n_prompts:
     raise too_small
   return prompts
-
-
-def book_passage(
-  n_tokens: int, tokenizer: Tokenizer, corpus: str = "austen", index: int = 0
-) -> str:
-  """Returns the text of prompt `index` from `book_prompts(..., n_prompts=index + 1)`.
-
-  The generate launcher's `--book` option uses this to turn book text into a prompt.
-  """
-  if index < 0:
-    raise UsageError(f"index must be non-negative, got {index}")
-  ids = book_prompts(tokenizer, n_tokens, index + 1, corpus)[index]
-  return tokenizer.decode(ids)

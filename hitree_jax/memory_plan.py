@@ -261,15 +261,6 @@ def _compile(config: ModelConfig, stack: Stack, mesh, prompt_tokens: int, max_ne
 # slice's devices are its TensorCores, two to a 32 GiB chip.
 DEVICE_MEMORY_GIB = {"v5e": 16, "v5p": 95, "v6e": 32, "v4": 16, "h100": 80, "h200": 141, "a100": 80}
 
-# DEVICE_MEMORY_GIB's name of a device by what jax's device_kind contains (the first match wins).
-DEVICE_NAMES = (("TPU v5 lite", "v5e"), ("TPU v6 lite", "v6e"), ("TPU v5", "v5p"), ("TPU v4", "v4"),
-                ("H100", "h100"), ("H200", "h200"), ("A100", "a100"))
-
-
-def device_name(device_kind: str) -> str | None:
-  """'v5e' for 'TPU v5 lite', 'h100' for 'NVIDIA H100 80GB HBM3'; None for a kind not listed."""
-  return next((name for kind, name in DEVICE_NAMES if kind.lower() in device_kind.lower()), None)
-
 # Memory bandwidth per device, GB/s, as the vendors state it, by what jax's device_kind contains
 # (the first match wins: "H100 PCIe" before "H100").
 DEVICE_BANDWIDTH_GB_S = (("H100 PCIe", 2000), ("H100 NVL", 3900), ("H100", 3350), ("H200", 4800),

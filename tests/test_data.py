@@ -107,13 +107,6 @@ def test_prompts_are_book_text_from_line_starts():
     assert passage.split()[0] in line_starts
 
 
-def test_book_passage():
-  tok = WordTokenizer()
-  passage = data.book_passage(16, tok, index=2)
-  assert len(passage.split()) == 16
-  assert passage == tok.decode(data.book_prompts(tok, 16, 3)[2])
-
-
 def test_bad_corpus():
   with pytest.raises(ValueError, match="'nope'.*austen"):
     data.book_text("nope")
