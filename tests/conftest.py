@@ -10,6 +10,13 @@ longer to compile than to run), so before jax starts:
   always; LLVM may round a multiply-add differently, and every test compares results computed
   under the same flags (or within a tolerance, against PyTorch). Launcher subprocesses inherit
   it. CI's real generations (the README's command, .ci/runtime_smoke) keep the shipped defaults.
+- XLA:CPU emits its fusions the older way, straight to LLVM IR (`--xla_cpu_use_fusion_emitters=
+  false`, unless $XLA_FLAGS names it), not through its MLIR emitters: at -O0 that compiles the
+  suite's many small programs in about 40% less time (tests/test_hierarchy.py's greedy tests:
+  49 s of compiling down to 28 s), and the whole suite took 3,405 worker-seconds instead of
+  4,230 (docs/results/suite_time.md). On the real SmolLM2 at a 2K-token prompt it is the other
+  way round (TriForce from cold: 48 s instead of 39 s at -O0; 68 s instead of 42 s at XLA's
+  default -O2), so those tests drop it, and the product keeps XLA's default.
 - Programs go to the persistent compilation cache (compile_cache: $HITREE_COMPILE_CACHE, else
   <assets>/xla_cache, shared with the launcher subprocesses and both pytest-xdist workers), so a
   program that two tests or two modules compile is compiled once.
@@ -27,8 +34,11 @@ import os
 # TPU slice without one), and without this every process would look for a TPU first.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
-if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in _flags:
-  os.environ["XLA_FLAGS"] = f"{_flags} --xla_backend_optimization_level=0".strip()
+if os.environ["JAX_PLATFORMS"] == "cpu":
+  for _flag, _value in (("xla_backend_optimization_level", "0"), ("xla_cpu_use_fusion_emitters", "false")):
+    if _flag not in _flags:
+      _flags = f"{_flags} --{_flag}={_value}".strip()
+  os.environ["XLA_FLAGS"] = _flags
 
 from hitree_jax import huge_pages  # noqa: E402  (imports no jax)
 
