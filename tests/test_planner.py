@@ -552,10 +552,10 @@ def test_a_profile_is_kept_per_precision_of_the_target():
 
 @pytest.mark.slow
 def test_auto_with_bfloat16_keys_plans_from_their_own_profile(tmp_path):
-  """launch.plan --key_dtype=bfloat16 and generate --method=auto --key_dtype=bfloat16 read the
-  profile stored for bfloat16 keys (made up here; the float32 one is absent, so reading any
-  other would start measuring), the plan's config carries the key dtype, and auto's stack
-  generates what ar with bfloat16 keys does."""
+  """launch.plan --key_dtype=bfloat16 and `auto` with --key_dtype=bfloat16 (launch.benchmark's,
+  which plans as generate's does) read the profile stored for bfloat16 keys (made up here; the
+  float32 one is absent, so reading any other would start measuring), the plan's config carries
+  the key dtype, and auto's stack generates what ar with bfloat16 keys does."""
   import os
   import subprocess
   import sys
@@ -580,16 +580,16 @@ def test_auto_with_bfloat16_keys_plans_from_their_own_profile(tmp_path):
   assert plan.returncode == 0, plan.stderr[-3000:]
   assert f"profile: {stored}" in plan.stdout and "with keys in bfloat16" in out.read_text()
   assert json.loads(out.with_suffix(".json").read_text())["flags"] == {**expected.flags(draft), **keys}
-  common = ["--book=austen", "--prompt_tokens=500", "--max_new_tokens=12", "--ignore_eos", "--json",
-            "--key_dtype=bfloat16"]
-  records = {}
-  for name, args in [("ar", ["--method=ar"]), ("auto", ["--method=auto", f"--draft={draft}"])]:
-    proc = run("generate", *args, *common)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "profiling" not in proc.stderr
-    records[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert records["auto"]["method"].endswith(expected.levels.split("/", 1)[1])
-  assert records["auto"]["tokens"] == records["ar"]["tokens"]
+  # ar and auto in one benchmark, which compares their greedy tokens (and exits 1 if they part)
+  bench = tmp_path / "bench.json"
+  proc = run("benchmark", "--methods=ar,auto", f"--draft={draft}", "--key_dtype=bfloat16", "--book=austen",
+             "--prompt_tokens=500", "--max_new_tokens=12", "--n_prompts=1", "--time_levels=false", f"--out={bench}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "profiling" not in proc.stderr
+  record = json.loads(bench.read_text())
+  assert record["key_dtype"] == "bfloat16"
+  (planned,) = [r for r in record["results"] if r["method"] != "ar"]
+  assert planned["method"].endswith(expected.levels.split("/", 1)[1]) and planned["differs_from_ar"] == []
 
 
 def test_break_even_is_where_a_middle_level_starts_to_pay():
