@@ -280,7 +280,11 @@ def test_tree_spec_size_is_checked_before_building():
 
 @pytest.mark.slow
 def test_second_run_compiles_nothing(tmp_path):
-  args = ("--book=austen", "--prompt_tokens=32", "--max_new_tokens=4", "--method=sd",
+  """A second run of the same command loads every program from the persistent cache. On a
+  one-layer random model with SmolLM2's tokenizer: what is cached does not depend on the size."""
+  from tests.helpers import tiny_model_gguf
+  model = tiny_model_gguf(tmp_path / "tiny.gguf")
+  args = (f"--model={model}", "--book=austen", "--prompt_tokens=32", "--max_new_tokens=4", "--method=sd",
           "--draft=ngram", "--gamma=2", "--json")
   env = {"HITREE_COMPILE_CACHE": str(tmp_path / "xla")}
   first, second = (json.loads(launch("generate", *args, env=env).stdout.splitlines()[-1])

@@ -15,7 +15,8 @@ from hitree_jax.decode.drafters import Drafter, Proposal, tree_attend_mask
 from hitree_jax.decode.stack import Retrieval, Stack, Verifier
 from hitree_jax.tree import shapes as tree_lib
 from hitree_jax.tree.shapes import DynamicTree
-from tests.test_hierarchy import CONFIG, PROMPTS, peaked
+from tests.helpers import peaked
+from tests.test_hierarchy import CONFIG, PROMPTS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

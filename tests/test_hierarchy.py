@@ -13,7 +13,7 @@ from hitree_jax.decode.programs import Programs
 from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import init_params
+from tests.helpers import peaked
 from hitree_jax.tree import shapes as tree_lib
 from tests.test_engine import chi_square_pvalue, exact_joint_law
 
@@ -38,11 +38,6 @@ GREEDY_STACKS = {
     "4-level": Stack(NGramDrafter(2), tree_lib.chain(2),
                      (Verifier("draft", Full(), 3), Verifier("target", Retrieval(16, 4), 5)), draft=DRAFT),
 }
-
-
-def peaked(config, seed):
-  params = init_params(config, jax.random.key(seed))
-  return jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, params)  # no greedy near-ties
 
 
 @pytest.fixture(scope="module")

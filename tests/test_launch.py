@@ -50,10 +50,16 @@ def test_generate_json_record():
   assert record["compile_s"] > 0 and record["decode_tokens_per_s"] > 0
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+  from tests.helpers import tiny_model_gguf
+  return tiny_model_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
 @pytest.mark.slow
-def test_benchmark_writes_json_table_and_plots(tmp_path):
+def test_benchmark_writes_json_table_and_plots(tiny_model, tmp_path):
   out = tmp_path / "bench.json"
-  proc = launch("benchmark", "--model=smollm2", "--methods=ar,sd/ngram/2", "--prompt_tokens=32,48",
+  proc = launch("benchmark", f"--model={tiny_model}", "--methods=ar,sd/ngram/2", "--prompt_tokens=32,48",
                 "--max_new_tokens=4", "--n_prompts=2", "--book=austen", f"--out={out}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   record = json.loads(out.read_text())
@@ -475,8 +481,9 @@ def test_step_cost_splits_a_step_into_its_parts(tmp_path):
 
 
 @pytest.mark.slow
-def test_benchmark_runs_spec_bench_and_checks_every_turn_against_ar(tmp_path):
-  """Spec-Bench's protocol on SmolLM2-Instruct: chat template, EOS honoured, MT-bench's second
+def test_benchmark_runs_spec_bench_and_checks_every_turn_against_ar(tiny_model, tmp_path):
+  """Spec-Bench's protocol (on a one-layer model with SmolLM2-Instruct's tokenizer and template,
+  and SmolLM2's distilled draft): chat template, EOS honoured, MT-bench's second
   turn after the model's own first answer, per-task speedup and τ, and exactness per turn; with
   --methods=auto, the planner's stack for the questions' typical length (a stored profile, made
   up here: measuring SmolLM2's takes minutes)."""
@@ -487,13 +494,13 @@ def test_benchmark_runs_spec_bench_and_checks_every_turn_against_ar(tmp_path):
   from tests.test_planner import synthetic_profile
   draft = "drafts/smollm2-draft.gguf"
   # Chat questions of about 80 tokens are planned from a chat profile at 128.
-  key = (str(resolve("smollm2")), str(resolve(draft)), 128, SamplingParams.create())
+  key = (str(tiny_model), str(resolve(draft)), 128, SamplingParams.create())
   stored = auto.profile_path(tmp_path / "profiles", *key, "chat")
   stored.parent.mkdir(parents=True)
   stored.write_text(json.dumps({"key": auto.profile_key(*key, "chat", None), "profile": synthetic_profile(128)}))
   chosen = auto.choose(synthetic_profile(128), True)
   out = tmp_path / "sb.json"
-  proc = launch("benchmark", "--prompts=specbench", "--categories=mt_bench,qa", "--per_category=1",
+  proc = launch("benchmark", f"--model={tiny_model}", "--prompts=specbench", "--categories=mt_bench,qa", "--per_category=1",
                 "--methods=ar,sd/ngram/4,auto", f"--draft={draft}", "--max_new_tokens=16", f"--out={out}",
                 env=dict(os.environ, HITREE_PROFILES=str(tmp_path / "profiles")))
   assert proc.returncode == 0, proc.stderr[-3000:]

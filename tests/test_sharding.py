@@ -26,7 +26,7 @@ from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.tree import shapes as tree_lib
-from tests.test_hierarchy import peaked  # random weights without greedy near-ties
+from tests.helpers import peaked  # random weights without greedy near-ties
 
 # 8 query heads over 4 KV heads: model:4 puts one KV head on each device.
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=8,
