@@ -20,7 +20,7 @@ def get_config() -> config_dict.ConfigDict:
       kind="eagle",
       teacher="smollm2",
       workdir="runs/eagle",
-      out="drafts/smollm2-eagle",
+      out="runs/eagle/smollm2-eagle",   # --out=drafts/smollm2-eagle replaces the shipped one
       vocab_size=8192,
       window=256,
       train_windows=4608,

@@ -23,7 +23,7 @@ def get_config() -> config_dict.ConfigDict:
   config = shipped.config("distill_eagle")
   config.update(dict(
       workdir="runs/eagle_chat",
-      out="drafts/smollm2-eagle-chat",
+      out="runs/eagle-chat/smollm2-eagle-chat",   # --out=drafts/smollm2-eagle-chat replaces it
       train_windows=1536,
       steps=1200,
       train_text="chat",

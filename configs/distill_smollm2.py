@@ -17,7 +17,7 @@ def get_config() -> config_dict.ConfigDict:
   return config_dict.ConfigDict(dict(
       teacher="smollm2",
       workdir="runs/draft",
-      out="drafts/smollm2-draft.gguf",
+      out="runs/draft/smollm2-draft.gguf",   # --out=drafts/smollm2-draft.gguf replaces the shipped one
       layers="0,1,29",
       vocab_size=8192,
       window=256,

@@ -22,7 +22,7 @@ def get_config() -> config_dict.ConfigDict:
   with config.unlocked():
     config.update(dict(
         workdir="runs/eagle_chat",
-        out="drafts/smollm2-draft-chat.gguf",
+        out="runs/draft-chat/smollm2-draft-chat.gguf",   # --out=drafts/smollm2-draft-chat.gguf replaces it
         train_windows=1536,
         train_text="chat",
         own_prompt_tokens=128,

@@ -40,7 +40,8 @@ from hitree_jax.decode.programs import CPU_COPY_FREE
 from hitree_jax.decode.drafters import DraftWeights
 from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.decode.sizes import StackSizes
-from hitree_jax.decode.stack import Full, Stack
+from hitree_jax.cache.kinds import Full
+from hitree_jax.decode.stack import Stack
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import init_params
 

@@ -159,7 +159,7 @@ def _drafter(level: spec_lib.Level, target_config, draft_config, vocab):
   """The bottom level of a stack: ngram[:N], self:K, retrieval:B, eagle:PATH, medusa:PATH, or
   a draft model (`draft`, the --draft model, or its path) over its cache."""
   from hitree_jax.decode.drafters import ModelDrafter, parse_draft_spec
-  from hitree_jax.decode.stack import Full
+  from hitree_jax.cache.kinds import Full
   if level.feature_draft is not None:
     from hitree_jax.heads import saved
     kind, path = level.feature_draft
@@ -175,7 +175,8 @@ def _drafter(level: spec_lib.Level, target_config, draft_config, vocab):
 
 def _verifier(level: spec_lib.Level, gamma: int):
   """A middle level: the target over a retrieval cache, or the draft model over its cache."""
-  from hitree_jax.decode.stack import Full, Verifier
+  from hitree_jax.cache.kinds import Full
+  from hitree_jax.decode.stack import Verifier
   if level.kind == "retrieval":
     return Verifier("target", level.retrieval, gamma)
   return Verifier("draft", level.cache or Full(), gamma)

@@ -1,11 +1,12 @@
 """Distil a small draft from a target, export it as a GGUF, and evaluate drafts.
 
 Train (labels, training and export; an interrupted run resumes from workdir):
-  python -m launch.distill --teacher=smollm2 --workdir=runs/draft \
-      --out=drafts/smollm2-draft.gguf
+  python -m launch.distill --teacher=smollm2 --workdir=runs/draft   # writes runs/draft/draft.gguf
 Train EAGLE's one-layer feature draft, or Medusa's heads, on the target's features (heads/):
   python -m launch.distill --config=configs/distill_eagle.py   # drafts/smollm2-eagle's recipe
-  python -m launch.distill --kind=medusa --workdir=runs/eagle --out=drafts/smollm2-medusa
+  python -m launch.distill --kind=medusa --workdir=runs/eagle   # writes runs/eagle/medusa/
+The export goes under the workdir unless --out names a place: no default command writes over
+a shipped draft (--out=drafts/smollm2-draft.gguf does, when you mean it).
 Evaluate a draft on held-out books (agreement, acceptance, cost ratio):
   python -m launch.distill --eval --draft=drafts/smollm2-draft.gguf --json
 
@@ -34,8 +35,9 @@ flags.DEFINE_enum("kind", "draft", ["draft", "eagle", "medusa"], "What to train:
                   "on the teacher's features (a folder).")
 flags.DEFINE_string("teacher", "smollm2", "The target model to imitate (any --model spec).")
 flags.DEFINE_string("workdir", "runs/draft", "Labels, orbax checkpoints and logs (resumable).")
-flags.DEFINE_string("out", "drafts/smollm2-draft.gguf", "Where the trained draft is written: a GGUF "
-                    "(--kind=draft) or a folder (--kind=eagle; by default drafts/smollm2-eagle).")
+flags.DEFINE_string("out", None, "Where the trained draft is written: a GGUF (--kind=draft) or a "
+                    "folder (eagle, medusa); by default WORKDIR/draft.gguf or WORKDIR/KIND, never "
+                    "over a shipped draft.")
 flags.DEFINE_list("layers", ["0", "1", "29"], "--kind=draft: teacher layers the student starts from, in order.")
 flags.DEFINE_integer("vocab_size", 8192, "Draft vocabulary: most frequent training tokens (+ other).")
 flags.DEFINE_integer("window", 256, "Tokens per training window.")
@@ -79,10 +81,10 @@ FLAGS = flags.FLAGS
 
 
 def out_path() -> pathlib.Path:
-  """--out, or for heads left at the GGUF default, drafts/smollm2-KIND."""
-  if FLAGS.kind != "draft" and FLAGS.out == FLAGS["out"].default:
-    return pathlib.Path(f"drafts/smollm2-{FLAGS.kind}")
-  return pathlib.Path(FLAGS.out)
+  """--out, else under the workdir: WORKDIR/draft.gguf, or the folder WORKDIR/KIND for heads."""
+  if FLAGS.out:
+    return pathlib.Path(FLAGS.out)
+  return pathlib.Path(FLAGS.workdir) / ("draft.gguf" if FLAGS.kind == "draft" else FLAGS.kind)
 
 
 def command() -> str:

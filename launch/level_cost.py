@@ -213,7 +213,7 @@ def context_row(cfg, target: Arrays, draft: Arrays, params, draft_params, contex
   import jax.numpy as jnp
   from hitree_jax import memory_plan, sharding
   from hitree_jax.decode import long_caches
-  from hitree_jax.decode.stack import RETRIEVAL_CHUNK
+  from hitree_jax.cache.kinds import RETRIEVAL_CHUNK
   from hitree_jax.planner.profile import timed_forward, median_seconds
 
   full_bytes = memory_plan.per_device_bytes(target.abstract_cache(context))

@@ -109,7 +109,7 @@ PAPER_WIDTHS = (1, 8, 16)   # a level's roofline is affine in its width (planner
 def cost_of(levels, name: str, context: int, tail: int) -> dict[int, float]:
   """{width: roofline seconds} of a level, by its profile name."""
   from hitree_jax.decode import spec
-  from hitree_jax.decode.stack import Streaming
+  from hitree_jax.cache.kinds import Streaming
   level = spec.parse_level(name)
   if name == "target":
     costs = levels.target_full(context, PAPER_WIDTHS)

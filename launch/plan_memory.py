@@ -58,7 +58,8 @@ def device_gib(spec: str) -> float:
 
 def stack_of(cfg, draft_config):
   from hitree_jax.decode.drafters import ModelDrafter
-  from hitree_jax.decode.stack import Retrieval, Stack, Streaming, Verifier
+  from hitree_jax.cache.kinds import Retrieval, Streaming
+  from hitree_jax.decode.stack import Stack, Verifier
   from hitree_jax.tree import shapes as tree_lib
   return Stack(ModelDrafter(draft_config, cache=Streaming(cfg.sinks, cfg.window)), tree_lib.chain(cfg.gamma1),
                (Verifier("target", Retrieval(cfg.budget, 8), cfg.gamma2),), draft=draft_config)

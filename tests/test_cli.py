@@ -352,14 +352,17 @@ def test_distill_recipe_is_the_shipped_drafts():
   recipe = recipe_module.get_config()
   record = json.loads((REPO / "drafts" / "smollm2-draft.json").read_text())
   assert [int(x) for x in recipe.layers.split(",")] == record["layers"]
-  for name in ("vocab_size", "window", "eval_windows", "temperature", "top_p", "cost_context", "out"):
+  for name in ("vocab_size", "window", "eval_windows", "temperature", "top_p", "cost_context"):
     assert recipe[name] == record[name], name
+  # it writes under runs/, not over the draft it reproduces (that takes --out=drafts/...)
+  assert record["out"] == "drafts/smollm2-draft.gguf" and recipe.out.startswith("runs/")
   command = dict(arg[2:].split("=", 1) for arg in record["command"].split()[3:])
   assert int(command["steps"]) == recipe.steps and int(command["train_windows"]) == recipe.train_windows
   defaults = _flag_defaults("distill")
   for name, value in recipe.items():
     expected = value.split(",") if name == "layers" else value
-    assert name == "workdir" or defaults[name] == expected, (name, defaults[name], value)
+    assert name in ("workdir", "out") or defaults[name] == expected, (name, defaults[name], value)
+  assert defaults["out"] is None   # by default the export goes under --workdir
 
 
 def test_eagle_recipe_is_the_shipped_eagle_drafts():

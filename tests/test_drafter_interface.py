@@ -12,7 +12,8 @@ import pytest
 
 from hitree_jax.decode import engine
 from hitree_jax.decode.drafters import Drafter, Proposal, tree_attend_mask
-from hitree_jax.decode.stack import Retrieval, Stack, Verifier
+from hitree_jax.cache.kinds import Retrieval
+from hitree_jax.decode.stack import Stack, Verifier
 from hitree_jax.tree import shapes as tree_lib
 from hitree_jax.tree.shapes import DynamicTree
 from tests.helpers import peaked

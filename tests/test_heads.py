@@ -13,7 +13,8 @@ from hitree_jax.decode import engine
 from hitree_jax.decode.drafters import DraftWeights
 from hitree_jax.decode.programs import Programs
 from hitree_jax.decode.sampling import SamplingParams
-from hitree_jax.decode.stack import Full, Retrieval, Stack, Verifier
+from hitree_jax.cache.kinds import Full, Retrieval
+from hitree_jax.decode.stack import Stack, Verifier
 from hitree_jax.heads import eagle, medusa
 from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter
 from hitree_jax.model.config import ModelConfig

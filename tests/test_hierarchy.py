@@ -11,7 +11,8 @@ from hitree_jax.decode import verify as verify_lib
 from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter, SelfDrafter
 from hitree_jax.decode.programs import Programs
 from hitree_jax.decode.sampling import SamplingParams
-from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
+from hitree_jax.cache.kinds import Full, Retrieval, Streaming
+from hitree_jax.decode.stack import Stack, Verifier
 from hitree_jax.model.config import ModelConfig
 from tests.helpers import peaked
 from hitree_jax.tree import shapes as tree_lib

@@ -137,7 +137,8 @@ def test_level_plots_and_table(tmp_path):
   assert tables.level_markdown(rows[:1]) == ""
   assert tables.stack_shape(None) == {}
   from hitree_jax.decode.drafters import NGramDrafter
-  from hitree_jax.decode.stack import Retrieval, Stack, Verifier
+  from hitree_jax.cache.kinds import Retrieval
+  from hitree_jax.decode.stack import Stack, Verifier
   from hitree_jax.tree import shapes as tree_lib
   stack = Stack(NGramDrafter(2), tree_lib.kary(3, 2), (Verifier("target", Retrieval(64), 6),))
   assert tables.stack_shape(stack) == {"tree_depth": 2, "tree_size": 12, "tree_width": 3, "gammas": [6]}
@@ -265,8 +266,8 @@ def test_distill_checks_sampling_flags_before_any_slow_work(tmp_path):
 
 @pytest.mark.slow
 def test_distill_trains_exports_and_evaluates_a_draft(tmp_path):
-  out = tmp_path / "draft.gguf"
-  proc = launch("distill", "--teacher=smollm2", f"--workdir={tmp_path / 'work'}", f"--out={out}",
+  out = tmp_path / "work" / "draft.gguf"   # without --out the export goes under the workdir
+  proc = launch("distill", "--teacher=smollm2", f"--workdir={tmp_path / 'work'}",
                 "--layers=0", "--vocab_size=512", "--window=32", "--train_windows=4",
                 "--eval_windows=1", "--steps=2", "--batch=2", "--cost_context=32", "--json")
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -348,7 +349,7 @@ def test_distill_trains_eagle3_chat_heads_that_generate_like_ar(tmp_path):
 
 
 def test_reselection_in_presets_and_levels():
-  from hitree_jax.decode.stack import Retrieval
+  from hitree_jax.cache.kinds import Retrieval
   from hitree_jax.model.config import ModelConfig
   from hitree_jax.methods import Knobs, parse_method
   target = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

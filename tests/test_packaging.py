@@ -78,3 +78,30 @@ def test_no_top_level_launch_module_is_installed(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
   assert proc.stdout.split() == ["True", "True"], proc.stderr
+
+
+def _imports(module_path: pathlib.Path, package_root: pathlib.Path, modules: set[str]) -> set[str]:
+  """The library modules a file imports anywhere in it (type-checking imports included)."""
+  import ast
+  name = ".".join(module_path.relative_to(package_root).with_suffix("").parts)
+  package = name if module_path.name == "__init__.py" else name.rpartition(".")[0]
+  found = set()
+  for node in ast.walk(ast.parse(module_path.read_text())):
+    if isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+      found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+    elif isinstance(node, ast.Import):
+      found |= {a.name for a in node.names}
+  return (found & modules) - {name.removesuffix(".__init__")}
+
+
+def test_no_module_imports_one_that_imports_it_back():
+  """Modules form layers: no file imports one that imports it back, not even for type hints."""
+  files = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+           for p in (REPO / "hitree_jax").rglob("*.py")}
+  imports = {name: _imports(path, REPO, set(files)) for name, path in files.items()}
+  assert "hitree_jax.cache.kinds" in imports["hitree_jax.decode.drafters"]   # the check sees imports
+  circles = sorted({tuple(sorted((a, b))) for a in imports for b in imports[a] if a in imports.get(b, ())})
+  assert circles == []

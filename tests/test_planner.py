@@ -373,7 +373,7 @@ def test_a_retrieval_level_drafts_where_it_is_cheap_and_only_for_a_dearer_level(
   space: where that level costs a fraction of the target's forward over the whole context (an
   accelerator at long context) and the small drafts are poor, the plan drafts with it, and its
   flags build that stack. It proposes to no cheaper level, and no pair is measured twice."""
-  from hitree_jax.decode.stack import Retrieval
+  from hitree_jax.cache.kinds import Retrieval
   from hitree_jax.planner import auto
   from hitree_jax.methods import Knobs, parse_method
   space = auto.Space().for_context(2048)

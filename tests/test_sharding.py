@@ -23,7 +23,8 @@ from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter
 from hitree_jax.decode.programs import Programs
 from hitree_jax.decode.sampling import SamplingParams
-from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
+from hitree_jax.cache.kinds import Full, Retrieval, Streaming
+from hitree_jax.decode.stack import Stack, Verifier
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.tree import shapes as tree_lib
 from tests.helpers import peaked  # random weights without greedy near-ties

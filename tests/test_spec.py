@@ -9,7 +9,8 @@ import pytest
 from hitree_jax import methods
 from hitree_jax.decode import spec
 from hitree_jax.decode.drafters import ModelDrafter
-from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
+from hitree_jax.cache.kinds import Full, Retrieval, Streaming
+from hitree_jax.decode.stack import Stack, Verifier
 from hitree_jax.loading import load_config, load_vocab
 from hitree_jax.tree import shapes as tree_lib
 

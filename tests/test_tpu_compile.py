@@ -20,7 +20,8 @@ import pytest
 
 from hitree_jax import memory_plan, sharding, topology
 from hitree_jax.decode.drafters import ModelDrafter
-from hitree_jax.decode.stack import Full, Retrieval, Stack, Streaming, Verifier
+from hitree_jax.cache.kinds import Full, Retrieval, Streaming
+from hitree_jax.decode.stack import Stack, Verifier
 from hitree_jax.heads import eagle
 from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter
 from hitree_jax.model.config import ModelConfig

@@ -39,7 +39,7 @@ import numpy as np
 from hitree_jax.cache.full import KVCache
 from hitree_jax.decode.levels import Lead, LevelCache, round_mask
 from hitree_jax.decode.sampling import SamplingParams, draw, probabilities
-from hitree_jax.decode.stack import CacheKind, Full, Retrieval
+from hitree_jax.cache.kinds import CacheKind, Full, Retrieval
 from hitree_jax.errors import UsageError
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import forward, hidden_states
@@ -89,7 +89,7 @@ class Drafter(abc.ABC):
   (as dataclass fields or properties)."""
 
   mode = "deterministic"   # how children are drawn (spec.DRAW_MODES)
-  cache = None             # the kind of its long cache (stack.Full/Streaming/Retrieval), or None
+  cache = None             # the kind of its long cache (cache/kinds.py: Full, Streaming, Retrieval), or None
   cache_weights = None     # whose forward fills that cache: "draft", "target", or None (its own)
   reads_features = False   # reads the hidden states of the level above's verify forwards
   taps = ()                # ... and those of these target layers beside the final ones (EAGLE-3)

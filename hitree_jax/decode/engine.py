@@ -31,7 +31,8 @@ from hitree_jax.decode.loop import DecodeStart, Stats, Weights, decode_loop
 from hitree_jax.decode.result import GenerationResult
 from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.decode.sizes import StackSizes
-from hitree_jax.decode.stack import Retrieval, Stack
+from hitree_jax.cache.kinds import Retrieval
+from hitree_jax.decode.stack import Stack
 from hitree_jax.errors import UsageError
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.tree.shapes import DynamicTree, TokenTree

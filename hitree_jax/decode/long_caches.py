@@ -19,7 +19,7 @@ from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode import programs as programs_lib
 from hitree_jax.decode.loop import Weights
 from hitree_jax.decode.sizes import StackSizes
-from hitree_jax.decode.stack import Full, Streaming
+from hitree_jax.cache.kinds import Full, Streaming
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import rope_inv_freq
 

@@ -39,7 +39,7 @@ from hitree_jax.decode.features import keep_features
 from hitree_jax.decode.levels import Lead, LevelCache, commit, round_mask
 from hitree_jax.decode.sampling import SamplingParams, probabilities, sample
 from hitree_jax.decode.sizes import StackSizes
-from hitree_jax.decode.stack import Retrieval
+from hitree_jax.cache.kinds import Retrieval
 from hitree_jax.decode.verify import verify
 from hitree_jax.model.llama import forward
 from hitree_jax.tree import shapes as tree_lib

@@ -10,7 +10,8 @@ from jax.sharding import Mesh
 
 from hitree_jax import sharding
 from hitree_jax.decode.drafters import Drafter
-from hitree_jax.decode.stack import Full, Stack
+from hitree_jax.cache.kinds import Full
+from hitree_jax.decode.stack import Stack
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.tree.shapes import DynamicTree
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hitree_jax.decode.stack import Full, Retrieval, Streaming
+from hitree_jax.cache.kinds import Full, Retrieval, Streaming
 from hitree_jax.errors import UsageError
 
 DRAW_MODES = ("iid", "without_replacement", "deterministic")   # how a drafter draws children (verify.py)

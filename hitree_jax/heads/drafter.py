@@ -30,7 +30,7 @@ from hitree_jax.decode.drafters import (DraftInputs, Drafter, Proposal, check_dy
                                         fill_tree, round_attend, tree_attend_mask)
 from hitree_jax.decode.features import feature_at
 from hitree_jax.decode.levels import commit, round_mask
-from hitree_jax.decode.stack import Full
+from hitree_jax.cache.kinds import Full
 from hitree_jax.errors import UsageError
 from hitree_jax.heads import dflash, eagle, medusa, published
 from hitree_jax.model.config import ModelConfig

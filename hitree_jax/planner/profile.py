@@ -45,7 +45,7 @@ from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.drafters import parse_draft_spec
 from hitree_jax.decode.programs import Programs, ahead_of_time
 from hitree_jax.decode.sampling import probabilities
-from hitree_jax.decode.stack import Streaming
+from hitree_jax.cache.kinds import Streaming
 from hitree_jax.errors import UsageError
 from hitree_jax.heads import eagle as eagle_lib
 from hitree_jax.model.llama import forward
@@ -239,7 +239,8 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
   out negative here: not resolved by these widths, and left out.) costs: level_costs already
   measured at this prompt (the forwards it needs are timed only where missing)."""
   from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter
-  from hitree_jax.decode.stack import Full, Retrieval, Stack, Verifier
+  from hitree_jax.cache.kinds import Full, Retrieval
+  from hitree_jax.decode.stack import Stack, Verifier
   from hitree_jax.planner.latency import affine, tree_draft_seconds
   from hitree_jax.tree import shapes
 
