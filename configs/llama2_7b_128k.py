@@ -1,6 +1,6 @@
 """Llama-2-7B at 128K context, TriForce's setting, for launch.plan_memory (shapes only: no weights).
 
-  python -m launch.plan_memory --config=configs/llama2_7b_128k.py --topology=v5e:2x4
+  python -m launch.plan_memory --shapes=configs/llama2_7b_128k.py --topology=v5e:2x4
 
 The target is LWM-Text-128K's shape (Llama-2-7B, RoPE theta 1e7, 131,072 positions), in
 bfloat16: 13.5 GB of weights and a full cache of 0.5 MB per token (64 GiB at 128K). The stack

@@ -1,6 +1,6 @@
 """Llama-3.1-8B at 128K context for launch.plan_memory (shapes only: no weights).
 
-  python -m launch.plan_memory --config=configs/llama3_8b_128k.py --mesh=model:8 --device=h100
+  python -m launch.plan_memory --shapes=configs/llama3_8b_128k.py --mesh=model:8 --device=h100
 
 Grouped-query attention (8 KV heads for 32 query heads) makes its full bfloat16 cache 0.125 MB
 per token (16 GiB at 128K), a quarter of Llama-2-7B's; its 128K-token vocabulary makes the

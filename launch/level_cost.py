@@ -1,7 +1,7 @@
 """What each level of a long-context hierarchy costs on the devices present, for a real-shaped target.
 
-  python -m launch.level_cost --config=configs/llama2_7b_128k.py --contexts=32768,65536,130560 --json
-  python -m launch.level_cost --config=configs/llama2_7b_128k.py --mesh=model:8 --contexts=130560
+  python -m launch.level_cost --shapes=configs/llama2_7b_128k.py --contexts=32768,65536,130560 --json
+  python -m launch.level_cost --shapes=configs/llama2_7b_128k.py --mesh=model:8 --contexts=130560
 
 The config is a shapes config (configs/llama*_128k.py, as for launch.plan_memory): the target,
 the draft, the retrieval budget and the StreamingLLM window. The weights and each context's
@@ -24,7 +24,7 @@ configs: the tests), without a floor unless --bandwidth_gb_s is given.
 
 On paper, for a TPU you do not have (libtpu installed: ./setup.sh --tpu, or the test packages):
 
-  python -m launch.level_cost --config=configs/llama2_7b_128k.py --topology=v5e:2x4 --json
+  python -m launch.level_cost --shapes=configs/llama2_7b_128k.py --topology=v5e:2x4 --json
 
 compiles one forward of each level with the TPU compiler for that slice (hitree_jax/roofline.py)
 and reports, per device, its flops, the bytes it moves to and from HBM, the bytes it must read
@@ -48,8 +48,8 @@ from ml_collections import config_flags
 from hitree_jax.errors import UsageError
 from . import common
 
-config_flags.DEFINE_config_file("config", None, "A shapes config: configs/llama2_7b_128k.py, "
-                                "configs/llama3_8b_128k.py (--config.budget=8192 overrides a field).")
+config_flags.DEFINE_config_file("shapes", None, "A shapes config: configs/llama2_7b_128k.py, "
+                                "configs/llama3_8b_128k.py (--shapes.budget=8192 overrides a field).")
 common.define_mesh_flags()
 flags.DEFINE_list("contexts", ["32768", "65536", "98304", "130560"], "Context lengths (cache slots "
                   "filled), smallest first; each must exceed the retrieval budget.")
@@ -279,9 +279,9 @@ def markdown(record) -> str:
 
 def main(argv):
   del argv
-  cfg = FLAGS.config
+  cfg = FLAGS.shapes
   if cfg is None:
-    raise UsageError("--config: name a shapes config, e.g. configs/llama2_7b_128k.py")
+    raise UsageError("--shapes: name a shapes config, e.g. configs/llama2_7b_128k.py")
   try:
     contexts = [int(c) for c in FLAGS.contexts]
     widths = [int(w) for w in FLAGS.widths]
@@ -313,7 +313,7 @@ def main(argv):
   bandwidth = FLAGS.bandwidth_gb_s or memory_plan.device_bandwidth_gb_s(device.device_kind)
   memory = device_memory_bytes(device)
   target, draft = Arrays(target_config, mesh, split=True), Arrays(draft_config, mesh, split=False)
-  record = {"config": config_flags.get_config_filename(FLAGS["config"]), "device_kind": device.device_kind,
+  record = {"config": config_flags.get_config_filename(FLAGS["shapes"]), "device_kind": device.device_kind,
             "devices": 1 if mesh is None else mesh.size, "mesh": sharding.describe(mesh),
             "bandwidth_gb_s": bandwidth, "memory_gib": None if math.isinf(memory) else memory / 2**30,
             "budget": cfg.budget, "sinks": cfg.sinks, "window": cfg.window, "widths": widths,
@@ -372,7 +372,7 @@ def on_paper(cfg, contexts: list[int], widths: list[int]) -> dict:
   rows += [{"level": "eagle", "context": c, "costs": as_dicts(levels.eagle(c, widths))} for c in contexts]
   return {"source": ROOFLINE, "compiler": "tpu", "topology": FLAGS.topology, "device_kind": chip.kind,
           "devices": mesh.size, "mesh": sharding.describe(mesh), "bandwidth_gb_s": chip.bandwidth_gb_s,
-          "peak_tflops": chip.peak_tflops, "config": config_flags.get_config_filename(FLAGS["config"]),
+          "peak_tflops": chip.peak_tflops, "config": config_flags.get_config_filename(FLAGS["shapes"]),
           "budget": cfg.budget, "sinks": cfg.sinks, "window": cfg.window, "widths": widths,
           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
 

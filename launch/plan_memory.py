@@ -1,7 +1,7 @@
 """Will a generation fit on a mesh of accelerators? Per-device memory, compiled without them.
 
-  python -m launch.plan_memory --config=configs/llama2_7b_128k.py --topology=v5e:2x4
-  python -m launch.plan_memory --config=configs/llama2_7b_128k.py --mesh=model:8 --device=v5e
+  python -m launch.plan_memory --shapes=configs/llama2_7b_128k.py --topology=v5e:2x4
+  python -m launch.plan_memory --shapes=configs/llama2_7b_128k.py --mesh=model:8 --device=v5e
 
 The config names the target's and the draft's shapes and TriForce's stack (configs/llama*_128k.py).
 The prefill, the retrieval selection and the decode loop are compiled for the mesh with abstract
@@ -27,8 +27,8 @@ from ml_collections import config_flags
 from hitree_jax.errors import UsageError
 from . import common
 
-config_flags.DEFINE_config_file("config", None, "A shapes config: configs/llama2_7b_128k.py, "
-                                "configs/llama3_8b_128k.py (--config.budget=8192 overrides a field).")
+config_flags.DEFINE_config_file("shapes", None, "A shapes config: configs/llama2_7b_128k.py, "
+                                "configs/llama3_8b_128k.py (--shapes.budget=8192 overrides a field).")
 flags.DEFINE_string("topology", None, "A TPU slice to compile for with the TPU compiler, without a "
                     "TPU: v5e:1x1 (one chip), v5e:2x2, v5e:2x4, v6e:2x4, v5p:2x2x1, v4:2x2x1, ... "
                     "Needs libtpu (pip install \"jax[tpu]\"); without it the plan is simulated on CPU "
@@ -67,9 +67,9 @@ def stack_of(cfg, draft_config):
 
 def main(argv):
   del argv
-  cfg = FLAGS.config
+  cfg = FLAGS.shapes
   if cfg is None:
-    raise UsageError("--config: name a shapes config, e.g. configs/llama2_7b_128k.py")
+    raise UsageError("--shapes: name a shapes config, e.g. configs/llama2_7b_128k.py")
   from hitree_jax import sharding, topology
   tpu = FLAGS.topology is not None and topology.tpu_compiler_installed()
   if FLAGS.topology is not None:
@@ -99,7 +99,7 @@ def main(argv):
                           cfg.max_new_tokens, cfg.batch)
   plan.update(device=FLAGS.device or _chip(FLAGS.topology) or "v5e", device_gib=gib,
               fits=plan["peak"] <= gib * memory_plan.GIB, spare=1 - plan["peak"] / (gib * memory_plan.GIB),
-              topology=FLAGS.topology, config=config_flags.get_config_filename(FLAGS["config"]),
+              topology=FLAGS.topology, config=config_flags.get_config_filename(FLAGS["shapes"]),
               prompt_tokens=cfg.prompt_tokens, max_new_tokens=cfg.max_new_tokens, budget=cfg.budget)
   print(report(plan))
   if FLAGS.json:

@@ -246,7 +246,7 @@ def test_plan_memory_launcher_says_whether_it_fits(tmp_path):
   config = tmp_path / "tiny.py"
   config.write_text(TINY_SHAPES)
   for device, fits in (("h100", True), ("0.001", False)):
-    proc = subprocess.run([sys.executable, "-m", "launch.plan_memory", f"--config={config}", "--mesh=model:4",
+    proc = subprocess.run([sys.executable, "-m", "launch.plan_memory", f"--shapes={config}", "--mesh=model:4",
                            f"--device={device}", "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -292,7 +292,7 @@ def test_level_cost_times_every_level_against_the_floor_and_skips_what_does_not_
   config.write_text(TINY_SHAPES)
   weights, held_512, full_512 = tiny_shapes_bytes(512, model=4)
   env = with_devices(4)
-  proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--config={config}", "--mesh=model:4",
+  proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--shapes={config}", "--mesh=model:4",
                          "--contexts=512,1024", "--widths=1,3", "--repeats=2", "--bandwidth_gb_s=10",
                          "--memory_gib=0.00035", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
                         timeout=300)
@@ -310,10 +310,10 @@ def test_level_cost_times_every_level_against_the_floor_and_skips_what_does_not_
   assert too_big["context"] == 1024 and "needs" in too_big["skipped"] and "target_ms" not in too_big
   assert "| 1024 | skipped: needs" in proc.stdout
   assert "context 512, target: 1 tok" in proc.stdout   # each level said as it is timed
-  proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--config={config}", "--contexts=256"],
+  proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--shapes={config}", "--contexts=256"],
                         cwd=REPO, capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and "must exceed the retrieval budget (256)" in proc.stderr
-  proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--config={config}", "--contexts=4090",
+  proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--shapes={config}", "--contexts=4090",
                          "--widths=1,8"], cwd=REPO, capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and "4090 + 8 tokens is past the target's 4096 positions" in proc.stderr
 
@@ -321,8 +321,8 @@ def test_level_cost_times_every_level_against_the_floor_and_skips_what_does_not_
 def test_level_cost_times_caches_of_the_engines_shape():
   """level_cost's cache for a context holds that many tokens in the slots the engine allocates
   (the bucket's multiple): the shape decides the GPU's kernels (an H200 padded a 131,008-slot
-  cache every step, at 2.5x the time of a 131,072-slot one). In a process of its own: the
-  launcher's --config (a shapes file) is another flag than the other launchers' --config."""
+  cache every step, at 2.5x the time of a 131,072-slot one). In a process of its own: importing a
+  launcher defines its flags, which other launchers the tests import define too (--mesh)."""
   code = ("from launch import level_cost; from tests.test_sharding import CONFIG; "
           "cache = level_cost.Arrays(CONFIG, None, split=True).cache(600, seed=0); "
           "print(cache.keys[0].shape[-1], cache.lengths.tolist(), level_cost.engine_slots(768))")

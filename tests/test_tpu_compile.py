@@ -124,7 +124,7 @@ def test_plan_memory_for_a_tpu_slice_says_whose_figures_they_are(tmp_path):
   """The launcher compiles for --topology with the TPU compiler and says so in its record."""
   config = tmp_path / "tiny.py"
   config.write_text(TINY_SHAPES)
-  proc = subprocess.run([sys.executable, "-m", "launch.plan_memory", f"--config={config}",
+  proc = subprocess.run([sys.executable, "-m", "launch.plan_memory", f"--shapes={config}",
                          "--topology=v5e:2x2", "--json"], cwd=REPO, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   record = json.loads(proc.stdout.strip().splitlines()[-1])
