@@ -125,7 +125,7 @@ class Decoder:
                                      context=(cache.long,), taps=taps)
     return probabilities(logits[:, first:], self.sampling), hidden, recent
 
-  def _check(self, j: int, st: LoopState, prop: Proposal, mode: str, length, key, live):
+  def _verify_and_commit(self, j: int, st: LoopState, prop: Proposal, mode: str, length, key, live):
     """Level j verifies `prop` with one forward; commits its cache (and a drafter's below);
     writes the emitted tokens after prop.start; rolls the levels below back.
 
@@ -251,7 +251,7 @@ class Decoder:
       live = live_rows(st, count)
       key, k_propose, k_verify = jax.random.split(key, 3)
       st, prop, mode, length = self._propose(j - 1, st, k_propose)
-      st, _, n_acc, probs = self._check(j, st, prop, mode, length, k_verify, live)
+      st, _, n_acc, probs = self._verify_and_commit(j, st, prop, mode, length, k_verify, live)
       k = jnp.arange(probs.shape[1])[None, :]
       at = jnp.where(live[:, None] & (k <= n_acc[:, None]), count[:, None] + k, size + 1)
       buffer_q = buffer_q.at[rows, at].set(probs, mode="drop")
@@ -273,7 +273,7 @@ class Decoder:
       st, emitted, n_acc = self._ar_step(st, k_verify, live)
     else:
       st, prop, mode, length = self._propose(top - 1, st, k_propose)
-      st, emitted, n_acc, _ = self._check(top, st, prop, mode, length, k_verify, live)
+      st, emitted, n_acc, _ = self._verify_and_commit(top, st, prop, mode, length, k_verify, live)
     k = jnp.arange(emitted.shape[1])[None, :]
     n_emit = jnp.where(live, n_acc + 1, 0)
     is_eos = (emitted == self.eos_id) & (k < n_emit[:, None])
@@ -411,5 +411,5 @@ def level_round(sizes: StackSizes, weights: Weights, long_caches, start: DecodeS
     mode = "iid"
   live = jnp.ones_like(st.done)
   length = jnp.full_like(st.end, sizes.proposal_depth(j - 1))
-  st, emitted, n_acc, _ = decoder._check(j, st, prop, mode, length, key, live)
+  st, emitted, n_acc, _ = decoder._verify_and_commit(j, st, prop, mode, length, key, live)
   return emitted, n_acc, tuple(c.recent for c in st.caches if c is not None)
