@@ -255,6 +255,9 @@ def main(argv):
   from hitree_jax.decode.programs import Programs
 
   model, tokenizer, methods = load_target(mesh, methods)
+  from hitree_jax import near_ties
+  margins_of = lambda prompt, answer: near_ties.top2_margins(model.params, model.config, prompt, answer)
+  tie = near_ties.tie_margin(model.config)
   peer_engines = make_peers(model.path, max(lengths))
   rows = []
   ar_tokens = {}  # (prompt length, prompt index) -> ar's tokens: what greedy peers are compared with
@@ -303,7 +306,8 @@ def main(argv):
           "median_prefill_s": statistics.median(x["prefill_s"] for x in runs)})
       rows += [peer_row(peer, n_tokens, peer_runs[peer]) for peer in beside]
       pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))  # survives a crash
-    compare_with_ar(model, rows, prompts, n_tokens, ar_tokens, greedy_tokens)
+    if FLAGS.temperature == 0:   # sampled tokens differ from ar's by their random numbers alone
+      compare_with_ar(rows, prompts, n_tokens, ar_tokens, greedy_tokens, margins_of, tie)
     if not any(m.label == "ar" for m in planned):  # no `ar` to time them beside: after the methods
       for peer in peer_engines:
         peer_warm_up(peer, n_tokens, prompts[0], progress)
@@ -311,25 +315,22 @@ def main(argv):
                                               for i, ids in enumerate(prompts)]))
         pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))
   write_outputs(record(rows))
-  from hitree_jax import near_ties
   for r in rows:
     for d in r.get("differs_from_ar", []):
       print(f"{r['method']}: prompt {d['prompt']} of {r['prompt_tokens']} tokens {near_ties.describe(d)}")
-  fail_on_faults(rows, near_ties.tie_margin(model.config),
-                 lambda d: f"prompt {d['prompt']}")
+  fail_on_faults(rows, tie, lambda d: f"prompt {d['prompt']}")
 
 
-def compare_with_ar(model, rows, prompts, n_tokens: int, ar_tokens: dict, greedy_tokens: dict) -> None:
+def compare_with_ar(rows, prompts, n_tokens: int, ar_tokens: dict, greedy_tokens: dict, margins_of,
+                    tie: float) -> None:
   """Greedy decoding: each method's tokens on each prompt of this length against `ar`'s, as its
   row's differs_from_ar (near_ties.compare: where it parts, the target's margin there, and
   whether a near-tie explains it). Nothing to compare without `ar` among the methods."""
   from hitree_jax import near_ties
   if not any(length == n_tokens for length, _ in ar_tokens):
     return
-  margins_of = lambda prompt, answer: near_ties.top2_margins(model.params, model.config, prompt, answer)
-  tie = near_ties.tie_margin(model.config)
   for row in rows:
-    if row["prompt_tokens"] != n_tokens or row["method"] == "ar" or row.get("peer") or "differs_from_ar" in row:
+    if row["prompt_tokens"] != n_tokens or row["method"] == "ar" or row.get("peer"):
       continue
     row["differs_from_ar"] = []
     for i, ids in enumerate(prompts):

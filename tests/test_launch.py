@@ -81,6 +81,13 @@ def test_benchmark_writes_json_table_and_plots(tiny_model, tmp_path):
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, name
   # 2 lengths x 2 methods x (warm-up + 2 prompts) timed runs, each a progress line with an ETA.
   assert "benchmark 1/12 (8%) elapsed" in proc.stderr and "benchmark 12/12 (100%)" in proc.stderr
+  # sampled: nothing to compare with ar's tokens, and nothing compared
+  proc = launch("benchmark", f"--model={tiny_model}", "--methods=ar,sd/ngram/2", "--prompt_tokens=32",
+                "--max_new_tokens=4", "--n_prompts=1", "--temperature=0.6", "--time_levels=false",
+                f"--out={tmp_path / 'sampled.json'}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = json.loads((tmp_path / "sampled.json").read_text())["results"]
+  assert [r["method"] for r in rows] == ["ar", "sd/ngram/2"] and not any("differs_from_ar" in r for r in rows)
 
 
 def test_plots_normalise_acceptance_per_round(tmp_path):
