@@ -35,6 +35,12 @@ your own questions in the same format:
 
   python -m launch.benchmark --prompts=specbench --per_category=10 \
       --methods=ar,sd/ngram/4,sd/drafts/smollm2-draft.gguf/3 --out=specbench.json
+
+--batch_sizes=1,4,16 asks each method the questions that many at a time, a row each (turn by
+turn: MT-bench's second turns form the next batch). Tokens/s counts every row's tokens over the
+batches' decode seconds, a row's latency is its batch's decode time, and the speedup is over
+`ar` at the same batch size; greedy answers are compared with `ar`'s at batch 1, what each
+question gives alone.
 """
 
 from __future__ import annotations
@@ -86,6 +92,9 @@ flags.DEFINE_string("prompts", "books", "books (passages of --book, --prompt_tok
 flags.DEFINE_list("categories", [], "With --prompts: only these tasks (mt_bench, translation, "
                   "summarization, qa, math_reasoning, rag) or categories (e.g. coding).")
 flags.DEFINE_integer("per_category", None, "With --prompts: at most this many questions per task.")
+flags.DEFINE_list("batch_sizes", ["1"], "Run every method at each of these batch sizes: questions "
+                  "(or passages) decoded together, a row each. Reports tokens/s over all rows, "
+                  "each row's latency and tokens per target forward.")
 flags.DEFINE_string("out", "results.json", "Where to write the JSON results (the table and plots "
                     "go beside it: OUT.md, OUT_speed.png, OUT_acceptance.png).")
 FLAGS = flags.FLAGS
@@ -119,6 +128,17 @@ def check_flags() -> list[int]:
   return lengths
 
 
+def batch_sizes() -> list[int]:
+  """--batch_sizes as numbers, each at least 1."""
+  try:
+    sizes = [int(b) for b in FLAGS.batch_sizes]
+  except ValueError:
+    raise app.UsageError(f"--batch_sizes={','.join(FLAGS.batch_sizes)}: expected comma-separated integers") from None
+  if not sizes or min(sizes) < 1:
+    raise app.UsageError(f"--batch_sizes={','.join(FLAGS.batch_sizes)}: give batch sizes of at least 1")
+  return sizes
+
+
 def write_outputs(record: dict) -> None:
   """OUT.json, OUT.md and the plots, all named from --out."""
   from . import plots
@@ -148,6 +168,9 @@ def questions():
   if FLAGS.prompts == "books":
     if FLAGS.categories or FLAGS.per_category is not None:
       raise app.UsageError("--categories and --per_category apply to --prompts=specbench or a .jsonl")
+    if FLAGS.batch_sizes != ["1"]:
+      raise app.UsageError("--batch_sizes applies to --prompts=specbench or a .jsonl; book passages "
+                           "are benchmarked one at a time")
     return None
   from hitree_jax import spec_bench
   for name in ("prompt_tokens", "n_prompts", "book", "peers", "predict"):
@@ -187,31 +210,32 @@ def run_questions(chosen, methods, sampling, mesh) -> None:
                                    ).load_draft(model.config, model.params)
     auto = dataclasses.replace(auto, label=f"{auto.label} (planned for {typical} prompt tokens)")
     methods = [auto if m == "auto" else m for m in methods]
-  progress = Progress("spec-bench", len(methods) * (len(chosen) + 1))
-  by_method = {}
-  for method in methods:
+  sizes = batch_sizes()
+  progress = Progress("spec-bench", sum(len(methods) * (len(spec_bench_run.batches(chosen, b)) + 1) for b in sizes))
+  by_run = {}
+  for size, method in itertools.product(sizes, methods):
     programs = Programs()
     jax.clear_caches()
     gc.collect()
-    ask = lambda q: spec_bench_run.answer(model, tokenizer, method, q, sampling, programs, mesh, max_new, FLAGS.seed)
-    ask(chosen[0])   # warm-up: compiles; not counted
-    progress.step(detail=f"{method.label} warm-up")
+    ask = lambda qs: spec_bench_run.answer(model, tokenizer, method, qs, sampling, programs, mesh, max_new, FLAGS.seed)
+    groups = spec_bench_run.batches(chosen, size)
+    ask(groups[0])   # warm-up: compiles; not counted
+    at = f" x{size}" if size != 1 else ""
+    progress.step(detail=f"{method.label}{at} warm-up")
     runs = []
-    for q in chosen:
-      runs.append({"question_id": q.question_id, "task": q.task, "category": q.category, "turns": ask(q)})
-      progress.step(detail=f"{method.label} question {q.question_id}")
-    by_method[method.label] = runs
+    for group in groups:
+      for q, turns in zip(group, ask(group)):
+        runs.append({"question_id": q.question_id, "task": q.task, "category": q.category, "turns": turns})
+      progress.step(detail=f"{method.label}{at} questions {group[0].question_id}-{group[-1].question_id}")
+    by_run[method.label, size] = runs
+    # What has run so far survives a run cut short (the margins of any parting come at the end).
+    write_questions_record(by_run, spec_bench_run.rows(by_run, FLAGS.temperature == 0), max_new, sizes, chosen)
   greedy = FLAGS.temperature == 0
   from hitree_jax import near_ties
   margins_of = lambda prompt, answer: near_ties.top2_margins(model.params, model.config, prompt, answer)
   tie = near_ties.tie_margin(model.config)
-  results = spec_bench_run.rows(by_method, greedy, margins_of, tie)
-  out = pathlib.Path(FLAGS.out)
-  runs = {m: [{**r, "turns": [{k: v for k, v in t.items() if k not in ("tokens", "prompt")}
-                              for t in r["turns"]]} for r in rs] for m, rs in by_method.items()}
-  out.write_text(json.dumps({**record([]), "prompts": FLAGS.prompts, "max_new_tokens": max_new,
-                             "tasks": spec_bench_run.tasks_count(chosen), "results": results, "runs": runs},
-                            indent=2))
+  results = spec_bench_run.rows(by_run, greedy, margins_of, tie)
+  out = write_questions_record(by_run, results, max_new, sizes, chosen)
   table = spec_bench_run.markdown(results)
   out.with_suffix(".md").write_text(table + "\n")
   written = [out, out.with_suffix(".md")]
@@ -220,9 +244,22 @@ def run_questions(chosen, methods, sampling, mesh) -> None:
   print(table)
   for r in results:
     for d in r.get("differs_from_ar", []):
-      print(spec_bench_run.parting_line(r["method"], d))
+      print(spec_bench_run.parting_line(spec_bench_run.name(r), d))
   logging.info("wrote %s", ", ".join(map(str, written)))
   fail_on_faults(results, tie, lambda d: f"question {d['question_id']} turn {d['turn']}")
+
+
+def write_questions_record(by_run: dict, results: list[dict], max_new: int, sizes: list[int], chosen) -> pathlib.Path:
+  """--out's JSON for --prompts: the settings, the report's rows and every turn's figures."""
+  from . import spec_bench_run
+  out = pathlib.Path(FLAGS.out)
+  runs = [{"method": m, "batch_size": size,
+           "questions": [{**r, "turns": [{k: v for k, v in t.items() if k not in ("tokens", "prompt")}
+                                         for t in r["turns"]]} for r in rs]} for (m, size), rs in by_run.items()]
+  out.write_text(json.dumps({**record([]), "prompts": FLAGS.prompts, "max_new_tokens": max_new, "batch_sizes": sizes,
+                             "tasks": spec_bench_run.tasks_count(chosen), "results": results, "runs": runs},
+                            indent=2))
+  return out
 
 
 def parsed_methods(specs: list[str]) -> list:
@@ -237,6 +274,7 @@ def main(argv):
   del argv
   mesh = common.mesh_from_flags(FLAGS)  # first: a multi-host run joins before jax starts
   chosen = questions()
+  batch_sizes()   # a bad --batch_sizes fails before the model loads
   if chosen is not None:
     specs = methods_lib.join_method_specs(FLAGS.methods)
     if "auto" in specs:

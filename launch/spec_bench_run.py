@@ -14,28 +14,40 @@ from __future__ import annotations
 
 import collections
 import statistics
+from typing import Sequence
 
 from hitree_jax import spec_bench
 
 from .tables import differs_cell
 
 
-def answer(model, tokenizer, method, question: spec_bench.Question, sampling, programs, mesh,
-           max_new_tokens: int, seed: int) -> list[dict]:
-  """One question, turn by turn: [{new_tokens, decode_s, prefill_s, target_forwards, compiles,
-  tokens, prompt}] per turn (prompt: the turn's token ids, the conversation so far)."""
+def answer(model, tokenizer, method, questions: Sequence[spec_bench.Question], sampling, programs,
+           mesh, max_new_tokens: int, seed: int) -> list[list[dict]]:
+  """Questions asked together, one batch per turn: turn t of every question that has one, each
+  after the model's own earlier answers. Per question, per turn: {prompt_tokens, new_tokens,
+  decode_s, rows, prefill_s, target_forwards, compiles, tokens, prompt}, where decode_s is the
+  batch's, shared by its `rows` rows, and target_forwards the forwards while this row generated."""
   from hitree_jax.tokenizer import conversation_prompt
-  answers, turns = [], []
-  for t in range(len(question.turns)):
-    ids = conversation_prompt(tokenizer, question.turns[:t + 1], answers)
-    r = method.generate(model.params, model.config, [ids], max_new_tokens=max_new_tokens, sampling=sampling,
-                        seed=seed, stop_at_eos=True, programs=programs, mesh=mesh)
-    tokens = r.tokens[0]
-    answers.append(tokenizer.decode(tokens, skip_special_tokens=True))
-    turns.append({"prompt_tokens": len(ids), "new_tokens": len(tokens), "decode_s": r.decode_s,
-                  "prefill_s": r.prefill_s, "target_forwards": r.target_forwards or len(tokens),
-                  "compiles": r.compiles, "tokens": tokens, "prompt": ids})
+  answers = [[] for _ in questions]
+  turns = [[] for _ in questions]
+  for t in range(max(len(q.turns) for q in questions)):
+    asked = [i for i, q in enumerate(questions) if t < len(q.turns)]
+    prompts = [conversation_prompt(tokenizer, questions[i].turns[:t + 1], answers[i]) for i in asked]
+    r = method.generate(model.params, model.config, prompts, max_new_tokens=max_new_tokens,
+                        sampling=sampling, seed=seed, stop_at_eos=True, programs=programs, mesh=mesh)
+    for row, (i, ids) in enumerate(zip(asked, prompts)):
+      tokens = r.tokens[row]
+      answers[i].append(tokenizer.decode(tokens, skip_special_tokens=True))
+      turns[i].append({"prompt_tokens": len(ids), "new_tokens": len(tokens), "decode_s": r.decode_s,
+                       "rows": len(asked), "prefill_s": r.prefill_s,
+                       "target_forwards": r.rounds_per_row[row] if r.rounds_per_row else len(tokens),
+                       "compiles": r.compiles, "tokens": tokens, "prompt": ids})
   return turns
+
+
+def batches(questions: Sequence[spec_bench.Question], batch_size: int) -> list[list[spec_bench.Question]]:
+  """The questions in order, batch_size at a time (the last batch may be smaller)."""
+  return [list(questions[i:i + batch_size]) for i in range(0, len(questions), batch_size)]
 
 
 def mismatches(runs: list[dict], ar_runs: list[dict], margins_of=None, tie: float | None = None) -> list[dict]:
@@ -59,46 +71,58 @@ def parting_line(method: str, d: dict) -> str:
 
 
 def summary(runs: list[dict]) -> dict:
-  """Totals over some questions' turns: tokens/s (total over total, Spec-Bench's), τ."""
+  """Totals over some questions' turns: tokens/s over all rows (Spec-Bench's total over total,
+  each batch's decode seconds counted once), τ, and a row's latency (its batch's decode seconds)."""
   turns = [t for r in runs for t in r["turns"]]
   new = sum(t["new_tokens"] for t in turns)
-  seconds = sum(t["decode_s"] for t in turns)
+  seconds = sum(t["decode_s"] / t["rows"] for t in turns)
   forwards = sum(t["target_forwards"] for t in turns)
+  median = lambda key: statistics.median(t[key] for t in turns) if turns else None
   return {"questions": len(runs), "turns": len(turns), "new_tokens": new, "decode_s": seconds,
           "tokens_per_s": new / seconds if seconds else 0.0, "tau": new / forwards if forwards else None,
-          "median_prefill_s": statistics.median(t["prefill_s"] for t in turns) if turns else None}
+          "median_row_latency_s": median("decode_s"), "median_prefill_s": median("prefill_s")}
 
 
-def rows(by_method: dict[str, list[dict]], greedy: bool, margins_of=None, tie: float | None = None) -> list[dict]:
-  """Per method: per task and overall, tokens/s, τ and the speedup over `ar`; with greedy
-  decoding, the turns that differ from `ar`'s (with margins_of: how near a tie, `mismatches`)."""
-  tasks = list(dict.fromkeys(r["task"] for runs in by_method.values() for r in runs))
-  per = {m: {task: summary([r for r in runs if r["task"] == task]) for task in tasks}
-         for m, runs in by_method.items()}
-  overall = {m: summary(runs) for m, runs in by_method.items()}
-  base = per.get("ar"), overall.get("ar")
+def rows(by_run: dict[tuple[str, int], list[dict]], greedy: bool, margins_of=None,
+         tie: float | None = None) -> list[dict]:
+  """Per (method, batch size): per task and overall, tokens/s, τ and the speedup over `ar` at the
+  same batch size; with greedy decoding, the turns that differ from what `ar` gives each prompt
+  alone (batch 1; `ar` at the run's batch size when batch 1 was not run), with margins_of how
+  near a tie (`mismatches`)."""
+  tasks = list(dict.fromkeys(r["task"] for runs in by_run.values() for r in runs))
   out = []
-  for m, runs in by_method.items():
-    row = {"method": m, "tasks": per[m], "overall": overall[m]}
-    for entry, ar in [*((per[m][t], base[0][t] if base[0] else None) for t in tasks), (overall[m], base[1])]:
-      entry["speedup"] = entry["tokens_per_s"] / ar["tokens_per_s"] if ar and ar["tokens_per_s"] else None
-    if greedy and "ar" in by_method and m != "ar":
-      row["differs_from_ar"] = mismatches(runs, by_method["ar"], margins_of, tie)
+  for (m, size), runs in by_run.items():
+    ar = by_run.get(("ar", size))
+    row = {"method": m, "batch_size": size, "overall": summary(runs),
+           "tasks": {task: summary([r for r in runs if r["task"] == task]) for task in tasks}}
+    for task in [*tasks, None]:
+      entry = row["tasks"][task] if task else row["overall"]
+      base = summary([r for r in ar if task in (None, r["task"])]) if ar else None
+      entry["speedup"] = entry["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else None
+    alone = by_run.get(("ar", 1)) or ar
+    if greedy and alone is not None and alone is not runs:
+      row["differs_from_ar"] = mismatches(runs, alone, margins_of, tie)
     out.append(row)
   return out
 
 
+def name(row: dict) -> str:
+  """A result's name in tables and figures: the method, and its batch size past 1."""
+  return row["method"] + (f" x{row['batch_size']}" if row.get("batch_size", 1) != 1 else "")
+
+
 def markdown(results: list[dict]) -> str:
-  """Spec-Bench's leaderboard: speedup per task, then overall speedup, τ and tok/s."""
+  """Spec-Bench's leaderboard: speedup per task, then overall speedup, τ, tok/s over all rows and
+  a row's median latency, per method and batch size."""
   tasks = list(results[0]["tasks"]) if results else []
   fmt = lambda x, f="{:.2f}x": "–" if x is None else f.format(x)
-  lines = ["| method | " + " | ".join(tasks) + " | overall | τ (tokens per target forward) | tok/s | "
-           "greedy = ar |", "|---|" + "---|" * (len(tasks) + 4)]
+  lines = ["| method | batch | " + " | ".join(tasks) + " | overall | τ (tokens per target forward) | "
+           "tok/s | row latency s | greedy = ar |", "|---|---|" + "---|" * (len(tasks) + 5)]
   for r in results:
     same = "–" if "differs_from_ar" not in r else differs_cell(r["differs_from_ar"], "turns")
-    lines.append(f"| {r['method']} | " + " | ".join(fmt(r["tasks"][t]["speedup"]) for t in tasks) +
+    lines.append(f"| {r['method']} | {r['batch_size']} | " + " | ".join(fmt(r["tasks"][t]["speedup"]) for t in tasks) +
                  f" | {fmt(r['overall']['speedup'])} | {fmt(r['overall']['tau'], '{:.2f}')} | "
-                 f"{r['overall']['tokens_per_s']:.2f} | {same} |")
+                 f"{r['overall']['tokens_per_s']:.2f} | {fmt(r['overall']['median_row_latency_s'], '{:.2f}')} | {same} |")
   return "\n".join(lines)
 
 
@@ -116,7 +140,7 @@ def figure(results: list[dict], path) -> bool:
   fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(tasks)), 4.2))
   for i, r in enumerate(shown):
     values = [r["tasks"][t]["speedup"] if t != "overall" else r["overall"]["speedup"] for t in tasks]
-    ax.bar(np.arange(len(tasks)) + (i - (len(shown) - 1) / 2) * width, values, width, label=r["method"])
+    ax.bar(np.arange(len(tasks)) + (i - (len(shown) - 1) / 2) * width, values, width, label=name(r))
   ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
   ax.set_xticks(range(len(tasks)), tasks)
   ax.set_ylabel("speedup over ar (x)")

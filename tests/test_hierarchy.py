@@ -75,6 +75,25 @@ def test_greedy_equals_ar(params, draft, ar_tokens, name):
     assert levels[-2]["forwards"] > levels[-1]["forwards"]
 
 
+ALONE_STACKS = {
+    "ar": Stack(),
+    "chain": Stack(NGramDrafter(2), tree_lib.chain(4)),
+    "tree": Stack(SelfDrafter(1), tree_lib.kary(2, 2)),
+    "hierarchy": GREEDY_STACKS["hitree-binary"],
+}
+
+
+@pytest.mark.parametrize("name", list(ALONE_STACKS))
+def test_each_row_of_a_ragged_batch_is_what_its_prompt_gives_alone(params, draft, name):
+  """Rows of 20, 2 and 5 prompt tokens decoded together: each row's tokens are those of its
+  prompt decoded alone (greedy), for `ar`, a chain, a tree and a hierarchy."""
+  stack = ALONE_STACKS[name]
+  run = lambda prompts: engine.generate(params, CONFIG, prompts, stack=stack, draft=draft, max_new_tokens=30).tokens
+  together = run(PROMPTS)
+  assert together == [run([p])[0] for p in PROMPTS]
+  assert len(set(map(tuple, together))) == len(PROMPTS)   # three different answers, not one repeated
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["triforce", "self-under-retrieval", "4-level"])
 def test_bfloat16_keys_keep_every_level_exact(params, draft, name):

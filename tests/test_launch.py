@@ -510,11 +510,12 @@ def test_benchmark_runs_spec_bench_and_checks_every_turn_against_ar(tiny_model, 
   out = tmp_path / "sb.json"
   proc = launch("benchmark", f"--model={tiny_model}", "--prompts=specbench", "--categories=mt_bench,qa", "--per_category=1",
                 "--methods=ar,sd/ngram/4,auto", f"--draft={draft}", "--max_new_tokens=16", f"--out={out}",
+                "--batch_sizes=1,2",
                 env=dict(os.environ, HITREE_PROFILES=str(tmp_path / "profiles")))
   assert proc.returncode == 0, proc.stderr[-3000:]
   record = json.loads(out.read_text())
   assert record["prompts"] == "specbench" and record["tasks"] == {"mt_bench": 1, "qa": 1}
-  results = {r["method"]: r for r in record["results"]}
+  results = {r["method"]: r for r in record["results"] if r["batch_size"] == 1}
   planned = next(m for m in results if m.startswith("auto="))
   label, _, note = planned.partition(" (planned for ")
   assert label.startswith("auto=hsd/") and label.endswith(chosen.levels.split("/", 1)[1]) and note.endswith("prompt tokens)")
@@ -524,13 +525,22 @@ def test_benchmark_runs_spec_bench_and_checks_every_turn_against_ar(tiny_model, 
     assert set(r["tasks"]) == {"mt_bench", "qa"} and r["overall"]["turns"] == 3
     assert r["overall"]["tau"] >= 1 and r["tasks"]["qa"]["speedup"] > 0
   assert results["ar"]["overall"]["speedup"] == 1.0 and results["ar"]["overall"]["tau"] == 1.0
-  first, second = record["runs"]["ar"][0]["turns"]   # MT-bench question 81: two turns
-  assert record["runs"]["ar"][0]["question_id"] == 81
+  # Two questions at a time: each row is what its question gives alone (`ar` at batch 1), and
+  # the second batch is MT-bench's second turn alone.
+  paired = {r["method"]: r for r in record["results"] if r["batch_size"] == 2}
+  assert set(paired) == set(results) and record["batch_sizes"] == [1, 2]
+  assert all(r["differs_from_ar"] == [] for r in paired.values())
+  assert paired["ar"]["overall"]["new_tokens"] == results["ar"]["overall"]["new_tokens"]
+  runs = {(r["method"], r["batch_size"]): r["questions"] for r in record["runs"]}
+  assert [t["rows"] for q in runs["ar", 2] for t in q["turns"]] == [2, 1, 2]
+  first, second = runs["ar", 1][0]["turns"]   # MT-bench question 81: two turns
+  assert runs["ar", 1][0]["question_id"] == 81
   # the second turn's prompt holds the first turn's prompt and the model's answer to it
   assert second["prompt_tokens"] > first["prompt_tokens"] + first["new_tokens"]
-  assert all(t["new_tokens"] <= 16 for run in record["runs"]["ar"] for t in run["turns"])
+  assert all(t["new_tokens"] <= 16 for run in runs["ar", 1] for t in run["turns"])
   table = (tmp_path / "sb.md").read_text()
-  assert "| sd/ngram/4 |" in table and "| yes |" in table and (tmp_path / "sb_specbench.png").exists()
+  assert "| sd/ngram/4 | 1 |" in table and "| sd/ngram/4 | 2 |" in table and "| yes |" in table
+  assert (tmp_path / "sb_specbench.png").exists()
 
   mine = tmp_path / "mine.jsonl"
   mine.write_text(json.dumps({"question_id": 7, "category": "chat", "turns": ["Name a colour."]}) + "\n")
@@ -539,5 +549,9 @@ def test_benchmark_runs_spec_bench_and_checks_every_turn_against_ar(tiny_model, 
   assert json.loads((tmp_path / "m.json").read_text())["tasks"] == {"chat": 1}
   proc = launch("benchmark", "--prompts=specbench", "--prompt_tokens=512", f"--out={tmp_path / 'x.json'}")
   assert proc.returncode == 2 and "--prompt_tokens applies to book passages" in proc.stderr
+  proc = launch("benchmark", "--prompts=specbench", "--batch_sizes=4,0", f"--out={tmp_path / 'z.json'}")
+  assert proc.returncode == 2 and "--batch_sizes=4,0: give batch sizes of at least 1" in proc.stderr
+  proc = launch("benchmark", "--batch_sizes=2", f"--out={tmp_path / 'w.json'}")
+  assert proc.returncode == 2 and "--batch_sizes applies to --prompts=specbench" in proc.stderr
   proc = launch("benchmark", "--prompts=specbench", "--categories=poetry", f"--out={tmp_path / 'y.json'}")
   assert proc.returncode == 2 and "--categories: poetry not among" in proc.stderr

@@ -133,7 +133,7 @@ def test_top2_margins_are_zero_exactly_where_the_target_ties_two_tokens():
 
 
 def _runs(tokens, prompt=PROMPT):
-  turn = {"prompt": prompt, "tokens": tokens, "new_tokens": len(tokens), "decode_s": 1.0,
+  turn = {"prompt": prompt, "tokens": tokens, "new_tokens": len(tokens), "decode_s": 1.0, "rows": 1,
           "prefill_s": 0.1, "target_forwards": len(tokens), "compiles": 0}
   return [{"question_id": 7, "task": "qa", "category": "qa", "turns": [turn]}]
 
@@ -160,7 +160,8 @@ def test_a_biased_method_is_caught_with_the_targets_margin_where_it_parts():
   ar = engine.generate(params, config, [PROMPT], max_new_tokens=20).tokens[0]
   biased = ar[:11] + [(ar[11] + 1) % config.vocab_size] + ar[12:]
   margins_of = lambda prompt, answer: top2_margins(params, config, prompt, answer)
-  by_method = {"ar": _runs(ar), "same": _runs(list(ar)), "biased": _runs(biased), "longer": _runs(ar + [1])}
+  by_method = {(m, 1): runs for m, runs in
+               {"ar": _runs(ar), "same": _runs(list(ar)), "biased": _runs(biased), "longer": _runs(ar + [1])}.items()}
   results = {r["method"]: r for r in spec_bench_run.rows(by_method, True, margins_of)}
   assert results["same"]["differs_from_ar"] == []
   margins = margins_of(PROMPT, ar)
@@ -177,7 +178,7 @@ def test_a_biased_method_is_caught_with_the_targets_margin_where_it_parts():
   assert "| same |" in table and f"no: 1 turns, at top-2 logit margins of at most {margins[11]:.4f} |" in table
   # Judged against a near-tie's line: wider is a fault, and the run's one line names it.
   from hitree_jax import near_ties
-  two = {m: by_method[m] for m in ("ar", "biased")}
+  two = {(m, 1): by_method[m, 1] for m in ("ar", "biased")}
   for tie, fault in ((margins[11] / 2, True), (margins[11], False)):
     judged = {r["method"]: r for r in spec_bench_run.rows(two, True, margins_of, tie)}
     assert judged["biased"]["differs_from_ar"][0]["near_tie"] is not fault
@@ -192,3 +193,23 @@ def test_a_biased_method_is_caught_with_the_targets_margin_where_it_parts():
   # Without a model to ask, the parting is still named.
   plain = spec_bench_run.rows(by_method, True)
   assert [r["differs_from_ar"] for r in plain if r["method"] == "biased"] == [[{"question_id": 7, "turn": 1, "at": 11}]]
+
+
+def test_a_batchs_seconds_count_once_and_its_speedup_is_over_ar_at_that_size():
+  """Two questions decoded together in 2 s: 20 tokens over 2 s, not over 4; the speedup is over
+  `ar` at batch 2; a row's latency is its batch's time; rows are compared with `ar` alone."""
+  from launch import spec_bench_run
+  def runs(seconds, rows, tokens=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)):
+    turn = lambda: {"prompt": PROMPT, "tokens": list(tokens), "new_tokens": len(tokens), "decode_s": seconds,
+                    "rows": rows, "prefill_s": 0.1, "target_forwards": 5, "compiles": 0}
+    return [{"question_id": q, "task": "qa", "category": "qa", "turns": [turn()]} for q in (1, 2)]
+  by_run = {("ar", 1): runs(1.0, 1), ("ar", 2): runs(1.6, 2), ("sd", 2): runs(0.8, 2, (1, 2, 3, 4, 5, 6, 7, 8, 9, 11))}
+  results = {(r["method"], r["batch_size"]): r for r in spec_bench_run.rows(by_run, True)}
+  assert results["ar", 1]["overall"]["tokens_per_s"] == 10.0
+  assert results["ar", 2]["overall"]["tokens_per_s"] == 20 / 1.6 and results["ar", 2]["overall"]["median_row_latency_s"] == 1.6
+  assert results["sd", 2]["overall"]["speedup"] == 2.0 and results["sd", 2]["overall"]["tau"] == 2.0
+  assert results["ar", 2]["differs_from_ar"] == [] and "differs_from_ar" not in results["ar", 1]
+  assert [d["at"] for d in results["sd", 2]["differs_from_ar"]] == [9, 9]
+  table = spec_bench_run.markdown(list(results.values()))
+  assert "| sd | 2 | 2.00x | 2.00x | 2.00 | 25.00 | 0.80 | no: 2 turns |" in table
+  assert spec_bench_run.name(results["sd", 2]) == "sd x2"
