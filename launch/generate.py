@@ -4,8 +4,12 @@
       --max_new_tokens=128 --temperature=0.6 --top_p=0.9
   python -m launch.generate --prompt="Write a haiku about rain." --chat --json
   python -m launch.generate --book=austen --method=tree --draft=self:8 --tree=kary:2x2
+  python -m launch.generate --prompts_file=questions.jsonl --chat --batch_size=4 --method=sd --draft=ngram
 
-With --json the last line printed is one JSON object (ids, text, timings).
+With --json the last line printed is one JSON object (ids, text, timings). --prompts_file holds
+several prompts, one per line (or a .jsonl of {"prompt": ...}, where a prompt may span lines);
+they are decoded --batch_size at a time, a row each, every row stopping at its own EOS, and each
+row's answer is printed under its number (with --json: a `rows` list).
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ common.define_mesh_flags()
 common.define_speculation_flags()
 flags.DEFINE_string("prompt", None, "Prompt text.")
 flags.DEFINE_string("prompt_file", None, "File holding the prompt text.")
+flags.DEFINE_string("prompts_file", None, "File of several prompts: one per line, or a .jsonl of "
+                    '{"prompt": TEXT} objects. Decoded --batch_size at a time, a row each.')
+flags.DEFINE_integer("batch_size", 8, "With --prompts_file: prompts decoded together.")
 flags.DEFINE_enum("book", None, ["austen", "shakespeare", "milton"],
                   "Use a passage of this book corpus as the prompt (see --prompt_tokens).")
 flags.DEFINE_integer("prompt_tokens", 512, "Length of the --book passage, in tokens.")
@@ -45,26 +52,52 @@ FLAGS = flags.FLAGS
 
 def check_prompt_flags() -> None:
   """Fails fast, before the slow model load, on a bad prompt source."""
-  given = [n for n in ("prompt", "prompt_file", "book") if getattr(FLAGS, n) is not None]
+  given = [n for n in ("prompt", "prompt_file", "prompts_file", "book") if getattr(FLAGS, n) is not None]
   if len(given) != 1:
-    raise UsageError(f"give exactly one of --prompt, --prompt_file, --book (got {given or 'none'})")
+    raise UsageError(f"give exactly one of --prompt, --prompt_file, --prompts_file, --book (got {given or 'none'})")
   if FLAGS.prompt == "" or (FLAGS.prompt_file and not prompt_file_text()):
     raise UsageError("the prompt is empty")
+  if FLAGS.prompts_file:
+    prompts_file_texts()
+  if FLAGS.batch_size < 1:
+    raise UsageError(f"--batch_size={FLAGS.batch_size} must be >= 1")
   if FLAGS.book and FLAGS.chat:
     raise UsageError("--chat does not apply to --book passages")
   if FLAGS.book and FLAGS.prompt_tokens < 1:
     raise UsageError(f"--prompt_tokens={FLAGS.prompt_tokens} must be >= 1")
 
 
-def prompt_file_text() -> str:
+def prompt_file_text(flag: str = "prompt_file") -> str:
   """--prompt_file's text, or an error naming the flag and the file: absent, or not UTF-8."""
-  path = pathlib.Path(FLAGS.prompt_file)
+  path = pathlib.Path(getattr(FLAGS, flag))
   if not path.is_file():
-    raise NotFound(f"--prompt_file={path}: no such file")
+    raise NotFound(f"--{flag}={path}: no such file")
   try:
     return path.read_text(encoding="utf-8")
   except UnicodeDecodeError as e:
-    raise UsageError(f"--prompt_file={path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    raise UsageError(f"--{flag}={path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
+def prompts_file_texts() -> list[str]:
+  """--prompts_file's prompts: its non-blank lines, or each line's "prompt" in a .jsonl; an error
+  names the line that is not a prompt."""
+  text, where = prompt_file_text("prompts_file"), f"--prompts_file={FLAGS.prompts_file}"
+  lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+  if FLAGS.prompts_file.endswith(".jsonl"):
+    prompts = []
+    for n, line in lines:
+      try:
+        prompt = json.loads(line)["prompt"]
+      except (ValueError, KeyError, TypeError):
+        raise UsageError(f'{where}: line {n} is not a JSON object with a "prompt"') from None
+      if not isinstance(prompt, str) or not prompt.strip():
+        raise UsageError(f'{where}: line {n}\'s "prompt" is not a non-empty string')
+      prompts.append(prompt)
+  else:
+    prompts = [line for _, line in lines]
+  if not prompts:
+    raise UsageError(f"{where}: no prompts in it")
+  return prompts
 
 
 def profile_text() -> str:
@@ -73,15 +106,17 @@ def profile_text() -> str:
   return "chat" if FLAGS.chat else FLAGS.book or "austen"
 
 
-def prompt_ids(tokenizer) -> list[int]:
+def prompt_ids(tokenizer) -> list[list[int]]:
+  """Every prompt's token ids (one, unless --prompts_file)."""
   if FLAGS.book:
     from hitree_jax.data import book_prompts
-    return book_prompts(tokenizer, FLAGS.prompt_tokens, 1, corpus=FLAGS.book)[0]
-  text = prompt_file_text() if FLAGS.prompt_file else FLAGS.prompt
+    return book_prompts(tokenizer, FLAGS.prompt_tokens, 1, corpus=FLAGS.book)
+  texts = (prompts_file_texts() if FLAGS.prompts_file else
+           [prompt_file_text() if FLAGS.prompt_file else FLAGS.prompt])
   if FLAGS.chat:
     from hitree_jax.tokenizer import chat_prompt
-    return chat_prompt(tokenizer, text)
-  return tokenizer.encode(text, add_special_tokens=False)
+    return [chat_prompt(tokenizer, text) for text in texts]
+  return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
 
 
 def check_prompt(ids: list[int], config, draft_config, is_draft_alone: bool) -> None:
@@ -118,7 +153,8 @@ def main(argv):
   # Everything a user can get wrong is checked from metadata, before the slow weight load.
   config = load_config(FLAGS.model, common.model_dtype(), FLAGS.key_dtype)
   tokenizer = load_tokenizer(resolve(FLAGS.model))
-  ids = prompt_ids(tokenizer)
+  prompts = prompt_ids(tokenizer)
+  longest = max(len(ids) for ids in prompts)
   if planned:  # any stack with the draft: its checks (tokenizer, vocabulary) before the slow loads
     method = methods.parse_method("hsd/draft/chain:1", methods.Knobs(draft=FLAGS.draft), True)
   draft_config = method.check_draft(config, tokenizer)
@@ -126,49 +162,77 @@ def main(argv):
   if is_draft_alone and method.name != "ar":
     raise UsageError(f"--model={FLAGS.model} has a reduced vocabulary (a draft): "
                      "it can run --method=ar, or serve as --draft of its target")
-  check_prompt(ids, config, draft_config, is_draft_alone)
+  for i, ids in enumerate(prompts):
+    try:
+      check_prompt(ids, config, draft_config, is_draft_alone)
+    except UsageError as e:
+      raise UsageError(f"--prompts_file prompt {i + 1}: {e}" if FLAGS.prompts_file else str(e)) from None
 
   model = load_model(FLAGS.model, common.model_dtype(), FLAGS.key_dtype)
   sharding.check(model.config, mesh, 1, 256)  # before the draft loads; generate checks the cache's slots
-  if planned:
-    method = methods.auto_method(FLAGS.model, FLAGS.draft, len(ids), sampling, loaded=(model, None),
+  if planned:  # planned for the longest prompt
+    method = methods.auto_method(FLAGS.model, FLAGS.draft, longest, sampling, loaded=(model, None),
                                 feature_draft=FLAGS.feature_draft, text=profile_text())
   else:
     import jax
-    advice = methods.preset_advice(method, FLAGS.model, len(ids), sampling, model.config.dtype,
+    advice = methods.preset_advice(method, FLAGS.model, longest, sampling, model.config.dtype,
                                    FLAGS.key_dtype, on_cpu=jax.default_backend() == "cpu",
                                    text=profile_text())
     if advice:
       print(f"note: {advice}", file=sys.stderr)
   method = method.load_draft(model.config, model.params)
-  model_ids = ids if model.vocab is None else model.vocab.to_draft(ids).tolist()  # a draft alone
-  result = method.generate(sharding.place_params(model.params, mesh), model.config, [model_ids],
-                           max_new_tokens=FLAGS.max_new_tokens, sampling=sampling, seed=FLAGS.seed,
-                           stop_at_eos=not FLAGS.ignore_eos, mesh=mesh)
-  tokens = result.tokens[0] if model.vocab is None else model.vocab.to_target(result.tokens[0]).tolist()
-  text = tokenizer.decode(tokens, skip_special_tokens=True)
-  print(text)
+  params = sharding.place_params(model.params, mesh)
+  rows, batches = [], []
+  for first in range(0, len(prompts), FLAGS.batch_size):
+    batch = prompts[first:first + FLAGS.batch_size]
+    model_ids = batch if model.vocab is None else [model.vocab.to_draft(ids).tolist() for ids in batch]  # a draft alone
+    result = method.generate(params, model.config, model_ids, max_new_tokens=FLAGS.max_new_tokens,
+                             sampling=sampling, seed=FLAGS.seed, stop_at_eos=not FLAGS.ignore_eos, mesh=mesh)
+    for ids, out in zip(batch, result.tokens):
+      tokens = out if model.vocab is None else model.vocab.to_target(out).tolist()
+      rows.append({"prompt_ids": ids, "tokens": tokens, "text": tokenizer.decode(tokens, skip_special_tokens=True)})
+      if FLAGS.prompts_file:
+        print(f"--- {len(rows)} ---")
+      print(rows[-1]["text"])
+    print(summary_line(method, result, batch, rows[first:], first), file=sys.stderr if FLAGS.json else sys.stdout)
+    batches.append(result)
+  if FLAGS.json:
+    print(json.dumps(json_record(method, rows, batches, mesh)))
+
+
+def summary_line(method, result, batch, rows, first: int) -> str:
+  """What a generation (one prompt, or a batch of --prompts_file's) cost: prefill, decode speed
+  over its rows, tokens per target forward, compiles."""
   spec = f", {result.mean_accepted:.2f} tokens per target forward" if result.mean_accepted else ""
   if result.levels and len(result.levels) > 1:
     spec += "; acceptance per level " + ", ".join(
         f"{level['name']} {level['acceptance']:.2f}" for level in result.levels if level["proposed"])
   compiled = (f"compile {result.compile_s:.1f} s ({result.compiles} compiled, "
               f"{result.cache_loads} from the compilation cache)")
-  print(f"\n[{method.label}] prompt {len(ids)} tokens, generated {len(tokens)}: "
-        f"prefill {result.prefill_s:.2f} s, decode {result.decode_s:.2f} s "
-        f"({result.decode_tokens_per_s:.1f} tok/s{spec}), {compiled}",
-        file=sys.stderr if FLAGS.json else sys.stdout)
-  if FLAGS.json:
-    print(json.dumps({
-        "model": FLAGS.model, "method": method.label, "prompt_ids": ids, "tokens": tokens,
-        "text": text, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
-        "decode_tokens_per_s": result.decode_tokens_per_s, "compile_s": result.compile_s,
-        "compiles": result.compiles, "cache_loads": result.cache_loads,
-        "temperature": FLAGS.temperature, "top_p": FLAGS.top_p, "top_k": FLAGS.top_k,
-        "seed": FLAGS.seed, "target_forwards": result.target_forwards,
-        "mean_accepted": result.mean_accepted, "accepted_per_depth": result.accepted_per_depth,
-        "levels": result.levels, "mesh": sharding.describe(mesh),
-        "settings": common.launcher_settings()}))
+  generated = sum(len(r["tokens"]) for r in rows)
+  what = (f"prompt {len(batch[0])} tokens" if not FLAGS.prompts_file else
+          f"prompts {first + 1}-{first + len(batch)} of {min(map(len, batch))}-{max(map(len, batch))} tokens")
+  return (f"\n[{method.label}] {what}, generated {generated}: prefill {result.prefill_s:.2f} s, "
+          f"decode {result.decode_s:.2f} s ({result.decode_tokens_per_s:.1f} tok/s{spec}), {compiled}")
+
+
+def json_record(method, rows: list[dict], batches: list, mesh) -> dict:
+  """--json's record: one prompt's ids, tokens and timings; with --prompts_file, `rows` (each
+  prompt's ids, tokens and text) and `batches` (each batch's timings and acceptance)."""
+  from hitree_jax import sharding
+  timings = lambda r: {
+      "prefill_s": r.prefill_s, "decode_s": r.decode_s, "decode_tokens_per_s": r.decode_tokens_per_s,
+      "compile_s": r.compile_s, "compiles": r.compiles, "cache_loads": r.cache_loads,
+      "target_forwards": r.target_forwards, "mean_accepted": r.mean_accepted,
+      "accepted_per_depth": r.accepted_per_depth, "levels": r.levels}
+  shared = {"model": FLAGS.model, "method": method.label, "temperature": FLAGS.temperature, "top_p": FLAGS.top_p,
+            "top_k": FLAGS.top_k, "seed": FLAGS.seed, "mesh": sharding.describe(mesh),
+            "settings": common.launcher_settings()}
+  if FLAGS.prompts_file:
+    return {**shared, "batch_size": FLAGS.batch_size, "rows": rows,
+            "batches": [{"rows": len(r.tokens), "rounds_per_row": r.rounds_per_row, **timings(r)} for r in batches]}
+  [row], [result] = rows, batches
+  return {**shared, "prompt_ids": row["prompt_ids"], "tokens": row["tokens"], "text": row["text"], **timings(result)}
 
 
 def run():

@@ -186,7 +186,10 @@ def test_progress_reports_elapsed_and_eta():
     (["--method=sd", "--draft=selfie", "--prompt=hi"], "bad draft spec 'selfie'"),
     (["--model=/no/such/model.gguf", "--prompt=hi"], "/no/such/model.gguf"),
     (["--prompt_file=/no/such/prompt.txt"], "--prompt_file=/no/such/prompt.txt"),
-    (["--prompt=a", "--book=austen"], "exactly one of --prompt, --prompt_file, --book"),
+    (["--prompt=a", "--book=austen"], "exactly one of --prompt, --prompt_file, --prompts_file, --book"),
+    (["--prompts_file=tests/data/not_utf8.txt"], "--prompts_file=tests/data/not_utf8.txt: not UTF-8"),
+    (["--prompts_file=tests/data/bad_prompts.jsonl"], 'line 2 is not a JSON object with a "prompt"'),
+    (["--prompts_file=tests/data/two_prompts.txt", "--batch_size=0"], "--batch_size=0 must be >= 1"),
     (["--method=auto", "--prompt=hi"], "--method=auto plans stacks around a draft model: give --draft=PATH"),
     (["--method=auto", "--draft=ngram:3", "--prompt=hi"], "not ngram:3"),
     (["--method=auto", "--draft=drafts/smollm2-draft.gguf", "--gamma=3", "--prompt=hi"],
@@ -205,6 +208,35 @@ def test_generate_rejects_bad_input_by_name(args, message):
   proc = launch("generate", *args, timeout=120)
   assert proc.returncode != 0
   assert message in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_generate_decodes_a_file_of_prompts_in_batches_each_row_as_alone(tiny_model, tmp_path):
+  """--prompts_file: three chat prompts of different lengths, decoded two at a time with prompt
+  lookup; each row's tokens are those of its prompt generated alone (greedy), and each stops at
+  its own EOS or length."""
+  prompts = ["Name a colour.", "Write two sentences about the sea, then repeat them.", "Say hello\nin two lines."]
+  jsonl = tmp_path / "prompts.jsonl"
+  jsonl.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+  common = [f"--model={tiny_model}", "--chat", "--method=sd", "--draft=ngram", "--gamma=3",
+            "--max_new_tokens=12", "--json"]
+  proc = launch("generate", f"--prompts_file={jsonl}", "--batch_size=2", *common)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  record = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert [b["rows"] for b in record["batches"]] == [2, 1] and len(record["rows"]) == 3
+  assert all(f"--- {i} ---" in proc.stdout for i in range(1, 4))
+  for prompt, row in zip(prompts, record["rows"]):
+    alone = launch("generate", f"--prompt={prompt}", *common)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    single = json.loads(alone.stdout.strip().splitlines()[-1])
+    assert (row["prompt_ids"], row["tokens"]) == (single["prompt_ids"], single["tokens"])
+  assert len({len(row["prompt_ids"]) for row in record["rows"]}) > 1
+  # A plain text file: one prompt per line.
+  text = tmp_path / "prompts.txt"
+  text.write_text("\n".join(p.replace("\n", " ") for p in prompts[:2]) + "\n\n")
+  proc = launch("generate", f"--prompts_file={text}", *common)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert [b["rows"] for b in json.loads(proc.stdout.strip().splitlines()[-1])["batches"]] == [2]
 
 
 @pytest.fixture(scope="module")
