@@ -145,7 +145,9 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
       target_forwards=int(stats.rounds.max()) if speculative else None,
       rounds_per_row=stats.rounds.tolist() if speculative else None,
       accepted_per_depth=stats.per_depth.tolist() if speculative else None,
-      levels=level_report(sizes, stats, round_s, decode_s) if speculative else None)
+      levels=level_report(sizes, stats, round_s, decode_s) if speculative else None,
+      **({"aside_per_row": stats.aside.tolist(), "stepped_aside_per_row": stats.stepped_aside.tolist()}
+         if stack.step_aside is not None else {}))
 
 
 def level_report(sizes: StackSizes, stats: Stats, round_s: list[float] | None = None,

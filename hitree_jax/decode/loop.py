@@ -39,6 +39,7 @@ from hitree_jax.decode.features import keep_features
 from hitree_jax.decode.levels import Lead, LevelCache, commit, round_mask
 from hitree_jax.decode.sampling import SamplingParams, probabilities, sample
 from hitree_jax.decode.sizes import StackSizes
+from hitree_jax.decode.step_aside import Resting
 from hitree_jax.cache.kinds import Retrieval
 from hitree_jax.decode.verify import verify
 from hitree_jax.model.llama import forward
@@ -54,6 +55,8 @@ class Stats:
   accepted: jax.Array   # [K+1] of those, accepted
   stopped: jax.Array    # [K+1] row-rounds whose accepted path stopped before the proposal's deepest token
   reselected: jax.Array  # [K+1] times each retrieval level chose its chunks again (Retrieval.reselect)
+  aside: jax.Array      # [B] top rounds in which each row offered nothing, stepped aside (step_aside.py)
+  stepped_aside: jax.Array  # [B] times each row stepped aside
 
 
 @flax.struct.dataclass
@@ -67,6 +70,7 @@ class LoopState:
   key: jax.Array
   stats: Stats
   features: jax.Array | None  # [B, L, E] level 1's features by position mod L, for a feature drafter
+  resting: Resting | None     # with Stack.step_aside: each row's plain rounds left and running acceptance
 
 
 @flax.struct.dataclass
@@ -125,9 +129,12 @@ class Decoder:
                                      context=(cache.long,), taps=taps)
     return probabilities(logits[:, first:], self.sampling), hidden, recent
 
-  def _verify_and_commit(self, j: int, st: LoopState, prop: Proposal, mode: str, length, key, live):
+  def _verify_and_commit(self, j: int, st: LoopState, prop: Proposal, mode: str, length, key, live,
+                         widths: tuple[int, ...] | None = None):
     """Level j verifies `prop` with one forward; commits its cache (and a drafter's below);
-    writes the emitted tokens after prop.start; rolls the levels below back.
+    writes the emitted tokens after prop.start; rolls the levels below back. With prop.offered,
+    the forward is the narrowest of `widths` (default offer_widths) that holds every live row's
+    offer.
 
     Returns (state, emitted [B, D+1], n_accepted [B], probs [B, D+1, V] each emitted token's law).
     """
@@ -144,7 +151,7 @@ class Decoder:
     if prop.offered is None:
       probs, hidden, recent = wide()
     else:   # the narrowest of offer_widths that holds what every live row offers
-      widths = offer_widths(prop.tokens.shape[1])
+      widths = widths or offer_widths(prop.tokens.shape[1])
       needed = jnp.max(jnp.where(live, prop.offered, 0))
       branches = [functools.partial(self._prefix_probs, j, lead, cache, prop, fed, positions, m)
                   for m in widths[:-1]] + [wide]
@@ -273,7 +280,15 @@ class Decoder:
       st, emitted, n_acc = self._ar_step(st, k_verify, live)
     else:
       st, prop, mode, length = self._propose(top - 1, st, k_propose)
-      st, emitted, n_acc, _ = self._verify_and_commit(top, st, prop, mode, length, k_verify, live)
+      widths = None
+      if st.resting is not None:
+        prop, length, widths = self._rest(prop, length, st.resting.left > 0)
+      st, emitted, n_acc, _ = self._verify_and_commit(top, st, prop, mode, length, k_verify, live, widths)
+      if st.resting is not None:
+        resting, entered = st.resting.after(sizes.stack.step_aside, n_acc, live)
+        stats = st.stats.replace(aside=st.stats.aside + (live & (st.resting.left > 0)).astype(jnp.int32),
+                                 stepped_aside=st.stats.stepped_aside + entered.astype(jnp.int32))
+        st = st.replace(resting=resting, stats=stats)
     k = jnp.arange(emitted.shape[1])[None, :]
     n_emit = jnp.where(live, n_acc + 1, 0)
     is_eos = (emitted == self.eos_id) & (k < n_emit[:, None])
@@ -290,6 +305,21 @@ class Decoder:
         per_depth=stats.per_depth + jnp.sum((jnp.arange(depth)[None, :] < n_acc[:, None]) & live[:, None],
                                             axis=0).astype(jnp.int32))
     return st.replace(out=out, n_out=n_out, done=done, key=key, stats=stats)
+
+  def _rest(self, prop: Proposal, length, resting):
+    """The proposal with resting rows [B] offering nothing (no children: the target's token
+    alone), verified at the width of the whole proposal, or of the root alone when every live
+    row rests (or at a drafter's own offer widths). -> (proposal, length, widths)."""
+    batch, nodes = prop.tokens.shape
+    tree = self._proposal_tree(0)
+    children = prop.children
+    if children is None:
+      children = jnp.broadcast_to(jnp.asarray(tree.children), (batch, *tree.children.shape))
+    offered = jnp.full((batch,), nodes, jnp.int32) if prop.offered is None else prop.offered
+    widths = (0, nodes) if prop.offered is None else None
+    prop = prop.replace(offered=jnp.where(resting, 0, offered),
+                        children=jnp.where(resting[:, None, None], -1, children))
+    return prop, jnp.where(resting, 0, length), widths
 
   def _ar_step(self, st: LoopState, key, live):
     cache = st.caches[0]
@@ -373,8 +403,10 @@ def initial_state(sizes: StackSizes, long_caches, start: DecodeStart, max_new_to
       done=(first == eos_id) | (max_new_tokens <= 1), key=key,
       stats=Stats(rounds=jnp.zeros((batch,), jnp.int32), per_depth=jnp.zeros((depth,), jnp.int32),
                   forwards=zeros, proposed=zeros, accepted=zeros, stopped=zeros,
-                  reselected=zeros),
-      features=features)
+                  reselected=zeros, aside=jnp.zeros((batch,), jnp.int32),
+                  stepped_aside=jnp.zeros((batch,), jnp.int32)),
+      features=features,
+      resting=None if sizes.stack.step_aside is None else Resting.start(batch, depth))
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "max_new_tokens"), donate_argnames=("long_caches",))

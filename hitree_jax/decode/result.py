@@ -18,6 +18,10 @@ class GenerationResult:
   accepted_per_depth: list[int] | None = None  # draft tokens accepted at each tree depth, all rows
   cache_loads: int = 0      # programs the persistent compilation cache served inside this call
   levels: list[dict] | None = None  # per verifying level: forwards, proposed, accepted, acceptance
+  # A stack that steps aside (decode/step_aside.py): per row, the rounds it offered nothing in,
+  # and how many times it stepped aside.
+  aside_per_row: list[int] | None = None
+  stepped_aside_per_row: list[int] | None = None
 
   @property
   def mean_accepted(self) -> float | None:

@@ -25,6 +25,7 @@ from hitree_jax.tree import shapes as tree_lib
 
 if TYPE_CHECKING:
   from hitree_jax.decode.drafters import Drafter
+  from hitree_jax.decode.step_aside import StepAside
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +52,14 @@ class Verifier:
 @dataclasses.dataclass(frozen=True)
 class Stack:
   """drafter: the bottom level (a drafters.Drafter: n-gram, self, model, EAGLE, Medusa) or None
-  for `ar`; tree: what it proposes; verifiers: the intermediate levels, bottom-up."""
+  for `ar`; tree: what it proposes; verifiers: the intermediate levels, bottom-up; step_aside:
+  when a row runs plain rounds because its drafter stops paying (step_aside.py; a drafter
+  right under the target)."""
   drafter: "Drafter | None" = None
   tree: tree_lib.TokenTree | tree_lib.DynamicTree | None = None
   verifiers: tuple[Verifier, ...] = ()
   draft: ModelConfig | None = None  # the draft model's, when only a verifier level uses it
+  step_aside: "StepAside | None" = None
 
   def __post_init__(self):
     object.__setattr__(self, "verifiers", tuple(self.verifiers))
@@ -66,6 +70,9 @@ class Stack:
     if any(v.weights == "draft" for v in self.verifiers) and self.draft_config is None:
       raise UsageError("a level with the draft's weights needs the draft's config: "
                        "Stack(draft=config) or a ModelDrafter at the bottom")
+    if self.step_aside is not None and (self.drafter is None or self.verifiers):
+      raise UsageError("stepping aside applies to a drafter right under the target (sd, tree), "
+                       "not to `ar` or a hierarchy")
     if self.verifiers and isinstance(self.tree, tree_lib.DynamicTree):
       raise UsageError("a dynamic tree is grown right under the target; in a hierarchy use a "
                        "static tree (chain:N, kary:KxD, sequoia:B,D) at the bottom")

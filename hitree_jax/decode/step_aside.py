@@ -1,0 +1,86 @@
+"""Stepping aside: a row whose drafter stops paying runs plain rounds, then tries again.
+
+Each row keeps a running mean of the tokens the target accepts per speculative round (an
+exponential mean, weight 1/`memory` on the newest round). When it falls below `below` (the
+break-even: a wide round must commit that many more tokens than a plain one to pay for
+itself), the row's next `rounds` rounds offer nothing. The target then runs the root alone, the
+one-token forward of `ar` (loop.Decoder's narrowest offer width, taken when every live row
+offers nothing), and the row's token is the target's, as in any round: the output is
+unchanged. Afterwards the row offers again with its mean set to `below`: a round that accepts
+nothing sends it aside at once, one that accepts more keeps it speculating.
+
+The drafter still drafts in a plain round, so its caches stay in step with the target's; what
+is saved is the target's wide forward. It applies to a drafter right under the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from hitree_jax.errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class StepAside:
+  below: float        # accepted tokens per speculative round under which a row steps aside
+  rounds: int = 16    # plain rounds before it offers again
+  memory: int = 4     # the running mean's span in rounds (weight 1/memory on the newest)
+
+  def __post_init__(self):
+    if not (isinstance(self.below, (int, float)) and 0 < self.below and math.isfinite(self.below)):
+      raise UsageError(f"step_aside below={self.below!r} must be a positive number of accepted tokens per round")
+    for name in ("rounds", "memory"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"step_aside {name}={value!r} must be a positive integer")
+
+  @classmethod
+  def parse(cls, text: str) -> "StepAside":
+    """BELOW[:ROUNDS], e.g. 0.5 or 0.5:32."""
+    below, _, rounds = text.partition(":")
+    try:
+      numbers = float(below), int(rounds) if rounds else cls.rounds
+    except ValueError:
+      raise UsageError(f"--step_aside={text}: expected BELOW[:ROUNDS], accepted tokens per round "
+                       "and plain rounds (e.g. 0.5 or 0.5:32)") from None
+    return cls(*numbers)
+
+  def rounds_to_switch(self, accepted: float) -> int:
+    """Speculative rounds that accept nothing before a row whose mean was `accepted` steps aside."""
+    keep = 1 - 1 / self.memory
+    rounds, mean = 1, accepted * keep
+    while mean >= self.below:
+      rounds, mean = rounds + 1, mean * keep
+    return rounds
+
+  def __str__(self) -> str:
+    return f"{self.below:g}:{self.rounds}"
+
+
+@flax.struct.dataclass
+class Resting:
+  """Per row: plain rounds left (0: speculating) and the running mean of accepted tokens."""
+  left: jax.Array   # [B] int32
+  mean: jax.Array   # [B] float32
+
+  @classmethod
+  def start(cls, batch: int, depth: int) -> "Resting":
+    """Every row speculating, its mean at `depth` (the most a round can accept): a drafter
+    that never pays steps aside after rounds_to_switch(depth) rounds."""
+    return cls(jnp.zeros((batch,), jnp.int32), jnp.full((batch,), float(depth), jnp.float32))
+
+  def after(self, rule: StepAside, n_accepted, live) -> tuple["Resting", jax.Array]:
+    """The state after a round in which live rows accepted n_accepted [B]; and [B] whether each
+    row stepped aside in it."""
+    resting = self.left > 0
+    speculated = live & ~resting
+    mean = jnp.where(speculated, self.mean + (n_accepted - self.mean) / rule.memory, self.mean)
+    left = jnp.where(live & resting, self.left - 1, self.left)
+    mean = jnp.where(live & resting & (left == 0), rule.below, mean)  # offers again next round
+    entered = speculated & (mean < rule.below)
+    return Resting(jnp.where(entered, rule.rounds, left), mean), entered

@@ -1,0 +1,122 @@
+"""Stepping aside (decode/step_aside.py): a row whose drafter stops paying runs plain rounds,
+exactly, switches after the rounds the rule states, and comes back."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hitree_jax.decode import engine
+from hitree_jax.decode.drafters import Drafter, NGramDrafter, SelfDrafter, _static_proposal
+from hitree_jax.decode.sampling import SamplingParams
+from hitree_jax.decode.stack import Stack, Verifier
+from hitree_jax.decode.step_aside import StepAside
+from hitree_jax.cache.kinds import Full
+from hitree_jax.errors import UsageError
+from hitree_jax.tree import shapes as tree_lib
+from tests.helpers import peaked
+from tests.test_engine import SMALL, chi_square_pvalue, exact_three_token_law
+from tests.test_hierarchy import CONFIG
+
+PROMPTS = [[3, 5, 7, 11, 13, 17, 19, 3, 5, 7], [2, 4], [8, 1, 9, 30, 2]]
+DEPTH = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Oracle(Drafter):
+  """Proposes `ar`'s own continuation (every token accepted), except while a row's sequence
+  ends in [bad_from, bad_until), where every token it proposes is wrong."""
+  answers: tuple   # per row: prompt + ar's tokens
+  bad_from: int = 0
+  bad_until: int = 10 ** 6
+
+  def check(self, tree, config):
+    pass
+
+  def propose(self, key, tree, inp):
+    known = jnp.asarray(np.array([list(a) + [0] * (200 - len(a)) for a in self.answers], np.int32))
+    at = jnp.minimum(inp.end[:, None] + jnp.arange(tree.size)[None, :], known.shape[1] - 1)
+    tokens = jnp.take_along_axis(known, at, axis=1)
+    bad = (inp.end >= self.bad_from) & (inp.end < self.bad_until)
+    tokens = jnp.where(bad[:, None], (tokens + 1) % CONFIG.vocab_size, tokens)
+    return _static_proposal(tree, tokens, None, inp)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return peaked(CONFIG, 0)
+
+
+def ar(params, prompts, n):
+  return engine.generate(params, CONFIG, prompts, max_new_tokens=n).tokens
+
+
+def test_a_drafter_that_turns_bad_halfway_is_stepped_around_and_rejoined(params):
+  """Good until a row's sequence reaches 20 tokens, wrong until 45, good again: the same tokens
+  as `ar`; every row steps aside, comes back to probe, and speculates again once the drafter
+  is good (it accepts most of the last stretch's tokens)."""
+  n = 60
+  expected = ar(params, PROMPTS, n)
+  oracle = Oracle(tuple(tuple(p + t) for p, t in zip(PROMPTS, expected)), bad_from=20, bad_until=45)
+  rule = StepAside(below=1.0, rounds=4)
+  result = engine.generate(params, CONFIG, PROMPTS, stack=Stack(oracle, tree_lib.chain(DEPTH), step_aside=rule),
+                           max_new_tokens=n)
+  assert result.tokens == expected
+  assert all(entries >= 2 for entries in result.stepped_aside_per_row)   # stepped aside, probed, again
+  assert all(aside >= rule.rounds for aside in result.aside_per_row)
+  # the tokens after the bad stretch came DEPTH + 1 per round again: few rounds for the row's last 25
+  for prompt, rounds, aside in zip(PROMPTS, result.rounds_per_row, result.aside_per_row):
+    good = (20 - len(prompt) - 1) + (len(prompt) + n - 45)   # tokens emitted while the drafter is good
+    assert rounds - aside <= good / (DEPTH + 1) + 2 * rule.rounds + 25 / rule.rounds
+  plain = engine.generate(params, CONFIG, PROMPTS, stack=Stack(oracle, tree_lib.chain(DEPTH)), max_new_tokens=n)
+  assert plain.tokens == expected and result.aside_per_row is not None and plain.aside_per_row is None
+
+
+@pytest.mark.parametrize("tree", [tree_lib.chain(DEPTH), tree_lib.kary(2, 2)], ids=["chain", "tree"])
+def test_a_drafter_bad_from_the_start_steps_aside_after_the_rounds_the_rule_states(params, tree):
+  """Every proposal wrong: a round emits one token. The first step aside comes after exactly
+  rounds_to_switch(depth) speculative rounds; then `rounds` plain ones; then one probe round,
+  which accepts nothing and steps aside again."""
+  rule = StepAside(below=0.5, rounds=5)
+  k = rule.rounds_to_switch(tree.max_depth)
+  # the mean starts at the depth and keeps 3/4 of itself per round that accepts nothing
+  assert k == math.floor(math.log(rule.below / tree.max_depth) / math.log(0.75)) + 1 == {3: 7, 2: 5}[tree.max_depth]
+  for entries in (1, 3):   # the first token, k rounds, then each entry's plain rounds and the probes between
+    n = 1 + k + entries * rule.rounds + (entries - 1)
+    expected = ar(params, PROMPTS, n)
+    oracle = Oracle(tuple(tuple(p + t) for p, t in zip(PROMPTS, expected)))
+    result = engine.generate(params, CONFIG, PROMPTS, stack=Stack(oracle, tree, step_aside=rule), max_new_tokens=n)
+    assert result.tokens == expected
+    assert result.rounds_per_row == [n - 1] * 3   # one token per round
+    assert result.stepped_aside_per_row == [entries] * 3
+    assert result.aside_per_row == [rule.rounds * entries] * 3
+
+
+def test_stepping_aside_is_refused_where_it_does_not_apply_and_named_when_bad():
+  with pytest.raises(UsageError, match="right under the target"):
+    Stack(step_aside=StepAside(0.5))
+  with pytest.raises(UsageError, match="right under the target"):
+    Stack(NGramDrafter(2), tree_lib.chain(2), (Verifier("target", Full(), 3),), step_aside=StepAside(0.5))
+  for text, message in (("x", "expected BELOW"), ("0", "below=0.0 must be a positive"), ("1:0", "rounds=0")):
+    with pytest.raises(UsageError, match=message):
+      StepAside.parse(text)
+  assert StepAside.parse("0.5:32") == StepAside(0.5, 32) and str(StepAside(0.5, 32)) == "0.5:32"
+
+
+@pytest.mark.slow
+def test_sampling_with_rows_stepping_aside_is_exact():
+  """A 1-layer self draft and a rule under which a round that does not accept its whole chain
+  of 2 sends the row aside for the next: the second round is plain in some rows and
+  speculative in others, and the first three tokens follow the target's law."""
+  params = jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x, peaked(SMALL, 2))
+  prompt = [1, 4, 2, 5, 1, 4]
+  sampling = SamplingParams.create(1.0, 1.0)
+  stack = Stack(SelfDrafter(1, "iid"), tree_lib.chain(2), step_aside=StepAside(below=1.9, rounds=1))
+  result = engine.generate(params, SMALL, [prompt] * 4000, stack=stack, max_new_tokens=3, sampling=sampling,
+                           seed=11, stop_at_eos=False)
+  assert 0 < sum(result.aside_per_row) < sum(result.rounds_per_row)
+  samples = np.array([t[:3] for t in result.tokens])
+  assert chi_square_pvalue(samples, exact_three_token_law(params, prompt, sampling)) > 1e-4
