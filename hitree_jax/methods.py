@@ -29,8 +29,8 @@ METHODS = ("ar", "sd", "tree", "retrieval", "triforce", "hitree", "hsd")
 # other one given is a mistake, which would be ignored.
 OPTIONS = {
     "ar": (),
-    "sd": ("draft", "gamma"),
-    "tree": ("draft", "tree", "acceptance"),
+    "sd": ("draft", "gamma", "step_aside"),
+    "tree": ("draft", "tree", "acceptance", "step_aside"),
     "retrieval": ("gamma", "budget", "reselect"),
     "triforce": ("draft", "budget", "reselect", "sinks", "window", "gamma1", "gamma2"),
     "hitree": ("draft", "tree", "acceptance", "budget", "reselect", "sinks", "window", "gamma2"),
@@ -53,12 +53,13 @@ class Knobs:
   gamma1: int | None = None
   gamma2: int | None = None
   levels: str | None = None
+  step_aside: str | None = None   # BELOW[:ROUNDS] (decode/step_aside.py), for sd and tree
 
 
 def method(spec: str = "ar", greedy: bool = True, **options) -> "Method":
   """The method `spec` names, as --method spells it, with its options as keywords (Knobs'
   fields: draft, gamma, tree, acceptance, budget, reselect, sinks, window, gamma1, gamma2,
-  levels). An option the method does not read is refused, naming it. `greedy` picks the
+  levels, step_aside). An option the method does not read is refused, naming it. `greedy` picks the
   greedy or the sampled acceptance profile for a sequoia tree."""
   name = spec.partition("/")[0]
   unknown = sorted(set(options) - {f.name for f in dataclasses.fields(Knobs)})
@@ -85,6 +86,7 @@ class Method:
   stack: object = None           # the stack.Stack, once built
   draft: object = None           # its DraftWeights once loaded
   heads: str | None = None       # a draft on the target's features: eagle:PATH or medusa:PATH
+  step_aside: object = None      # a step_aside.StepAside: rows run plain rounds while drafts don't pay
 
   def build(self, target_config, draft_config=None, vocab=None):
     """The Stack for this target (and draft model config / vocabulary, if the stack has one)."""
@@ -94,7 +96,7 @@ class Method:
     levels = spec_lib.parse(self.levels)
     drafter = _drafter(levels.drafter, target_config, draft_config, vocab)
     verifiers = tuple(_verifier(level, gamma) for level, gamma in levels.middles)
-    stack = Stack(drafter, self.tree, verifiers, draft=draft_config)
+    stack = Stack(drafter, self.tree, verifiers, draft=draft_config, step_aside=self.step_aside)
     from hitree_jax.decode.engine import check_stack
     check_stack(stack, target_config)
     return stack
@@ -269,7 +271,9 @@ def _retrieval_name(knobs: Knobs) -> str:
 
 def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Method:
   """`ar`, `sd[/DRAFT[/GAMMA]]`, `tree[/DRAFT[/TREE]]`, `retrieval[/GAMMA]`, `triforce[/DRAFT]`,
-  `hitree[/DRAFT[/TREE]]` or `hsd[/LEVELS]`; missing parts come from the flags (`knobs`).
+  `hitree[/DRAFT[/TREE]]` or `hsd[/LEVELS]`; missing parts come from the flags (`knobs`). sd and
+  tree take a last part `aside:BELOW[:ROUNDS]` (or knobs.step_aside): rows step aside while their
+  drafts do not pay (decode/step_aside.py).
 
   e.g. sd/ngram/4, tree/self:8/kary:2x2, tree/self:4,without_replacement/chain:6,
   sd/drafts/smollm2-draft.gguf/3 (a draft model: any path the loaders read, [,mode]),
@@ -284,6 +288,17 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
   if name == "ar":
     return Method("ar")
   knobs = dataclasses.replace(knobs, draft=with_heads_kind(knobs.draft))
+  aside_text = knobs.step_aside
+  if rest.startswith("aside:") or "/aside:" in rest:
+    rest, _, last = rest.rpartition("/") if "/aside:" in rest else ("", "", rest)
+    aside_text = last.removeprefix("aside:")
+  step_aside = None
+  if aside_text is not None:
+    from hitree_jax.decode.step_aside import StepAside
+    if name not in ("sd", "tree"):
+      raise UsageError(f"stepping aside (aside:{aside_text}) applies to sd and tree, a drafter right "
+                       f"under the target, not to {name}")
+    step_aside = StepAside.parse(aside_text)
   if name == "hsd":
     levels = rest or knobs.levels
     if not levels:
@@ -318,8 +333,8 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
   if isinstance(token_tree, tuple):  # ("sequoia", budget, depth)
     profile = acceptance_profile(knobs.acceptance, draft_path, greedy)
     token_tree = tree_lib.from_acceptance(profile, *token_tree[1:])
-  return Method(name, _label(name, rest, knobs, shape, levels), levels, token_tree, draft_path, mode,
-                heads=heads)
+  label = _label(name, rest, knobs, shape, levels) + (f"/aside:{step_aside}" if step_aside else "")
+  return Method(name, label, levels, token_tree, draft_path, mode, heads=heads, step_aside=step_aside)
 
 
 def check_auto_draft(draft: str, feature_draft: str | None = None) -> str | None:

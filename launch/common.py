@@ -222,6 +222,9 @@ def define_speculation_flags():
                       "eagle:drafts/smollm2-eagle), or PATH[,mode]: a separate draft model (e.g. "
                       "drafts/smollm2-draft.gguf).")
   flags.DEFINE_integer("gamma", 4, "Draft tokens per round for --method=sd and --method=retrieval.")
+  flags.DEFINE_string("step_aside", None, "--method=sd and tree: BELOW[:ROUNDS]. A row whose running "
+                      "mean of accepted tokens per round falls below BELOW runs ROUNDS (default 16) "
+                      "plain one-token rounds, then tries its drafter again; the output is unchanged.")
   flags.DEFINE_string("tree", None, "Tree for --method=tree (default kary:2x2) and --method=hitree "
                       "(default kary:2x4, HiTree's binary tree of depth 4): chain:N, kary:KxD, "
                       "sequoia:BUDGET,DEPTH (the best tree for --acceptance) or dynamic:BUDGET,DEPTH "

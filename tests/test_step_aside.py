@@ -23,6 +23,7 @@ from tests.test_hierarchy import CONFIG
 
 PROMPTS = [[3, 5, 7, 11, 13, 17, 19, 3, 5, 7], [2, 4], [8, 1, 9, 30, 2]]
 DEPTH = 3
+DRAFTED = []   # one entry per round in which the Oracle drafter ran
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Oracle(Drafter):
     tokens = jnp.take_along_axis(known, at, axis=1)
     bad = (inp.end >= self.bad_from) & (inp.end < self.bad_until)
     tokens = jnp.where(bad[:, None], (tokens + 1) % CONFIG.vocab_size, tokens)
+    jax.debug.callback(lambda: DRAFTED.append(1))
     return _static_proposal(tree, tokens, None, inp)
 
 
@@ -78,8 +80,9 @@ def test_a_drafter_that_turns_bad_halfway_is_stepped_around_and_rejoined(params)
 @pytest.mark.parametrize("tree", [tree_lib.chain(DEPTH), tree_lib.kary(2, 2)], ids=["chain", "tree"])
 def test_a_drafter_bad_from_the_start_steps_aside_after_the_rounds_the_rule_states(params, tree):
   """Every proposal wrong: a round emits one token. The first step aside comes after exactly
-  rounds_to_switch(depth) speculative rounds; then `rounds` plain ones; then one probe round,
-  which accepts nothing and steps aside again."""
+  rounds_to_switch(depth) speculative rounds; then `rounds` plain ones, in which the drafter
+  (which keeps nothing between rounds) does not run; then one probe round, which accepts
+  nothing and steps aside again."""
   rule = StepAside(below=0.5, rounds=5)
   k = rule.rounds_to_switch(tree.max_depth)
   # the mean starts at the depth and keeps 3/4 of itself per round that accepts nothing
@@ -88,8 +91,10 @@ def test_a_drafter_bad_from_the_start_steps_aside_after_the_rounds_the_rule_stat
     n = 1 + k + entries * rule.rounds + (entries - 1)
     expected = ar(params, PROMPTS, n)
     oracle = Oracle(tuple(tuple(p + t) for p, t in zip(PROMPTS, expected)))
+    DRAFTED.clear()
     result = engine.generate(params, CONFIG, PROMPTS, stack=Stack(oracle, tree, step_aside=rule), max_new_tokens=n)
     assert result.tokens == expected
+    assert len(DRAFTED) == k + entries - 1   # the speculative rounds alone (every row rests together)
     assert result.rounds_per_row == [n - 1] * 3   # one token per round
     assert result.stepped_aside_per_row == [entries] * 3
     assert result.aside_per_row == [rule.rounds * entries] * 3

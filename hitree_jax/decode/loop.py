@@ -279,10 +279,13 @@ class Decoder:
     if top == 0:  # ar: one token from the target's distribution
       st, emitted, n_acc = self._ar_step(st, k_verify, live)
     else:
-      st, prop, mode, length = self._propose(top - 1, st, k_propose)
       widths = None
-      if st.resting is not None:
-        prop, length, widths = self._rest(prop, length, st.resting.left > 0)
+      if st.resting is None:
+        st, prop, mode, length = self._propose(top - 1, st, k_propose)
+      else:
+        resting = st.resting.left > 0
+        st, prop, mode, length = self._propose_unless_resting(st, k_propose, jnp.all(resting | ~live))
+        prop, length, widths = self._rest(prop, length, resting)
       st, emitted, n_acc, _ = self._verify_and_commit(top, st, prop, mode, length, k_verify, live, widths)
       if st.resting is not None:
         resting, entered = st.resting.after(sizes.stack.step_aside, n_acc, live)
@@ -305,6 +308,28 @@ class Decoder:
         per_depth=stats.per_depth + jnp.sum((jnp.arange(depth)[None, :] < n_acc[:, None]) & live[:, None],
                                             axis=0).astype(jnp.int32))
     return st.replace(out=out, n_out=n_out, done=done, key=key, stats=stats)
+
+  def _propose_unless_resting(self, st: LoopState, key, all_resting):
+    """The drafter's proposal; when every live row rests and the drafter keeps nothing between
+    rounds (no cache of its own), a blank one of the same shapes instead, its draft not run."""
+    mode = self.sizes.stack.drafter.mode
+    if st.caches[0] is not None:   # its cache must see every round
+      return self._propose(0, st, key)
+
+    def drafted():
+      _, prop, _, length = self._propose(0, st, key)
+      return prop, length
+
+    shapes, length_shape = jax.eval_shape(drafted)
+
+    def blank():
+      prop = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+      nodes = prop.tokens.shape[1]
+      eye = jnp.broadcast_to(jnp.eye(nodes + 1, dtype=bool), shapes.attend.shape)  # the root sees itself
+      return prop.replace(start=st.end, attend=eye), jnp.zeros(length_shape.shape, length_shape.dtype)
+
+    prop, length = jax.lax.cond(all_resting, blank, drafted)
+    return st, prop, mode, length
 
   def _rest(self, prop: Proposal, length, resting):
     """The proposal with resting rows [B] offering nothing (no children: the target's token
