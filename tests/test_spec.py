@@ -84,7 +84,7 @@ def test_a_preset_from_python_is_the_stack_built_by_hand():
 
 
 @pytest.mark.parametrize("call, error", [
-    (lambda: methods.method("sd", budget=512), "budget does not apply to method 'sd' (it reads draft, gamma)"),
+    (lambda: methods.method("sd", budget=512), "budget does not apply to method 'sd' (it reads draft, gamma, step_aside)"),
     (lambda: methods.method("sd", gama=3), "unknown option(s) gama"),
     (lambda: methods.method("speculate"), "method 'speculate' is not available"),
 ])
