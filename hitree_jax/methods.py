@@ -337,6 +337,24 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
   return Method(name, label, levels, token_tree, draft_path, mode, heads=heads, step_aside=step_aside)
 
 
+# The drafts this repository ships, trained for SmolLM2-135M-Instruct (the `smollm2` model): on
+# book text, and on chat answers (launch.distill's two recipes).
+SHIPPED_DRAFTS = {"books": "smollm2-draft", "chat": "smollm2-draft-chat"}
+
+
+def default_auto_draft(model: str, text: str = "austen") -> str:
+  """--method=auto's draft model where none is given: the shipped draft trained for `model` on
+  this kind of text (chat, or books). The planner weighs it beside the stacks that need no
+  draft (prompt lookup, the target's own layers). Another model has none: an error says what
+  to give."""
+  from hitree_jax.loading import resolve, smollm2_gguf_path
+  if resolve(model).resolve() != smollm2_gguf_path().resolve():
+    raise UsageError(f"--method=auto plans stacks around a draft model, and none ships for "
+                     f"--model={model}: give --draft=PATH (launch.distill trains one), or choose "
+                     "a method that needs none (sd/ngram/8)")
+  return str(shipped.find(SHIPPED_DRAFTS["chat" if text == "chat" else "books"]))
+
+
 def check_auto_draft(draft: str, feature_draft: str | None = None) -> str | None:
   """Refuses what the planner cannot plan around; -> the EAGLE draft's folder, or None."""
   if spec_lib.parse_level(draft).kind != "draft":

@@ -262,6 +262,12 @@ def write_questions_record(by_run: dict, results: list[dict], max_new: int, size
   return out
 
 
+def default_auto_draft(text: str) -> None:
+  """Without --draft, `auto` plans around the model's shipped draft for this kind of text."""
+  if not FLAGS["draft"].present:
+    FLAGS.draft = methods_lib.default_auto_draft(FLAGS.model, text)
+
+
 def parsed_methods(specs: list[str]) -> list:
   """--methods parsed with the speculation flags; `auto` stays a name (planned once the target
   is loaded)."""
@@ -278,11 +284,13 @@ def main(argv):
   if chosen is not None:
     specs = methods_lib.join_method_specs(FLAGS.methods)
     if "auto" in specs:
+      default_auto_draft("chat")
       methods_lib.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
     return run_questions(chosen, parsed_methods(specs), common.sampling_from_flags(FLAGS), mesh)
   lengths = check_flags()
   specs = methods_lib.join_method_specs(FLAGS.methods)
   if "auto" in specs or FLAGS.predict:
+    default_auto_draft(FLAGS.book)
     methods_lib.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   elif FLAGS.feature_draft is not None:
     raise UsageError("--feature_draft is weighed by the planner: it applies to --methods=auto and --predict")

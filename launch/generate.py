@@ -43,7 +43,8 @@ flags.DEFINE_string("method", "ar", f"Decoding method; one of {methods.METHODS +
                     "over a --budget retrieval cache drafts for itself. triforce / hitree: --draft "
                     "(StreamingLLM cache) -> the target's retrieval level -> the target. hsd: any "
                     "stack, --levels (docs/methods.md). auto: the stack launch.plan chooses around "
-                    "--draft=PATH for this prompt's length and sampling (profiled on first use).")
+                    "--draft=PATH (default: the model's shipped draft) for this prompt's length and "
+                    "sampling (profiled on first use).")
 flags.DEFINE_bool("chat", False, "Wrap the prompt in the model's chat template.")
 flags.DEFINE_bool("ignore_eos", False, "Keep generating after the end-of-sequence token.")
 flags.DEFINE_bool("json", False, "Print one JSON record as the last line.")
@@ -139,6 +140,8 @@ def main(argv):
   common.check_method_flags(FLAGS.method.partition("/")[0], common.given_flags())
   planned = FLAGS.method == "auto"  # the stack is chosen once the prompt's length is known
   if planned:
+    if not FLAGS["draft"].present:   # the model's shipped draft, beside the stacks that need none
+      FLAGS.draft = methods.default_auto_draft(FLAGS.model, profile_text())
     methods.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   else:
     method = methods.parse_method(FLAGS.method, common.knobs_from_flags(FLAGS), FLAGS.temperature == 0)

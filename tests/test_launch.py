@@ -190,7 +190,6 @@ def test_progress_reports_elapsed_and_eta():
     (["--prompts_file=tests/data/not_utf8.txt"], "--prompts_file=tests/data/not_utf8.txt: not UTF-8"),
     (["--prompts_file=tests/data/bad_prompts.jsonl"], 'line 2 is not a JSON object with a "prompt"'),
     (["--prompts_file=tests/data/two_prompts.txt", "--batch_size=0"], "--batch_size=0 must be >= 1"),
-    (["--method=auto", "--prompt=hi"], "--method=auto plans stacks around a draft model: give --draft=PATH"),
     (["--method=auto", "--draft=ngram:3", "--prompt=hi"], "not ngram:3"),
     (["--method=auto", "--draft=drafts/smollm2-draft.gguf", "--gamma=3", "--prompt=hi"],
      "--gamma does not apply to --method=auto"),
@@ -208,6 +207,15 @@ def test_generate_rejects_bad_input_by_name(args, message):
   proc = launch("generate", *args, timeout=120)
   assert proc.returncode != 0
   assert message in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_auto_without_a_draft_takes_the_models_shipped_one_and_names_what_another_model_needs(tiny_model):
+  from hitree_jax import methods, shipped
+  assert methods.default_auto_draft("smollm2", "chat") == str(shipped.find("smollm2-draft-chat"))
+  assert methods.default_auto_draft("smollm2", "austen") == str(shipped.find("smollm2-draft"))
+  proc = launch("generate", f"--model={tiny_model}", "--method=auto", "--prompt=hi", timeout=120)
+  assert proc.returncode == 2 and f"none ships for --model={tiny_model}: give --draft=PATH" in proc.stderr
 
 
 @pytest.mark.slow

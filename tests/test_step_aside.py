@@ -80,15 +80,17 @@ def test_a_drafter_that_turns_bad_halfway_is_stepped_around_and_rejoined(params)
 @pytest.mark.parametrize("tree", [tree_lib.chain(DEPTH), tree_lib.kary(2, 2)], ids=["chain", "tree"])
 def test_a_drafter_bad_from_the_start_steps_aside_after_the_rounds_the_rule_states(params, tree):
   """Every proposal wrong: a round emits one token. The first step aside comes after exactly
-  rounds_to_switch(depth) speculative rounds; then `rounds` plain ones, in which the drafter
-  (which keeps nothing between rounds) does not run; then one probe round, which accepts
-  nothing and steps aside again."""
+  rounds_to_switch() speculative rounds; then `rounds` plain ones, in which the drafter (which
+  keeps nothing between rounds) does not run; then one probe round, which accepts nothing and
+  steps aside again, for twice as long."""
   rule = StepAside(below=0.5, rounds=5)
-  k = rule.rounds_to_switch(tree.max_depth)
-  # the mean starts at the depth and keeps 3/4 of itself per round that accepts nothing
-  assert k == math.floor(math.log(rule.below / tree.max_depth) / math.log(0.75)) + 1 == {3: 7, 2: 5}[tree.max_depth]
+  k = rule.rounds_to_switch()
+  # the mean starts at twice the break-even and keeps 3/4 of itself per round that accepts nothing
+  assert k == math.floor(math.log(0.5) / math.log(0.75)) + 1 == 3
+  assert [rule.rests(f) for f in range(5)] == [5, 10, 20, 40, 40]
   for entries in (1, 3):   # the first token, k rounds, then each entry's plain rounds and the probes between
-    n = 1 + k + entries * rule.rounds + (entries - 1)
+    aside = sum(rule.rests(f) for f in range(entries))
+    n = 1 + k + aside + (entries - 1)
     expected = ar(params, PROMPTS, n)
     oracle = Oracle(tuple(tuple(p + t) for p, t in zip(PROMPTS, expected)))
     DRAFTED.clear()
@@ -97,7 +99,7 @@ def test_a_drafter_bad_from_the_start_steps_aside_after_the_rounds_the_rule_stat
     assert len(DRAFTED) == k + entries - 1   # the speculative rounds alone (every row rests together)
     assert result.rounds_per_row == [n - 1] * 3   # one token per round
     assert result.stepped_aside_per_row == [entries] * 3
-    assert result.aside_per_row == [rule.rounds * entries] * 3
+    assert result.aside_per_row == [aside] * 3
 
 
 def test_stepping_aside_is_refused_where_it_does_not_apply_and_named_when_bad():
@@ -113,13 +115,13 @@ def test_stepping_aside_is_refused_where_it_does_not_apply_and_named_when_bad():
 
 @pytest.mark.slow
 def test_sampling_with_rows_stepping_aside_is_exact():
-  """A 1-layer self draft and a rule under which a round that does not accept its whole chain
-  of 2 sends the row aside for the next: the second round is plain in some rows and
-  speculative in others, and the first three tokens follow the target's law."""
+  """A 1-layer self draft and a rule under which a round that accepts nothing sends the row
+  aside for the next: the second round is plain in some rows and speculative in others, and the
+  first three tokens follow the target's law."""
   params = jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x, peaked(SMALL, 2))
   prompt = [1, 4, 2, 5, 1, 4]
   sampling = SamplingParams.create(1.0, 1.0)
-  stack = Stack(SelfDrafter(1, "iid"), tree_lib.chain(2), step_aside=StepAside(below=1.9, rounds=1))
+  stack = Stack(SelfDrafter(1, "iid"), tree_lib.chain(2), step_aside=StepAside(below=1.0, rounds=1, memory=1))
   result = engine.generate(params, SMALL, [prompt] * 4000, stack=stack, max_new_tokens=3, sampling=sampling,
                            seed=11, stop_at_eos=False)
   assert 0 < sum(result.aside_per_row) < sum(result.rounds_per_row)

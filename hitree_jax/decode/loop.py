@@ -431,7 +431,7 @@ def initial_state(sizes: StackSizes, long_caches, start: DecodeStart, max_new_to
                   reselected=zeros, aside=jnp.zeros((batch,), jnp.int32),
                   stepped_aside=jnp.zeros((batch,), jnp.int32)),
       features=features,
-      resting=None if sizes.stack.step_aside is None else Resting.start(batch, depth))
+      resting=None if sizes.stack.step_aside is None else Resting.start(batch, sizes.stack.step_aside))
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "max_new_tokens"), donate_argnames=("long_caches",))

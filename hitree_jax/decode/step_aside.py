@@ -1,13 +1,15 @@
 """Stepping aside: a row whose drafter stops paying runs plain rounds, then tries again.
 
 Each row keeps a running mean of the tokens the target accepts per speculative round (an
-exponential mean, weight 1/`memory` on the newest round). When it falls below `below` (the
-break-even: a wide round must commit that many more tokens than a plain one to pay for
-itself), the row's next `rounds` rounds offer nothing. The target then runs the root alone, the
-one-token forward of `ar` (loop.Decoder's narrowest offer width, taken when every live row
-offers nothing), and the row's token is the target's, as in any round: the output is
-unchanged. Afterwards the row offers again with its mean set to `below`: a round that accepts
-nothing sends it aside at once, one that accepts more keeps it speculating.
+exponential mean, weight 1/`memory` on the newest round), starting at twice `below`. When it
+falls below `below` (the break-even: a wide round must commit that many more tokens than a
+plain one to pay for itself), the row's next rounds offer nothing: `rounds` of them, twice as
+many after each probe that fails (at most MAX_DOUBLINGS times), `rounds` again after a round
+that pays. The target then runs the root alone, the one-token forward of `ar`
+(loop.Decoder's narrowest offer width, taken when every live row offers nothing), and the
+row's token is the target's, as in any round: the output is unchanged. Afterwards the row
+offers again, a probe, with its mean set to `below`: a probe that accepts nothing sends it
+aside at once, one that accepts more keeps it speculating.
 
 The drafter still drafts in a plain round, so its caches stay in step with the target's; what
 is saved is the target's wide forward. It applies to a drafter right under the target.
@@ -23,6 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from hitree_jax.errors import UsageError
+
+MAX_DOUBLINGS = 3   # a drafter that keeps failing is probed every 8 x `rounds` rounds at the rarest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,13 +54,18 @@ class StepAside:
                        "and plain rounds (e.g. 0.5 or 0.5:32)") from None
     return cls(*numbers)
 
-  def rounds_to_switch(self, accepted: float) -> int:
-    """Speculative rounds that accept nothing before a row whose mean was `accepted` steps aside."""
+  def rounds_to_switch(self, mean: float | None = None) -> int:
+    """Speculative rounds that accept nothing before a row whose running mean was `mean`
+    (default: where every row starts) steps aside."""
     keep = 1 - 1 / self.memory
-    rounds, mean = 1, accepted * keep
+    rounds, mean = 1, (2 * self.below if mean is None else mean) * keep
     while mean >= self.below:
       rounds, mean = rounds + 1, mean * keep
     return rounds
+
+  def rests(self, failures: int) -> int:
+    """Plain rounds after the first step aside (failures 0) and after each failed probe."""
+    return self.rounds * 2 ** min(failures, MAX_DOUBLINGS)
 
   def __str__(self) -> str:
     return f"{self.below:g}:{self.rounds}"
@@ -64,15 +73,18 @@ class StepAside:
 
 @flax.struct.dataclass
 class Resting:
-  """Per row: plain rounds left (0: speculating) and the running mean of accepted tokens."""
+  """Per row: plain rounds left (0: speculating), the running mean of accepted tokens, and the
+  plain rounds its next step aside lasts."""
   left: jax.Array   # [B] int32
   mean: jax.Array   # [B] float32
+  rest: jax.Array   # [B] int32
 
   @classmethod
-  def start(cls, batch: int, depth: int) -> "Resting":
-    """Every row speculating, its mean at `depth` (the most a round can accept): a drafter
-    that never pays steps aside after rounds_to_switch(depth) rounds."""
-    return cls(jnp.zeros((batch,), jnp.int32), jnp.full((batch,), float(depth), jnp.float32))
+  def start(cls, batch: int, rule: StepAside) -> "Resting":
+    """Every row speculating, its mean at twice the break-even: a drafter that never pays steps
+    aside after rule.rounds_to_switch() rounds."""
+    return cls(jnp.zeros((batch,), jnp.int32), jnp.full((batch,), 2.0 * rule.below, jnp.float32),
+               jnp.full((batch,), rule.rounds, jnp.int32))
 
   def after(self, rule: StepAside, n_accepted, live) -> tuple["Resting", jax.Array]:
     """The state after a round in which live rows accepted n_accepted [B]; and [B] whether each
@@ -81,6 +93,8 @@ class Resting:
     speculated = live & ~resting
     mean = jnp.where(speculated, self.mean + (n_accepted - self.mean) / rule.memory, self.mean)
     left = jnp.where(live & resting, self.left - 1, self.left)
-    mean = jnp.where(live & resting & (left == 0), rule.below, mean)  # offers again next round
+    mean = jnp.where(live & resting & (left == 0), rule.below, mean)  # a probe next round
     entered = speculated & (mean < rule.below)
-    return Resting(jnp.where(entered, rule.rounds, left), mean), entered
+    rest = jnp.where(entered, jnp.minimum(2 * self.rest, rule.rests(MAX_DOUBLINGS)),
+                     jnp.where(speculated, rule.rounds, self.rest))   # a round that paid: from the start
+    return Resting(jnp.where(entered, self.rest, left), mean, rest), entered
