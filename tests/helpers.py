@@ -3,6 +3,18 @@
 import pathlib
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def tiny_target():
+  """A 3-layer random-weights target of 53 tokens (with peaked(TINY, seed)): what the engine's
+  and the drafters' exactness tests decode."""
+  from hitree_jax.model.config import ModelConfig
+  return ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                     num_kv_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=None)
 
 
 def peaked(config, seed: int) -> dict:
@@ -23,3 +35,54 @@ def tiny_model_gguf(path: pathlib.Path, max_positions: int = 1024) -> pathlib.Pa
   config = ModelConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                        num_kv_heads=1, head_dim=16, max_position_embeddings=max_positions)
   return save_gguf(path, config, peaked(config, 0), quantize=False, tokenizer_from=resolve("smollm2"))
+
+
+def our_logits(model, tokens):
+  """Logits [T, V] of one cache-free causal forward of a loaded model over `tokens`."""
+  from hitree_jax.cache.full import KVCache, causal_attend
+  from hitree_jax.model.llama import forward
+  n = len(tokens)
+  cache = KVCache.init(model.config, 1, n)
+  logits, _, _ = forward(model.params, model.config, jnp.asarray([tokens]), jnp.arange(n)[None],
+                         cache, causal_attend(cache.lengths, n, n))
+  return np.asarray(logits[0])
+
+
+def with_random_biases(params, seed=2):
+  """init_params' biases are zeros, where a dropped or unpermuted one would not show."""
+  rng = np.random.default_rng(seed)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: rng.standard_normal(x.shape).astype(np.float32)
+      if jax.tree_util.keystr(path).endswith("['bias']") else x, params)
+
+
+def synthetic_profile(context=512, space=None):
+  """A profile as auto.measure stores it (JSON: string widths), with made-up but plausible
+  numbers: costs grow with width, acceptance falls with the gap between two levels."""
+  from hitree_jax.planner import auto
+  space = (space or auto.Space()).for_context(context)
+  base = {"target": 0.020, "retrieval:256": 0.013, "retrieval:512": 0.015, "retrieval:1024": 0.017,
+          "self:8": 0.007, "draft": 0.0024, "draft@streaming:16x234": 0.0018, "eagle": 0.0012}
+  quality = {"target": 1.0, "retrieval:256": 0.9, "retrieval:512": 0.93, "retrieval:1024": 0.95,
+             "self:8": 0.1, "draft": 0.45, "draft@streaming:16x234": 0.4, "ngram:3": 0.3, "eagle": 0.7}
+  costs = {name: {str(w): base[name] * (1 + 0.08 * (w - 1)) for w in space.widths}
+           for name in space.levels() if name in base}
+  acceptance = {}
+  for verifier, proposer in space.pairs():
+    a = quality[proposer] / quality[verifier] if quality[proposer] < quality[verifier] else 0.95
+    ranks = [a] + [(1 - a) * 0.5 ** r for r in range(1, 8)]   # p(x_r) of distinct tokens: sum <= 1
+    acceptance[f"{verifier}<-{proposer}"] = {"alpha": a, "greedy": a, "profile": ranks, "greedy_profile": ranks}
+  return {"context": context, "costs": costs, "acceptance": acceptance,
+          "overheads": {"draft_forward": 0.0005, "verify": 0.002, "tree": 0.006}, "ar_seconds": 0.05}
+
+
+# A tiny target and draft, as a shapes config (launch.level_cost, launch.plan_memory --shapes).
+TINY_SHAPES = """
+from ml_collections import config_dict
+def get_config():
+  shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=4,
+               head_dim=8, max_position_embeddings=4096, dtype="bfloat16")
+  return config_dict.ConfigDict(dict(
+      target=dict(shape, num_layers=2), draft=dict(shape, num_layers=1), prompt_tokens=1500,
+      max_new_tokens=32, batch=1, budget=256, sinks=4, window=60, gamma1=1, gamma2=4))
+"""

@@ -13,7 +13,7 @@ import pytest
 from hitree_jax import errors, shipped, topology
 from hitree_jax.tree import shapes as tree_lib
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
 README = (REPO / "README.md").read_text()
 
 

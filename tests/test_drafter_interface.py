@@ -4,7 +4,6 @@ what its `check` refuses. The engine never asks a drafter's type (no isinstance 
 
 import ast
 import dataclasses
-import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,10 +15,10 @@ from hitree_jax.cache.kinds import Retrieval
 from hitree_jax.decode.stack import Stack, Verifier
 from hitree_jax.tree import shapes as tree_lib
 from hitree_jax.tree.shapes import DynamicTree
-from tests.helpers import peaked
-from tests.test_hierarchy import CONFIG, PROMPTS
+from tests.helpers import REPO, peaked, tiny_target
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = tiny_target()
+PROMPTS = [[3, 5, 7, 11, 13, 17, 19, 3, 5, 7, 2, 9, 4, 6, 1, 8, 3, 5, 7, 11], [2, 4], [8, 1, 9, 30, 2]]
 
 
 @dataclasses.dataclass(frozen=True)

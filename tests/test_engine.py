@@ -1,15 +1,13 @@
 """Speculative decoding (sd / tree) on a tiny random model: greedy equals ar, sampling is exact."""
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
-from hitree_jax.cache.full import KVCache, causal_attend
+from hitree_jax.cache.full import KVCache
 from hitree_jax.decode import engine, sizes
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter, SelfDrafter, parse_draft_spec
@@ -18,9 +16,10 @@ from hitree_jax.decode.programs import Programs
 from hitree_jax.decode.sampling import SamplingParams, probabilities
 from hitree_jax.decode.stack import Stack
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import forward, init_params
+from hitree_jax.model.llama import init_params
 from hitree_jax.model.vocab import ReducedVocab
 from hitree_jax.tree import shapes as tree_lib
+from tests.laws import N_SAMPLES, SMALL, chi_square_pvalue, exact_joint_law, exact_three_token_law
 
 CONFIG = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=None)
@@ -249,35 +248,6 @@ def test_a_round_runs_the_fewest_nodes_that_hold_the_offers(params, offered, wid
 # Token 1 comes from prefill; tokens 2 and 3 from the first round (depth 1 and 2 of
 # the tree, or a correction / bonus token), so every verification step is covered.
 
-SMALL = CONFIG.replace(vocab_size=6)
-N_SAMPLES = 4000
-
-
-def exact_three_token_law(params, prompt, sampling, config=SMALL):
-  """P(a) P(b | a) P(c | a, b) [V, V, V] from one batched cache-free forward over every context."""
-  v, t = config.vocab_size, len(prompt) + 2
-  contexts = [[]] + [[a] for a in range(v)] + [[a, b] for a in range(v) for b in range(v)]
-  seqs = np.array([prompt + c + [0] * (2 - len(c)) for c in contexts], np.int32)
-  cache = KVCache.init(config, len(seqs), t)
-  logits, _, _ = jax.jit(forward, static_argnums=1)(
-      params, config, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), seqs.shape), cache,
-      causal_attend(cache.lengths, t, t))
-  last = np.array([len(prompt) - 1 + len(c) for c in contexts])
-  probs = np.asarray(probabilities(logits[np.arange(len(seqs)), last], sampling), np.float64)
-  first, second, third = probs[0], probs[1:1 + v], probs[1 + v:].reshape(v, v, v)
-  return first[:, None, None] * second[:, :, None] * third
-
-
-def chi_square_pvalue(samples, law):
-  counts = np.zeros_like(law)
-  np.add.at(counts, tuple(samples.T), 1)
-  expected = law.ravel() / law.sum() * len(samples)
-  big = expected >= 5  # pool the rare cells so the chi-square approximation holds
-  obs = np.append(counts.ravel()[big], counts.ravel()[~big].sum())
-  exp = np.append(expected[big], expected[~big].sum())
-  keep = exp > 0
-  assert obs[~keep].sum() == 0, "a token sequence of probability zero was generated"
-  return stats.chisquare(obs[keep], exp[keep]).pvalue
 
 
 @pytest.mark.slow
@@ -334,34 +304,6 @@ TINY = CONFIG.replace(vocab_size=4, max_position_embeddings=97)
 N_ROWS_SEVERAL = 8000
 APPENDED_WIDTHS = []  # max_len of each short cache appended to a long one, recorded as it runs
 KV_APPEND = KVCache.append
-
-
-def target_law(logits, temperature, top_k):
-  """The law sampling must follow, computed apart from sampling.py: softmax(logits / temperature)
-  over the top_k most likely tokens (0: all), renormalised."""
-  z = np.asarray(logits, np.float64) / temperature
-  if top_k:
-    z = np.where(z >= np.sort(z, axis=-1)[..., -top_k, None], z, -np.inf)
-  p = np.exp(z - z.max(axis=-1, keepdims=True))
-  return p / p.sum(axis=-1, keepdims=True)
-
-
-def exact_joint_law(params, config, prompt, n, temperature, top_k):
-  """P(x1 .. xn) [V] * n by the chain rule, from one cache-free forward over every context."""
-  v, t = config.vocab_size, len(prompt) + n - 1
-  contexts = [list(c) for k in range(n) for c in itertools.product(range(v), repeat=k)]
-  seqs = np.array([prompt + c + [0] * (n - 1 - len(c)) for c in contexts], np.int32)
-  cache = KVCache.init(config, len(seqs), t)
-  logits, _, _ = jax.jit(forward, static_argnums=1)(
-      params, config, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), seqs.shape), cache,
-      causal_attend(cache.lengths, t, t))
-  last = np.array([len(prompt) - 1 + len(c) for c in contexts])
-  probs = target_law(np.asarray(logits)[np.arange(len(seqs)), last], temperature, top_k)
-  law, start = probs[0], 1
-  for k in range(1, n):  # the contexts of length k come in row-major order of [V] * k
-    law = law[..., None] * probs[start:start + v ** k].reshape((v,) * k + (v,))
-    start += v ** k
-  return law
 
 
 def counting_append(self, other):

@@ -21,7 +21,7 @@ from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import hidden_states, init_params, with_decode_head
 from hitree_jax.model.vocab import ReducedVocab
 from hitree_jax.tree import shapes as tree_lib
-from tests.test_engine import SMALL, N_SAMPLES, chi_square_pvalue, exact_three_token_law
+from tests.laws import N_SAMPLES, SMALL, chi_square_pvalue, exact_three_token_law
 
 # One layer: an EAGLE layer that copies it reproduces the target exactly.
 CONFIG = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,

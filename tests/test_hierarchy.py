@@ -16,7 +16,7 @@ from hitree_jax.decode.stack import Stack, Verifier
 from hitree_jax.model.config import ModelConfig
 from tests.helpers import peaked
 from hitree_jax.tree import shapes as tree_lib
-from tests.test_engine import chi_square_pvalue, exact_joint_law
+from tests.laws import chi_square_pvalue, exact_joint_law
 
 CONFIG = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=None)

@@ -2,7 +2,6 @@
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ import pytest
 
 from hitree_jax import huge_pages
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
 
 
 def launch(module, *args, timeout=600, env=None):
@@ -539,7 +538,7 @@ def test_benchmark_runs_spec_bench_and_checks_every_turn_against_ar(tiny_model, 
   from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.loading import resolve
   from hitree_jax.planner import auto
-  from tests.test_planner import synthetic_profile
+  from tests.helpers import synthetic_profile
   draft = "drafts/smollm2-draft.gguf"
   # Chat questions of about 80 tokens are planned from a chat profile at 128.
   key = (str(tiny_model), str(resolve(draft)), 128, SamplingParams.create())

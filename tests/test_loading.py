@@ -19,6 +19,7 @@ from hitree_jax.model.llama import (forward, init_params, logits_from_hidden, wi
                                     without_decode_head)
 from hitree_jax.model.vocab import ReducedVocab
 from hitree_jax.tokenizer import load_tokenizer
+from tests.helpers import our_logits, with_random_biases
 
 
 def tiny_hf(tied):
@@ -28,14 +29,6 @@ def tiny_hf(tied):
       num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
       tie_word_embeddings=tied, rope_theta=5e4)
   return transformers.LlamaForCausalLM(config).eval()
-
-
-def our_logits(model, tokens):
-  n = len(tokens)
-  cache = KVCache.init(model.config, 1, n)
-  logits, _, _ = forward(model.params, model.config, jnp.asarray([tokens]), jnp.arange(n)[None],
-                         cache, causal_attend(cache.lengths, n, n))
-  return np.asarray(logits[0])
 
 
 @pytest.mark.parametrize("tied,shard", [(True, None), (False, "200KB")])
@@ -167,14 +160,6 @@ def test_gguf_stores_q_and_k_in_llama_cpp_row_order(tmp_path):
     stored = np.asarray(tensors[f"blk.1.{name}.weight"].data)  # [out, in]
     np.testing.assert_array_equal(stored, llama_cpp_permute(np.asarray(attn[proj]["kernel"]).T, n_head))
   assert tensors["blk.1.attn_q.weight"].tensor_type == gguf.GGMLQuantizationType.F32
-
-
-def with_random_biases(params, seed=2):
-  """init_params' biases are zeros, where a dropped or unpermuted one would not show."""
-  rng = np.random.default_rng(seed)
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: rng.standard_normal(x.shape).astype(np.float32)
-      if jax.tree_util.keystr(path).endswith("['bias']") else x, params)
 
 
 def test_attention_biases_round_trip_through_gguf_and_orbax(tmp_path):

@@ -3,7 +3,6 @@ package (medusa-llm, test-only): the same logits from the same folder, exact dec
 their pickle converted by launch.convert, and each broken folder named in one line."""
 
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -21,7 +20,7 @@ from hitree_jax.heads import medusa, medusa_format, saved
 from hitree_jax.loading import load_model, resolve
 from hitree_jax.tokenizer import load_tokenizer
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
 
 HEADS = 3
 PROMPTS = [[3, 8, 13, 21, 34, 55, 89, 44, 33, 77], [5, 12, 70, 1, 9]]

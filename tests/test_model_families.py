@@ -14,7 +14,7 @@ from hitree_jax.decode import engine
 from hitree_jax.loading import load_model
 from hitree_jax.loading.hf import params_from_state_dict
 from hitree_jax.model.config import ModelConfig
-from tests.test_loading import our_logits
+from tests.helpers import our_logits
 
 torch.set_num_threads(2)
 

@@ -11,7 +11,7 @@ import nbclient
 import nbformat
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
 NOTEBOOK = REPO / "notebooks" / "hitree_colab.ipynb"
 # conftest's XLA flags, and two simulated devices
 TINY_ON_TWO_DEVICES = {"HITREE_NOTEBOOK_TINY": "1", "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "

@@ -13,7 +13,7 @@ import pytest
 
 from hitree_jax import methods, shipped
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
 BIN = pathlib.Path(sys.executable).parent
 
 
@@ -105,3 +105,17 @@ def test_no_module_imports_one_that_imports_it_back():
   assert "hitree_jax.cache.kinds" in imports["hitree_jax.decode.drafters"]   # the check sees imports
   circles = sorted({tuple(sorted((a, b))) for a in imports for b in imports[a] if a in imports.get(b, ())})
   assert circles == []
+
+
+def test_tests_share_helpers_through_their_own_modules_not_each_other():
+  """What several test files use lives in tests/helpers.py or tests/laws.py. A test file that
+  imports another test file runs that file's fixtures and constants twice over and ties two
+  files' edits together; the few left are named here, so a new one fails."""
+  import re
+  left = {("test_cache_family", "test_kv_cache"), ("test_heads_training", "test_distill"),
+          ("test_planner", "test_heads"), ("test_roofline", "test_tpu_compile")}
+  found = set()
+  for test in (REPO / "tests").glob("test_*.py"):
+    for imported in re.findall(r"^\s*from tests\.(test_\w+) import", test.read_text(), re.M):
+      found.add((test.stem, imported))
+  assert found == left

@@ -14,6 +14,7 @@ from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import init_params
 from hitree_jax.planner import latency, optimize, profile
 from hitree_jax.tree import shapes
+from tests.helpers import synthetic_profile
 
 
 def affine(fixed, per_token):
@@ -303,26 +304,6 @@ def test_prompt_lookups_acceptance_compares_its_proposal_with_the_targets_for_th
   assert ranked[2:-1, 0].tolist() == copy[3:] != copy[2:-1]   # not the token one early
 
 
-def synthetic_profile(context=512, space=None):
-  """A profile as auto.measure stores it (JSON: string widths), with made-up but plausible
-  numbers: costs grow with width, acceptance falls with the gap between two levels."""
-  from hitree_jax.planner import auto
-  space = (space or auto.Space()).for_context(context)
-  base = {"target": 0.020, "retrieval:256": 0.013, "retrieval:512": 0.015, "retrieval:1024": 0.017,
-          "self:8": 0.007, "draft": 0.0024, "draft@streaming:16x234": 0.0018, "eagle": 0.0012}
-  quality = {"target": 1.0, "retrieval:256": 0.9, "retrieval:512": 0.93, "retrieval:1024": 0.95,
-             "self:8": 0.1, "draft": 0.45, "draft@streaming:16x234": 0.4, "ngram:3": 0.3, "eagle": 0.7}
-  costs = {name: {str(w): base[name] * (1 + 0.08 * (w - 1)) for w in space.widths}
-           for name in space.levels() if name in base}
-  acceptance = {}
-  for verifier, proposer in space.pairs():
-    a = quality[proposer] / quality[verifier] if quality[proposer] < quality[verifier] else 0.95
-    ranks = [a] + [(1 - a) * 0.5 ** r for r in range(1, 8)]   # p(x_r) of distinct tokens: sum <= 1
-    acceptance[f"{verifier}<-{proposer}"] = {"alpha": a, "greedy": a, "profile": ranks, "greedy_profile": ranks}
-  return {"context": context, "costs": costs, "acceptance": acceptance,
-          "overheads": {"draft_forward": 0.0005, "verify": 0.002, "tree": 0.006}, "ar_seconds": 0.05}
-
-
 @pytest.mark.parametrize("greedy", [True, False])
 def test_a_plan_is_the_fastest_stack_of_its_space_and_runs_as_flags(greedy):
   from hitree_jax.planner import auto
@@ -488,7 +469,7 @@ def test_plan_writes_a_config_that_generate_runs_and_auto_plans_the_same(tmp_pat
   from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.loading import resolve
   from hitree_jax.planner import auto
-  from tests.test_launch import REPO
+  from tests.helpers import REPO
   draft, eagle = "drafts/smollm2-draft.gguf", "drafts/smollm2-eagle"
   model_path, draft_path = str(resolve("smollm2")), str(resolve(draft))
   eagle_path = str((pathlib.Path(REPO) / eagle).resolve())
@@ -562,7 +543,7 @@ def test_auto_with_bfloat16_keys_plans_from_their_own_profile(tmp_path):
   from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.loading import resolve
   from hitree_jax.planner import auto
-  from tests.test_launch import REPO
+  from tests.helpers import REPO
   draft = "drafts/smollm2-draft.gguf"
   model_path, draft_path = str(resolve("smollm2")), str(resolve(draft))
   keys = auto.precision("float32", "bfloat16")

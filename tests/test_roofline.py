@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from hitree_jax import hbm_traffic, roofline, sharding, topology
-from tests.test_sharding import TINY_SHAPES
-from tests.test_tpu_compile import DRAFT, REPO, TARGET, kv_bytes
+from tests.helpers import REPO, TINY_SHAPES
+from tests.test_tpu_compile import DRAFT, TARGET, kv_bytes
 
 CONTEXT = 16384
 WIDTHS = (1, 8)

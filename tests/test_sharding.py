@@ -4,7 +4,6 @@ slots equal to one device's, no recompiles, and clear refusals of meshes that do
 
 import json
 import os
-import pathlib
 import socket
 import subprocess
 import sys
@@ -44,7 +43,8 @@ STACKS = {
                      draft=DRAFT),
 }
 MESHES = ("data:2,model:4", "sequence:2,model:4")
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
+from tests.helpers import TINY_SHAPES
 DRAFT_FILE = "drafts/smollm2-draft.gguf"
 
 
@@ -257,17 +257,6 @@ def test_plan_memory_launcher_says_whether_it_fits(tmp_path):
     assert all(p["temporaries"] <= p["temporaries_cpu"] for p in record["programs"])
 
 
-TINY_SHAPES = """
-from ml_collections import config_dict
-def get_config():
-  shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=4,
-               head_dim=8, max_position_embeddings=4096, dtype="bfloat16")
-  return config_dict.ConfigDict(dict(
-      target=dict(shape, num_layers=2), draft=dict(shape, num_layers=1), prompt_tokens=1500,
-      max_new_tokens=32, batch=1, budget=256, sinks=4, window=60, gamma1=1, gamma2=4))
-"""
-
-
 def tiny_shapes_bytes(slots: int, model: int) -> tuple[int, int, int]:
   """By hand, for TINY_SHAPES in bfloat16, the target split model-ways by head, per device: (the
   target's weights a step reads, without its embedding table; what level_cost holds at a context
@@ -433,7 +422,7 @@ def test_cache_axes_are_declared_with_the_fields_and_an_undeclared_array_is_refu
 @pytest.mark.slow
 def test_a_model_with_attention_biases_shards_and_decodes_as_on_one_device():
   """Qwen2's q/k/v biases (and a biased Llama's o_proj one) split with their projections' heads."""
-  from tests.test_loading import with_random_biases
+  from tests.helpers import with_random_biases
   biased = CONFIG.replace(qkv_bias=True, o_bias=True)
   params = with_random_biases(peaked(biased, 0))
   axes = sharding.param_axes(params)["layers_0"]["self_attn"]

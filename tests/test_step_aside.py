@@ -17,9 +17,10 @@ from hitree_jax.decode.step_aside import StepAside
 from hitree_jax.cache.kinds import Full
 from hitree_jax.errors import UsageError
 from hitree_jax.tree import shapes as tree_lib
-from tests.helpers import peaked
-from tests.test_engine import SMALL, chi_square_pvalue, exact_three_token_law
-from tests.test_hierarchy import CONFIG
+from tests.helpers import peaked, tiny_target
+from tests.laws import N_SAMPLES, SMALL, chi_square_pvalue, exact_three_token_law
+
+CONFIG = tiny_target()
 
 PROMPTS = [[3, 5, 7, 11, 13, 17, 19, 3, 5, 7], [2, 4], [8, 1, 9, 30, 2]]
 DEPTH = 3
@@ -122,7 +123,7 @@ def test_sampling_with_rows_stepping_aside_is_exact():
   prompt = [1, 4, 2, 5, 1, 4]
   sampling = SamplingParams.create(1.0, 1.0)
   stack = Stack(SelfDrafter(1, "iid"), tree_lib.chain(2), step_aside=StepAside(below=1.0, rounds=1, memory=1))
-  result = engine.generate(params, SMALL, [prompt] * 4000, stack=stack, max_new_tokens=3, sampling=sampling,
+  result = engine.generate(params, SMALL, [prompt] * N_SAMPLES, stack=stack, max_new_tokens=3, sampling=sampling,
                            seed=11, stop_at_eos=False)
   assert 0 < sum(result.aside_per_row) < sum(result.rounds_per_row)
   samples = np.array([t[:3] for t in result.tokens])

@@ -28,7 +28,7 @@ from hitree_jax.model.llama import init_params
 from hitree_jax.tokenizer import chat_prompt, gguf_tokenizer, load_tokenizer, same_tokenizer
 from launch import fetch_assets
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
 DRAFT = REPO / "drafts" / "smollm2-draft.gguf"
 SLICE_CHARS = 3_000
 

@@ -11,7 +11,6 @@ long-context cache does.
 """
 
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -26,9 +25,9 @@ from hitree_jax.heads import eagle
 from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.tree import shapes as tree_lib
-from tests.test_sharding import TINY_SHAPES
+from tests.helpers import TINY_SHAPES
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
 TARGET = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=16,
                      num_kv_heads=16, head_dim=64, max_position_embeddings=131072, dtype="bfloat16")
 DRAFT = TARGET.replace(num_layers=1, num_heads=2, num_kv_heads=1)
