@@ -513,3 +513,32 @@ def test_a_cut_checkpoint_is_refused_in_one_line(tmp_path):
       f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])
   with pytest.raises(UsageError, match="params: not a whole orbax checkpoint"):
     load_model(str(tmp_path / "ck"))
+
+
+@pytest.mark.slow
+def test_a_gguf_loads_tensor_by_tensor_within_a_quarter_above_its_weights(tmp_path):
+  """load_model dequantizes each tensor into the run's dtype and places it before it makes the
+  next: in a fresh process its anonymous memory peaks at most 1.25x the weights' bytes above its
+  start (loading the whole file to float32 first took about 4x), and bfloat16's weights are
+  float32's, rounded."""
+  import subprocess
+  import sys
+  from tests.helpers import REPO
+  config = ModelConfig(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_layers=12, num_heads=8,
+                       num_kv_heads=4, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=False)
+  rng = np.random.default_rng(0)
+  shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(np.float32), shapes)
+  save_gguf(tmp_path / "m.gguf", config, params, quantize=True)
+  child = ("import json, sys\nfrom hitree_jax.loading import load_model\n"
+           "from hitree_jax.loading.memory import peak_while, tree_bytes\n"
+           "model, peak, before = peak_while(lambda: load_model(sys.argv[1], 'bfloat16'))\n"
+           "print(json.dumps([peak - before, tree_bytes(model.params)]))")
+  proc = subprocess.run([sys.executable, "-c", child, str(tmp_path / "m.gguf")], cwd=REPO, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  peak, weights = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert weights > 150e6 and peak <= 1.25 * weights, (peak / 1e6, weights / 1e6)
+  wide, narrow = load_model(str(tmp_path / "m.gguf")), load_model(str(tmp_path / "m.gguf"), "bfloat16")
+  for a, b in zip(jax.tree.leaves(wide.params), jax.tree.leaves(narrow.params)):
+    assert b.dtype == jnp.bfloat16 and np.array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(b))

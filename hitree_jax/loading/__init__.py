@@ -85,8 +85,8 @@ def load_model(spec: str, dtype: str = "float32", key_dtype: str | None = None) 
   """The model's config and weights (in dtype); key_dtype as in load_config."""
   path = resolve(spec)
   vocab = None
-  if path.suffix == ".gguf":
-    config, params, vocab = gguf.load_gguf(path, dtype)
+  if path.suffix == ".gguf":   # tensor by tensor, each on the device before the next is made
+    config, params, vocab = gguf.load_gguf(path, dtype, place=lambda w: jnp.asarray(w, jnp.dtype(dtype)))
   elif checkpoint.is_checkpoint(path):
     config, params = checkpoint.load_checkpoint(path, dtype)
   else:

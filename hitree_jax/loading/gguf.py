@@ -1,4 +1,10 @@
-"""GGUF (llama.cpp) Llama weights: `load_gguf` dequantizes to float32, `save_gguf` writes Q8_0.
+"""GGUF (llama.cpp) Llama weights: `load_gguf` dequantizes into the run's dtype, `save_gguf`
+writes Q8_0.
+
+A tensor is dequantized only when the model takes it, a block of rows at a time, straight into
+an array of the run's dtype (already transposed where the model wants [in, out]), which is
+placed and dropped before the next: the host never holds the model, or a whole matrix, in
+float32 (a 7B Q4 file once took 28 GB of it). docs/results/load_memory.py measures the peak.
 
 llama.cpp's converter permutes the rows of attn_q / attn_k from HF's
 rotate-half RoPE layout into interleaved pairs; we undo that on load (and redo
@@ -18,9 +24,11 @@ full target's, so when the config's bos/eos ids differ from the copied
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import pathlib
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -172,31 +180,60 @@ def _own_token_ids(config: ModelConfig, meta: dict) -> ModelConfig:
   return config.replace(**changes)
 
 
-def load_gguf(path: str | pathlib.Path, dtype: str = "float32"):
-  """(config, params, ReducedVocab or None) from a GGUF file of architecture `llama`."""
+BLOCK_VALUES = 1 << 21   # values dequantized at a time (8 MB in float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedTensor:
+  """A GGUF tensor as params_from_state_dict takes it: its HF shape ([out, in]), dequantized by
+  `array` only when taken. q/k (heads set) have llama.cpp's interleaved RoPE rows, undone per
+  block of whole heads."""
+  tensor: gguf.ReaderTensor
+  heads: int | None = None
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(reversed([int(d) for d in self.tensor.shape]))   # ggml order -> [out, in]
+
+  def array(self, dtype, transpose: bool = False) -> np.ndarray:
+    """The tensor in `dtype` ([in, out] with transpose), built a block of rows at a time."""
+    shape = self.shape
+    rows, rest = shape[0], shape[1:]
+    out = np.empty(shape[::-1] if transpose else shape, dtype)
+    unit = rows // self.heads if self.heads else 1   # rows per head: a block holds whole heads
+    step = unit * max(1, BLOCK_VALUES // (unit * max(1, int(np.prod(rest)))))
+    for start in range(0, rows, step):
+      block = gguf.quants.dequantize(self.tensor.data[start:start + step], self.tensor.tensor_type)
+      block = np.asarray(block, np.float32).reshape(-1, *rest)
+      if self.heads:
+        block = unpermute_rope_rows(block, block.shape[0] // unit)
+      if transpose:
+        out[:, start:start + step] = block.T
+      else:
+        out[start:start + step] = block
+    return out
+
+
+def load_gguf(path: str | pathlib.Path, dtype: str = "float32", place: Callable | None = None):
+  """(config, params, ReducedVocab or None) from a GGUF file of architecture `llama`. Each
+  tensor is dequantized into `dtype` when taken, and handed to `place` (e.g. to the device)
+  before the next is made: QuantizedTensor."""
   reader = open_reader(path)
   config = read_config(path, dtype)
   vocab = read_vocab(path)
   if vocab is not None and vocab.size != config.vocab_size:
     raise UsageError(f"{path}: reduced vocabulary of {vocab.size} ids for a model of "
                      f"vocab_size={config.vocab_size}")
-  state = {}
   unknown = [t.name for t in reader.tensors if hf_name(t.name) is None and t.name != ROPE_FREQS]
   if unknown:
     raise UsageError(f"{path}: {unknown[0]}: a tensor this model does not use"
                      + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
-  for tensor in reader.tensors:
-    name = hf_name(tensor.name)
-    if name is None:
-      continue  # ROPE_FREQS, in the config
-    w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-    w = w.reshape(tuple(reversed([int(d) for d in tensor.shape])))  # ggml order -> [out, in]
-    if name.endswith(("q_proj.weight", "q_proj.bias")):
-      w = unpermute_rope_rows(w, config.num_heads)
-    elif name.endswith(("k_proj.weight", "k_proj.bias")):
-      w = unpermute_rope_rows(w, config.num_kv_heads)
-    state[name] = w
-  return config, params_from_state_dict(state, config, source=str(path)), vocab
+  heads = lambda name: (config.num_heads if name.endswith(("q_proj.weight", "q_proj.bias")) else
+                        config.num_kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None)
+  state = {name: QuantizedTensor(tensor, heads(name)) for tensor in reader.tensors
+           if (name := hf_name(tensor.name)) is not None}   # not ROPE_FREQS: it is in the config
+  params = params_from_state_dict(state, config, source=str(path), dtype=dtype, place=place)
+  return config, params, vocab
 
 
 # ---- writing ----

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Mapping
+from typing import Callable, Mapping
 
+import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 
@@ -28,14 +29,22 @@ def tolerated(name: str, config: ModelConfig) -> bool:
       config.tie_word_embeddings and name == "lm_head.weight")
 
 
-def params_from_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig,
-                           source: str = "checkpoint") -> dict:
+def params_from_state_dict(state: Mapping[str, object], config: ModelConfig,
+                           source: str = "checkpoint", dtype: str = "float32",
+                           place: Callable | None = None) -> dict:
   """HF names -> nested params; linear weights [out, in] become kernels [in, out].
+
+  A state value is an array (kept in float32 here, converted to `dtype` on the device), or a
+  tensor that makes itself when taken, `.shape` and `.array(dtype, transpose)` (a GGUF's
+  QuantizedTensor: made in `dtype`, transposed as it is made). `place` takes each tensor as it
+  is made (e.g. onto the device), so that the next is made after it: a loader that hands lazy
+  tensors never holds the whole model twice.
 
   Every tensor is accounted for: one the model lacks or one it does not use (a Qwen2's biases
   under a config without them) is a ValueError naming it, rather than wrong text later.
   """
-  dtype = np.dtype("float32")  # converted on the device to config.dtype (numpy has no bfloat16)
+  made = jnp.dtype(dtype)   # numpy's bfloat16 (ml_dtypes) too
+  place = place or (lambda w: w)
   missing, used = [], set()
   c = config
   e, q, kv, i = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
@@ -47,11 +56,14 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig,
       missing.append(name)
       return None
     used.add(name)
-    found = tuple(np.shape(state[name]))
+    value = state[name]
+    found = tuple(value.shape) if hasattr(value, "array") else tuple(np.shape(value))
     if found != shape:   # as transformers says it: the tensor, then both shapes
       raise UsageError(f"{source}: {name} has shape {found}; this config expects {shape}")
-    w = np.asarray(state[name], dtype=dtype)
-    return np.ascontiguousarray(w.T) if transpose else w
+    if hasattr(value, "array"):
+      return place(value.array(made, transpose))
+    w = np.asarray(value, dtype=np.float32)
+    return place(np.ascontiguousarray(w.T) if transpose else w)
 
   def linear(name, bias):  # {"kernel" [in, out], "bias" [out] when the config has one}
     shape = out_in[name.rpartition(".")[2]]
