@@ -36,11 +36,13 @@ your own questions in the same format:
   python -m launch.benchmark --prompts=specbench --per_category=10 \
       --methods=ar,sd/ngram/4,sd/drafts/smollm2-draft.gguf/3 --out=specbench.json
 
---batch_sizes=1,4,16 asks each method the questions that many at a time, a row each (turn by
-turn: MT-bench's second turns form the next batch). Tokens/s counts every row's tokens over the
-batches' decode seconds, a row's latency is its batch's decode time, and the speedup is over
-`ar` at the same batch size; greedy answers are compared with `ar`'s at batch 1, what each
-question gives alone.
+--batch_sizes=1,4,16 decodes that many prompts at a time, a row each: book passages (a run is a
+batch of distinct passages, --n_prompts runs per size), or the questions (turn by turn:
+MT-bench's second turns form the next batch). Tokens/s counts every row's tokens over the
+batch's decode seconds, and the speedup is over `ar` at the same batch size. Greedy rows are
+compared with `ar`'s: a passage's with `ar` at the same batch size, a question's with `ar` at
+batch 1 (what each question gives alone), beside a row's latency (its batch's decode time).
+The figures draw batch 1; the table has every size.
 """
 
 from __future__ import annotations
@@ -100,8 +102,9 @@ flags.DEFINE_string("out", "results.json", "Where to write the JSON results (the
 FLAGS = flags.FLAGS
 
 
-def run_one(model, method, ids, sampling, programs, mesh=None):
-  return method.generate(model.params, model.config, [ids], max_new_tokens=FLAGS.max_new_tokens,
+def run_one(model, method, group, sampling, programs, mesh=None):
+  """One timed generation of a group of prompts (one, or a batch), EOS ignored."""
+  return method.generate(model.params, model.config, group, max_new_tokens=FLAGS.max_new_tokens,
                          sampling=sampling, seed=FLAGS.seed, stop_at_eos=False, programs=programs,
                          time_levels=FLAGS.time_levels, mesh=mesh)
 
@@ -149,11 +152,14 @@ def write_outputs(record: dict) -> None:
   per_level = level_markdown(record["results"])
   predicted = prediction_markdown(record["results"])
   beside(".md").write_text(table + "\n" + "".join(f"\n{part}\n" for part in (per_level, predicted) if part))
-  plots.speed_figure(record, beside("_speed.png"))
-  written = [out, beside(".md"), beside("_speed.png")]
+  written = [out, beside(".md")]
+  single = {**record, "results": [r for r in record["results"] if r.get("batch_size", 1) == 1]}
+  if single["results"]:   # the figures draw one prompt at a time (batches: the table)
+    plots.speed_figure(single, beside("_speed.png"))
+    written.append(beside("_speed.png"))
   for tail, figure in [("_acceptance.png", plots.acceptance_figure), ("_levels.png", plots.levels_figure),
                        ("_gammas.png", plots.gamma_figure), ("_predicted.png", plots.predicted_figure)]:
-    if figure(record, beside(tail)):
+    if single["results"] and figure(single, beside(tail)):
       written.append(beside(tail))
   print(table)
   for part in (per_level, predicted):
@@ -168,9 +174,6 @@ def questions():
   if FLAGS.prompts == "books":
     if FLAGS.categories or FLAGS.per_category is not None:
       raise app.UsageError("--categories and --per_category apply to --prompts=specbench or a .jsonl")
-    if FLAGS.batch_sizes != ["1"]:
-      raise app.UsageError("--batch_sizes applies to --prompts=specbench or a .jsonl; book passages "
-                           "are benchmarked one at a time")
     return None
   from hitree_jax import spec_bench
   for name in ("prompt_tokens", "n_prompts", "book", "peers", "predict"):
@@ -306,12 +309,17 @@ def main(argv):
   tie = near_ties.tie_margin(model.config)
   peer_engines = make_peers(model.path, max(lengths))
   rows = []
-  ar_tokens = {}  # (prompt length, prompt index) -> ar's tokens: what greedy peers are compared with
-  greedy_tokens = {}  # (method, prompt length, prompt index) -> its tokens, compared with ar's
+  ar_tokens = {}  # (prompt length, batch size, run) -> ar's tokens per row: what greedy runs are compared with
+  greedy_tokens = {}  # (method, prompt length, batch size, run) -> its tokens per row, compared with ar's
   order = itertools.count()  # each timed run's place in the benchmark (the JSON's `order`)
-  progress = Progress("benchmark", len(lengths) * (len(methods) + len(peer_engines)) * (FLAGS.n_prompts + 1))
-  for n_tokens in lengths:
-    prompts = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts, corpus=FLAGS.book)
+  sizes = batch_sizes()
+  progress = Progress("benchmark", len(lengths) * sum(len(methods) + len(peer_engines) * (b == 1) for b in sizes)
+                      * (FLAGS.n_prompts + 1))
+  for n_tokens, size in itertools.product(lengths, sizes):
+    # --n_prompts groups of `size` passages (a batch of B passages takes B x n_prompts of them)
+    passages = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts * size, corpus=FLAGS.book)
+    groups = [passages[i * size:(i + 1) * size] for i in range(FLAGS.n_prompts)]
+    at = f" x{size}" if size != 1 else ""
     planned = [methods_lib.auto_method(FLAGS.model, FLAGS.draft, n_tokens, sampling, loaded=(model, None),
                                   feature_draft=FLAGS.feature_draft).load_draft(model.config, model.params) if m == "auto" else m for m in methods]
     for method in planned:
@@ -320,45 +328,46 @@ def main(argv):
       programs = Programs()
       jax.clear_caches()
       gc.collect()
-      warm = run_one(model, method, prompts[0], sampling, programs, mesh)  # compiles; not timed
-      progress.step(detail=f"{method.label} P={n_tokens} warm-up ({warm.compile_s:.1f} s compiling)")
+      warm = run_one(model, method, groups[0], sampling, programs, mesh)  # compiles; not timed
+      progress.step(detail=f"{method.label}{at} P={n_tokens} warm-up ({warm.compile_s:.1f} s compiling)")
       # Peers are timed between `ar`'s prompts, so a machine's drift over the run (its clock,
       # a neighbour's load) falls on both engines alike rather than on whichever runs later.
-      beside = peer_engines if method.label == "ar" else []
+      beside = peer_engines if method.label == "ar" and size == 1 else []
       for peer in beside:
-        peer_warm_up(peer, n_tokens, prompts[0], progress)
+        peer_warm_up(peer, n_tokens, groups[0][0], progress)
       runs, peer_runs = [], {peer: [] for peer in beside}
-      for i, ids in enumerate(prompts):
-        r = run_one(model, method, ids, sampling, programs, mesh)
+      for i, group in enumerate(groups):
+        r = run_one(model, method, group, sampling, programs, mesh)
         runs.append({"prompt": i, "order": next(order), "prefill_s": r.prefill_s, "decode_s": r.decode_s,
-                     "new_tokens": len(r.tokens[0]), "decode_tokens_per_s": r.decode_tokens_per_s,
+                     "new_tokens": sum(map(len, r.tokens)), "decode_tokens_per_s": r.decode_tokens_per_s,
                      "compiles": r.compiles, "cache_loads": r.cache_loads, "target_forwards": r.target_forwards,
                      "mean_accepted": r.mean_accepted, "accepted_per_depth": r.accepted_per_depth,
-                     "levels": r.levels})
+                     "levels": r.levels, **({"rows": size} if size != 1 else {})})
         if method.label == "ar":
-          ar_tokens[n_tokens, i] = r.tokens[0]
+          ar_tokens[n_tokens, size, i] = r.tokens
         elif FLAGS.temperature == 0:
-          greedy_tokens[method.label, n_tokens, i] = r.tokens[0]
-        progress.step(detail=f"{method.label} P={n_tokens} prompt {i}: "
+          greedy_tokens[method.label, n_tokens, size, i] = r.tokens
+        progress.step(detail=f"{method.label}{at} P={n_tokens} prompt {i}: "
                              f"{r.decode_tokens_per_s:.2f} tok/s")
         for peer in beside:
-          peer_runs[peer].append(peer_run(peer, n_tokens, i, ids, ar_tokens, next(order), progress))
+          peer_runs[peer].append(peer_run(peer, n_tokens, i, group[0], ar_tokens, next(order), progress))
       accepted = [x["mean_accepted"] for x in runs if x["mean_accepted"] is not None]
       rows.append({
-          "method": method.label, "prompt_tokens": n_tokens, "runs": runs, "compile_s": warm.compile_s,
-          **stack_shape(method.stack), **(prediction(model, method, n_tokens, sampling) if FLAGS.predict else {}),
+          "method": method.label, "prompt_tokens": n_tokens, **({"batch_size": size} if size != 1 else {}),
+          "runs": runs, "compile_s": warm.compile_s, **stack_shape(method.stack),
+          **(prediction(model, method, n_tokens, sampling) if FLAGS.predict and size == 1 else {}),
           "median_decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in runs),
           "median_mean_accepted": statistics.median(accepted) if accepted else None,
           "median_prefill_s": statistics.median(x["prefill_s"] for x in runs)})
       rows += [peer_row(peer, n_tokens, peer_runs[peer]) for peer in beside]
       pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))  # survives a crash
     if FLAGS.temperature == 0:   # sampled tokens differ from ar's by their random numbers alone
-      compare_with_ar(rows, prompts, n_tokens, ar_tokens, greedy_tokens, margins_of, tie)
-    if not any(m.label == "ar" for m in planned):  # no `ar` to time them beside: after the methods
+      compare_with_ar(rows, groups, n_tokens, size, ar_tokens, greedy_tokens, margins_of, tie)
+    if size == 1 and not any(m.label == "ar" for m in planned):  # no `ar` to time them beside: after the methods
       for peer in peer_engines:
-        peer_warm_up(peer, n_tokens, prompts[0], progress)
-        rows.append(peer_row(peer, n_tokens, [peer_run(peer, n_tokens, i, ids, ar_tokens, next(order), progress)
-                                              for i, ids in enumerate(prompts)]))
+        peer_warm_up(peer, n_tokens, groups[0][0], progress)
+        rows.append(peer_row(peer, n_tokens, [peer_run(peer, n_tokens, i, group[0], ar_tokens, next(order), progress)
+                                              for i, group in enumerate(groups)]))
         pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))
   write_outputs(record(rows))
   for r in rows:
@@ -367,23 +376,25 @@ def main(argv):
   fail_on_faults(rows, tie, lambda d: f"prompt {d['prompt']}")
 
 
-def compare_with_ar(rows, prompts, n_tokens: int, ar_tokens: dict, greedy_tokens: dict, margins_of,
+def compare_with_ar(rows, groups, n_tokens: int, size: int, ar_tokens: dict, greedy_tokens: dict, margins_of,
                     tie: float) -> None:
-  """Greedy decoding: each method's tokens on each prompt of this length against `ar`'s, as its
-  row's differs_from_ar (near_ties.compare: where it parts, the target's margin there, and
-  whether a near-tie explains it). Nothing to compare without `ar` among the methods."""
+  """Greedy decoding: each method's tokens on each prompt of this length and batch size against
+  `ar`'s, row by row, as its row's differs_from_ar (near_ties.compare: where it parts, the
+  target's margin there, and whether a near-tie explains it). Nothing to compare without `ar`."""
   from hitree_jax import near_ties
-  if not any(length == n_tokens for length, _ in ar_tokens):
+  if not any(key[:2] == (n_tokens, size) for key in ar_tokens):
     return
   for row in rows:
-    if row["prompt_tokens"] != n_tokens or row["method"] == "ar" or row.get("peer"):
+    if (row["prompt_tokens"] != n_tokens or row.get("batch_size", 1) != size or row["method"] == "ar"
+        or row.get("peer")):
       continue
     row["differs_from_ar"] = []
-    for i, ids in enumerate(prompts):
-      parted = near_ties.compare(list(ids), greedy_tokens[row["method"], n_tokens, i], ar_tokens[n_tokens, i],
-                                 margins_of, tie)
-      if parted is not None:
-        row["differs_from_ar"].append({"prompt": i, **parted})
+    for i, group in enumerate(groups):
+      mine, theirs = greedy_tokens[row["method"], n_tokens, size, i], ar_tokens[n_tokens, size, i]
+      for k, ids in enumerate(group):
+        parted = near_ties.compare(list(ids), mine[k], theirs[k], margins_of, tie)
+        if parted is not None:
+          row["differs_from_ar"].append({"prompt": i, **({"row": k} if size != 1 else {}), **parted})
 
 
 def fail_on_faults(rows, tie: float, where) -> None:
@@ -444,7 +455,7 @@ def peer_run(peer, n_tokens: int, i: int, ids, ar_tokens: dict, order: int, prog
   new = len(r.tokens)
   run = {"prompt": i, "order": order, "prefill_s": r.prefill_s, "decode_s": r.decode_s, "new_tokens": new,
          "decode_tokens_per_s": (new - 1) / r.decode_s, "mean_accepted": None}
-  ours = ar_tokens.get((n_tokens, i))
+  ours = ar_tokens.get((n_tokens, 1, i), [None])[0]
   if FLAGS.temperature == 0 and ours is not None:  # sampled tokens differ by random numbers alone
     run["same_tokens_as_ar"] = next((k for k, (a, b) in enumerate(zip(ours, r.tokens)) if a != b),
                                     min(len(ours), new))

@@ -28,16 +28,27 @@ def differs_cell(partings: list[dict], unit: str) -> str:
   return cell
 
 
+def name(row: dict) -> str:
+  """A row's name in tables: its method, and its batch size past 1."""
+  return row["method"] + (f" x{row['batch_size']}" if row.get("batch_size", 1) != 1 else "")
+
+
 def markdown(rows) -> str:
-  """The speed table, with a `greedy = ar` column where greedy methods were compared with ar."""
+  """The speed table, with a `greedy = ar` column where greedy methods were compared with ar, and
+  a batch column where a batch of more than one was run (tok/s then counts every row's tokens,
+  and the speedup is over `ar` at the same batch size)."""
   compared = any("differs_from_ar" in r for r in rows)
-  lines = ["| method | prompt tokens | decode tok/s (median) | speedup vs ar | mean accepted | prefill s | compile s |"
-           + (" greedy = ar |" if compared else ""), "|---|---|---|---|---|---|---|" + ("---|" if compared else "")]
-  base = {r["prompt_tokens"]: r["median_decode_tokens_per_s"] for r in rows if r["method"] == "ar"}
+  batched = any(r.get("batch_size", 1) != 1 for r in rows)
+  lines = ["| method | prompt tokens | " + ("batch | " if batched else "") + "decode tok/s (median) | "
+           "speedup vs ar | mean accepted | prefill s | compile s |" + (" greedy = ar |" if compared else ""),
+           "|---|---|---|---|---|---|---|" + ("---|" if batched else "") + ("---|" if compared else "")]
+  at = lambda r: (r["prompt_tokens"], r.get("batch_size", 1))
+  base = {at(r): r["median_decode_tokens_per_s"] for r in rows if r["method"] == "ar"}
   for r in rows:
-    speedup = r["median_decode_tokens_per_s"] / base[r["prompt_tokens"]] if r["prompt_tokens"] in base else float("nan")
+    speedup = r["median_decode_tokens_per_s"] / base[at(r)] if at(r) in base else float("nan")
     accepted, compile_s = r["median_mean_accepted"], r["compile_s"]
-    lines.append(f"| {r['method']} | {r['prompt_tokens']} | {r['median_decode_tokens_per_s']:.2f} | "
+    lines.append(f"| {r['method']} | {r['prompt_tokens']} | " + (f"{r.get('batch_size', 1)} | " if batched else "")
+                 + f"{r['median_decode_tokens_per_s']:.2f} | "
                  f"{speedup:.2f}x | {'–' if accepted is None else f'{accepted:.2f}'} | "
                  f"{r['median_prefill_s']:.2f} | {'–' if compile_s is None else f'{compile_s:.1f}'} |"
                  + (f" {differs_cell(r['differs_from_ar'], 'prompts') if 'differs_from_ar' in r else '–'} |"
@@ -57,13 +68,13 @@ def level_markdown(rows) -> str:
     for j, level in enumerate(runs[0] if runs else []):
       at = [run[j] for run in runs]
       if j == 0 and "proposer_round_ms" in level:
-        lines.append(f"| {r['method']} | {r['prompt_tokens']} | {level['proposer']} (drafting) | – | – | "
+        lines.append(f"| {name(r)} | {r['prompt_tokens']} | {level['proposer']} (drafting) | – | – | "
                      f"{fmt(med([x['forwards'] for x in at]), '.0f')} | "
                      f"{fmt(med([x['proposer_round_ms'] for x in at]), '.1f')} | "
                      f"{fmt(med([x['proposer_time_share'] for x in at]), '.0%')} |")
       acceptance = med([x["acceptance"] for x in at if x["acceptance"] is not None])
       alpha = med([x["alpha"] for x in at if x.get("alpha") is not None])
-      lines.append(f"| {r['method']} | {r['prompt_tokens']} | {level['proposer']} -> {level['name']} | "
+      lines.append(f"| {name(r)} | {r['prompt_tokens']} | {level['proposer']} -> {level['name']} | "
                    f"{fmt(acceptance, '.2f')} | {fmt(alpha, '.2f')} | "
                    f"{fmt(med([x['forwards'] for x in at]), '.0f')} | "
                    f"{fmt(med([x['round_ms'] for x in at if 'round_ms' in x]), '.1f')} | "
