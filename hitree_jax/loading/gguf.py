@@ -180,7 +180,7 @@ def _own_token_ids(config: ModelConfig, meta: dict) -> ModelConfig:
   return config.replace(**changes)
 
 
-BLOCK_VALUES = 1 << 21   # values dequantized at a time (8 MB in float32)
+BLOCK_VALUES = 1 << 18   # values dequantized at a time (1 MB in float32)
 
 
 @dataclasses.dataclass(frozen=True)
