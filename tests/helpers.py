@@ -1,12 +1,20 @@
 """Helpers that several test modules share (imported from here, never from another test file)."""
 
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def launch(module, *args, timeout=600, env=None):
+  """`python -m launch.MODULE ARGS` from the repository's root: the finished process."""
+  return subprocess.run([sys.executable, "-m", f"launch.{module}", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def tiny_target():

@@ -4,18 +4,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from hitree_jax import huge_pages
 
-from tests.helpers import REPO
-
-
-def launch(module, *args, timeout=600, env=None):
-  return subprocess.run([sys.executable, "-m", f"launch.{module}", *args], cwd=REPO,
-                        capture_output=True, text=True, timeout=timeout, env=env)
+from tests.helpers import REPO, launch
 
 
 
@@ -311,98 +305,6 @@ def test_generate_refuses_a_draft_with_another_vocabulary(foreign_draft):
   proc = launch("generate", "--method=sd", f"--draft={foreign_draft}", "--prompt=hi", timeout=300)
   assert proc.returncode != 0
   assert "vocabularies differ: the draft's has 100 tokens, the target's 49152" in proc.stderr
-
-
-def test_distill_checks_sampling_flags_before_any_slow_work(tmp_path):
-  tic = time.perf_counter()
-  proc = launch("distill", "--temperature=-1", f"--workdir={tmp_path / 'work'}", timeout=120)
-  assert proc.returncode != 0 and "temperature=-1" in proc.stderr + proc.stdout
-  assert time.perf_counter() - tic < 30  # the teacher would take longer to load, labels hours
-  assert not (tmp_path / "work").exists()
-
-
-@pytest.mark.slow
-def test_distill_trains_exports_and_evaluates_a_draft(tmp_path):
-  out = tmp_path / "work" / "draft.gguf"   # without --out the export goes under the workdir
-  proc = launch("distill", "--teacher=smollm2", f"--workdir={tmp_path / 'work'}",
-                "--layers=0", "--vocab_size=512", "--window=32", "--train_windows=4",
-                "--eval_windows=1", "--steps=2", "--batch=2", "--cost_context=32", "--json")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  record = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert [h["step"] for h in record["history"]] == [2]
-  assert out.is_file() and json.loads(out.with_suffix(".json").read_text())["vocab_size"] == 512
-  assert 0 <= record["greedy_agreement"] <= 1 and 0 < record["cost_ratio"] < 1
-  assert len(record["acceptance_profile"]) == 8
-  for line in ("labelling train windows 1/1 (100%)", "labelling eval windows 1/1 (100%)",
-               "training 1/2 (50%) elapsed", "training 2/2 (100%)"):
-    assert line in proc.stderr, line
-
-
-@pytest.mark.slow
-def test_distill_refuses_bad_taps(tmp_path):
-  for args, message in ((["--kind=medusa", "--taps=2"], "--taps=2 is for --kind=eagle"),
-                        (["--kind=eagle", "--taps=2,29"], "--taps=2,29: expected teacher layers in 0..28"),
-                        (["--kind=eagle", "--taps=15,2"], "expected distinct layers in increasing order")):
-    proc = launch("distill", *args, f"--workdir={tmp_path / 'work'}", timeout=120)
-    assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr[-2000:])
-  assert not (tmp_path / "work").exists()
-
-
-# One EAGLE distillation checks both what a chat recipe and what taps change (they were two launcher
-# runs of about 3 minutes each). Medusa: the same launcher path (test_heads_training); EAGLE
-# without taps: the shipped draft's tests.
-@pytest.mark.slow
-def test_distill_trains_eagle3_chat_heads_that_generate_like_ar(tmp_path):
-  """launch.distill --kind=eagle writes a folder that --draft=eagle:PATH decodes with, here an
-  EAGLE-3 one (--taps: it reads three of the target's layers beside its final states) trained
-  with --train_text=chat: the teacher answers instructions over book passages, in the chat
-  template; the draft trains on those answers and is evaluated on held-out ones, and its
-  vocabulary is that text's (the chat template's tokens, which the books' most frequent 511 lack)."""
-  import numpy as np
-  from hitree_jax.heads import saved
-  from hitree_jax.loading import load_model
-  out, work = tmp_path / "eagle_chat", tmp_path / "work"
-  proc = launch("distill", "--config=configs/distill_eagle_chat.py", "--kind=eagle", "--teacher=smollm2",
-                f"--workdir={work}", f"--out={out}", "--vocab_size=512", "--window=80", "--train_windows=4",
-                "--num_heads=2", "--eval_windows=1", "--steps=2", "--batch=2", "--cost_context=32",
-                "--own_prompt_tokens=64", "--taps=2,15,27", "--json")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  record = json.loads(proc.stdout.strip().splitlines()[-1])
-  meta = json.loads((out / "heads.json").read_text())
-  assert meta["kind"] == "eagle" and meta["vocab_size"] == 512 and "--kind=eagle" in meta["command"]
-  assert meta["taps"] == [2, 15, 27] and "--taps=2,15,27" in meta["command"]
-  assert 0 <= record["greedy_agreement"] <= 1 and 0 < record["cost_ratio"] < 1
-  assert meta["evaluation"]["greedy_agreement"] == record["greedy_agreement"]
-  # the recipe, then what overrode it
-  assert meta["command"].startswith("python -m launch.distill --config=configs/distill_eagle_chat.py --batch=2 ")
-  for split, n in (("train", 4), ("eval", 1)):   # both splits are chat windows, answered by the teacher
-    (text,) = work.glob(f"labels_{split}_{n}x80_top32_features*_chat64_t0.6_p0.9_text.npy")
-    answers = np.load(text)
-    assert answers.shape == (n, 80) and answers[:, 64:].any()
-  # --eval judges a draft on the same held-out chat windows (the labels are kept): the figure the run wrote
-  proc = launch("distill", "--config=configs/distill_eagle_chat.py", "--eval", f"--draft=eagle:{out}",
-                "--teacher=smollm2", f"--workdir={work}", "--window=80", "--eval_windows=1", "--cost_context=32",
-                "--own_prompt_tokens=64", "--json")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  evaluated = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert evaluated["greedy_agreement"] == meta["evaluation"]["greedy_agreement"]
-  from hitree_jax.model.vocab import ReducedVocab
-  from hitree_jax.tokenizer import chat_prompt, load_tokenizer
-  from hitree_jax.train import corpus
-  target = load_model("smollm2")
-  _, _, vocab = saved.load(str(out), target.params, target.config, "eagle")
-  template = set(chat_prompt(load_tokenizer(target.path), ""))
-  books = ReducedVocab.most_frequent(corpus.token_counts(load_tokenizer(target.path), 49152), 512)
-  assert template <= set(vocab.target_ids.tolist()) and not template <= set(books.target_ids.tolist())
-  # it decodes: its chain gives ar's tokens (the benchmark compares them, and exits 1 if not)
-  proc = launch("benchmark", "--methods=ar,sd", f"--draft=eagle:{out}", "--gamma=2", "--book=austen",
-                "--prompt_tokens=64", "--max_new_tokens=12", "--n_prompts=1", "--time_levels=false",
-                f"--out={tmp_path / 'bench.json'}")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  (sd,) = [r for r in json.loads((tmp_path / "bench.json").read_text())["results"] if r["method"] != "ar"]
-  assert sd["method"].startswith("sd/eagle:") and sd["differs_from_ar"] == []
-  proc = launch("generate", "--method=sd", f"--draft=eagle:{tmp_path / 'none'}", "--prompt=hi")
-  assert proc.returncode != 0 and "expected a folder with heads.json" in proc.stderr
 
 
 def test_reselection_in_presets_and_levels():
