@@ -289,9 +289,9 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
     return Method("ar")
   knobs = dataclasses.replace(knobs, draft=with_heads_kind(knobs.draft))
   aside_text = knobs.step_aside
-  if rest.startswith("aside:") or "/aside:" in rest:
-    rest, _, last = rest.rpartition("/") if "/aside:" in rest else ("", "", rest)
-    aside_text = last.removeprefix("aside:")
+  head, _, last = rest.rpartition("/")
+  if last.startswith("aside:"):   # the spec's last part
+    rest, aside_text = head, last.removeprefix("aside:")
   step_aside = None
   if aside_text is not None:
     from hitree_jax.decode.step_aside import StepAside

@@ -64,6 +64,7 @@ from hitree_jax.errors import UsageError
 from . import common
 from .progress import Progress
 from .tables import level_markdown, markdown, prediction_markdown, stack_shape
+from .tables import name as result_name
 
 common.define_config_flag()
 common.define_model_flags()
@@ -247,7 +248,7 @@ def run_questions(chosen, methods, sampling, mesh) -> None:
   print(table)
   for r in results:
     for d in r.get("differs_from_ar", []):
-      print(spec_bench_run.parting_line(spec_bench_run.name(r), d))
+      print(spec_bench_run.parting_line(result_name(r), d))
   logging.info("wrote %s", ", ".join(map(str, written)))
   fail_on_faults(results, tie, lambda d: f"question {d['question_id']} turn {d['turn']}")
 
@@ -313,6 +314,7 @@ def main(argv):
   greedy_tokens = {}  # (method, prompt length, batch size, run) -> its tokens per row, compared with ar's
   order = itertools.count()  # each timed run's place in the benchmark (the JSON's `order`)
   sizes = batch_sizes()
+  plans = {}   # prompt length -> the methods with `auto` planned
   progress = Progress("benchmark", len(lengths) * sum(len(methods) + len(peer_engines) * (b == 1) for b in sizes)
                       * (FLAGS.n_prompts + 1))
   for n_tokens, size in itertools.product(lengths, sizes):
@@ -320,8 +322,10 @@ def main(argv):
     passages = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts * size, corpus=FLAGS.book)
     groups = [passages[i * size:(i + 1) * size] for i in range(FLAGS.n_prompts)]
     at = f" x{size}" if size != 1 else ""
-    planned = [methods_lib.auto_method(FLAGS.model, FLAGS.draft, n_tokens, sampling, loaded=(model, None),
+    if n_tokens not in plans:   # auto is planned per prompt length (at batch 1), once
+      plans[n_tokens] = [methods_lib.auto_method(FLAGS.model, FLAGS.draft, n_tokens, sampling, loaded=(model, None),
                                   feature_draft=FLAGS.feature_draft).load_draft(model.config, model.params) if m == "auto" else m for m in methods]
+    planned = plans[n_tokens]
     for method in planned:
       # Each method's programs live only while it runs: a process holding every method's
       # (a dozen hierarchies, a program per level each) ran XLA:CPU out of code memory.

@@ -18,7 +18,7 @@ from typing import Sequence
 
 from hitree_jax import spec_bench
 
-from .tables import differs_cell
+from .tables import differs_cell, name
 
 
 def answer(model, tokenizer, method, questions: Sequence[spec_bench.Question], sampling, programs,
@@ -104,11 +104,6 @@ def rows(by_run: dict[tuple[str, int], list[dict]], greedy: bool, margins_of=Non
       row["differs_from_ar"] = mismatches(runs, alone, margins_of, tie)
     out.append(row)
   return out
-
-
-def name(row: dict) -> str:
-  """A result's name in tables and figures: the method, and its batch size past 1."""
-  return row["method"] + (f" x{row['batch_size']}" if row.get("batch_size", 1) != 1 else "")
 
 
 def markdown(results: list[dict]) -> str:

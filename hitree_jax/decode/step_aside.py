@@ -11,8 +11,10 @@ row's token is the target's, as in any round: the output is unchanged. Afterward
 offers again, a probe, with its mean set to `below`: a probe that accepts nothing sends it
 aside at once, one that accepts more keeps it speculating.
 
-The drafter still drafts in a plain round, so its caches stay in step with the target's; what
-is saved is the target's wide forward. It applies to a drafter right under the target.
+A round in which every live row rests runs no draft when the drafter keeps nothing between
+rounds (no cache of its own: n-gram, self, Medusa); one with a cache (a draft model, EAGLE)
+still drafts, so that its cache stays in step, and what is saved is the target's wide forward.
+It applies to a drafter right under the target.
 """
 
 from __future__ import annotations
