@@ -476,9 +476,11 @@ def peer_row(peer, n_tokens: int, runs: list[dict]) -> dict:
 
 
 def record(rows) -> dict:
-  """The JSON record: the settings, the machine and one row per (method, prompt length)."""
+  """The JSON record: the settings, the machine (its CPU, jax and the commit) and one row per
+  (method, prompt length)."""
   import jax
-  return {
+  from hitree_jax import provenance
+  return {**provenance.stamp(),
       "model": FLAGS.model, "dtype": common.model_dtype(), "key_dtype": FLAGS.key_dtype, "max_new_tokens": FLAGS.max_new_tokens,
       "book": FLAGS.book, "temperature": FLAGS.temperature, "top_p": FLAGS.top_p,
       "top_k": FLAGS.top_k, "seed": FLAGS.seed, "backend": jax.default_backend(),

@@ -59,6 +59,11 @@ def test_benchmark_writes_json_table_and_plots(tiny_model, tmp_path):
   assert record["max_new_tokens"] == 4 and record["book"] == "austen"
   # the launcher restarted itself with glibc's malloc asking for 2 MB pages, where that gets them
   assert record["memory_pages"] == huge_pages.describe(huge_pages.launcher_environ(os.environ))
+  # what it ran on: the CPU's name, the jax version and the commit (a checkout: short hash)
+  import jax
+  from hitree_jax import provenance
+  assert record["jax"] == jax.__version__ and record["cpu"] == provenance.cpu_name()
+  assert record["commit"] is not None and record["commit"].split("+")[0] == provenance.commit().split("+")[0]
   assert "new_tokens" not in record and "corpus" not in record
   assert [(r["method"], r["prompt_tokens"]) for r in record["results"]] == [
       ("ar", 32), ("sd/ngram/2", 32), ("ar", 48), ("sd/ngram/2", 48)]

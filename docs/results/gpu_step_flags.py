@@ -53,7 +53,10 @@ def child(dtype: str, batch: int) -> dict:
 
 
 def main(out: str) -> None:
-  record = {"new_tokens": NEW_TOKENS, "prompt_tokens": PROMPT_TOKENS, "repeats": REPEATS, "runs": []}
+  sys.path.insert(0, os.getcwd())
+  from hitree_jax import provenance
+  record = {**provenance.stamp(), "new_tokens": NEW_TOKENS, "prompt_tokens": PROMPT_TOKENS, "repeats": REPEATS,
+            "runs": []}
   for name, (xla_flags, runs) in VARIANTS.items():
     for dtype, batch in runs:
       env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + xla_flags).strip())

@@ -34,6 +34,12 @@ def write_model(path: str) -> None:
   save_gguf(path, config, params, quantize=True)
 
 
+def stamp() -> dict:
+  """The checkout's provenance.stamp() (CPU, jax, commit), asked in a child as the loads are."""
+  code = "import json; from hitree_jax import provenance; print(json.dumps(provenance.stamp()))"
+  return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
 def main(out: str, folder: str | None = None) -> None:
   folder = folder or tempfile.mkdtemp()
   path = os.path.join(folder, "llama_1b_shape_q8_0.gguf")
@@ -47,7 +53,8 @@ def main(out: str, folder: str | None = None) -> None:
     runs.append(run)
     print(json.dumps(run), flush=True)
   with open(out, "w") as f:
-    json.dump({"file": os.path.basename(path), "file_bytes": os.path.getsize(path), "runs": runs}, f, indent=2)
+    json.dump({**stamp(), "file": os.path.basename(path), "file_bytes": os.path.getsize(path), "runs": runs}, f,
+              indent=2)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,45 @@
+"""What a measurement ran on, for its record: the CPU's name, the jax version and the commit.
+
+A speed ratio holds within one run on one machine, and the CPU model varies between machines
+of the same kind, so every record names all three.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+
+from hitree_jax import shipped
+
+
+def cpu_name() -> str:
+  """The CPU's model name (Linux /proc/cpuinfo), else what the platform says."""
+  try:
+    with open("/proc/cpuinfo") as info:
+      for line in info:
+        if line.startswith("model name"):
+          return line.partition(":")[2].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def commit() -> str | None:
+  """The commit of the repository the library runs from (with "+changes" when its files differ
+  from it), or None outside a git checkout (an installed wheel)."""
+  git = lambda *args: subprocess.run(["git", "-C", str(shipped.ROOT), *args], capture_output=True, text=True)
+  try:
+    head = git("rev-parse", "--short", "HEAD")
+  except OSError:
+    return None
+  if head.returncode:
+    return None
+  changed = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+  return head.stdout.strip() + ("+changes" if changed else "")
+
+
+def stamp() -> dict:
+  """{cpu, jax, jaxlib, commit} for a record."""
+  import jax
+  import jaxlib
+  return {"cpu": cpu_name(), "jax": jax.__version__, "jaxlib": jaxlib.__version__, "commit": commit()}
