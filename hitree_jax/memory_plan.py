@@ -135,6 +135,18 @@ class Program:
                m.temp_size_in_bytes)
 
 
+def shapes_stack(shapes, target: ModelConfig, draft: ModelConfig) -> Stack:
+  """The TriForce stack a shapes config describes (configs/llama2_7b_128k.py): the draft over a
+  StreamingLLM cache of `sinks` + `window` proposes chains of `gamma1` to the target over a
+  retrieval cache of `budget` slots, which hands `gamma2` tokens up to the target."""
+  from hitree_jax import stacks
+  from hitree_jax.cache.kinds import Retrieval, Streaming
+  from hitree_jax.decode import spec
+  levels = spec.Levels(spec.Level.of(spec.DraftModel(), Streaming(shapes.sinks, shapes.window)),
+                       f"chain:{shapes.gamma1}", ((spec.Level.of(Retrieval(shapes.budget)), shapes.gamma2),))
+  return stacks.build(levels, target, draft)
+
+
 def plan(config: ModelConfig, draft: ModelConfig | None, stack_of, mesh, prompt_tokens: int,
          max_new_tokens: int, batch: int = 1) -> dict:
   """Compiles a generation's programs for `mesh` with abstract weights; -> per-device bytes of

@@ -79,7 +79,7 @@ class Method:
   --levels grammar that every speculative preset expands to), built once the draft is known."""
   name: str
   label: str = "ar"
-  levels: str | None = None      # e.g. drafts/d.gguf@streaming:16x234/chain:1+retrieval:1024/6
+  levels: spec_lib.Levels | None = None   # e.g. drafts/d.gguf@streaming:16x234/chain:1+retrieval:1024/6
   tree: object = None            # the bottom level's TokenTree / DynamicTree
   draft_path: str | None = None  # a separate draft model (loaded by `load_draft`)
   draft_mode: str = "deterministic"
@@ -90,16 +90,11 @@ class Method:
 
   def build(self, target_config, draft_config=None, vocab=None):
     """The Stack for this target (and draft model config / vocabulary, if the stack has one)."""
+    from hitree_jax import stacks
     from hitree_jax.decode.stack import Stack
     if self.levels is None:
       return Stack()
-    levels = spec_lib.parse(self.levels)
-    drafter = _drafter(levels.drafter, target_config, draft_config, vocab)
-    verifiers = tuple(_verifier(level, gamma) for level, gamma in levels.middles)
-    stack = Stack(drafter, self.tree, verifiers, draft=draft_config, step_aside=self.step_aside)
-    from hitree_jax.decode.engine import check_stack
-    check_stack(stack, target_config)
-    return stack
+    return stacks.build(self.levels, target_config, draft_config, vocab, self.tree, self.step_aside)
 
   def check_draft(self, target_config, target_tokenizer):
     """Checks the stack and a separate draft against the target from metadata (no weights):
@@ -157,33 +152,6 @@ TREE_KINDS = ("chain", "kary", "sequoia", "dynamic")
 HIERARCHY_DEFAULTS = {"triforce": dict(gamma1=1, gamma2=6), "hitree": dict(tree="kary:2x4", gamma2=12)}
 
 
-def _drafter(level: spec_lib.Level, target_config, draft_config, vocab):
-  """The bottom level of a stack: ngram[:N], self:K, retrieval:B, eagle:PATH, medusa:PATH, or
-  a draft model (`draft`, the --draft model, or its path) over its cache."""
-  from hitree_jax.decode.drafters import ModelDrafter, parse_draft_spec
-  from hitree_jax.cache.kinds import Full
-  if level.feature_draft is not None:
-    from hitree_jax.heads import saved
-    kind, path = level.feature_draft
-    return saved.drafter(saved.read_meta(path, kind), target_config, level.mode)
-  if level.kind == "retrieval":
-    return ModelDrafter(target_config, level.mode, cache=level.retrieval, weights="target")
-  if level.kind in ("ngram", "self"):
-    return parse_draft_spec(level.name if level.mode == "deterministic" else f"{level.name},{level.mode}")
-  if draft_config is None:
-    raise UsageError(f"level {str(level)!r} names a draft model: give its path (--draft=PATH)")
-  return ModelDrafter(draft_config, level.mode, vocab and vocab.target_vocab_size, cache=level.cache or Full())
-
-
-def _verifier(level: spec_lib.Level, gamma: int):
-  """A middle level: the target over a retrieval cache, or the draft model over its cache."""
-  from hitree_jax.cache.kinds import Full
-  from hitree_jax.decode.stack import Verifier
-  if level.kind == "retrieval":
-    return Verifier("target", level.retrieval, gamma)
-  return Verifier("draft", level.cache or Full(), gamma)
-
-
 def with_heads_kind(draft: str) -> str:
   """`draft`, or KIND:`draft` where it names a folder of trained heads (its heads.json says the
   kind) by path or shipped name: --draft=smollm2-eagle reads as eagle:smollm2-eagle."""
@@ -231,42 +199,42 @@ def join_method_specs(items: list[str]) -> list[str]:
   return specs
 
 
-def _levels_of(name: str, rest: str, knobs: Knobs) -> str:
-  """Expands a preset (sd, tree, retrieval, triforce, hitree) into its --levels spec."""
+def _levels_of(name: str, rest: str, knobs: Knobs) -> spec_lib.Levels:
+  """Expands a preset (sd, tree, retrieval, triforce, hitree) into its levels."""
   draft, shape = _split_draft_and_shape(rest) if rest else (knobs.draft, None)
-  draft = with_heads_kind(draft)
-  if name in ("sd", "tree", "retrieval"):
-    if name == "tree":
-      return f"{draft}/{shape or knobs.tree or 'kary:2x2'}"
-    if name == "retrieval":
-      draft, shape = "", rest or None
-      if shape is not None and not shape.isdigit():
-        raise UsageError(f"retrieval gamma {shape!r} must be an integer")
-    n = shape or str(knobs.gamma)
-    from hitree_jax.tree.shapes import MAX_TREE_NODES
-    if not n.lstrip("-").isdigit() or not 1 <= int(n) <= MAX_TREE_NODES:
-      raise UsageError(f"gamma={n} must be an integer in [1, {MAX_TREE_NODES}] (draft tokens per round)")
+  if name == "retrieval":
+    if rest and not rest.isdigit():
+      raise UsageError(f"retrieval gamma {rest!r} must be an integer")
     # The retrieval level's law is close to the target's: sampling from it (iid) is accepted far
     # more often than its top token is (at T 0.6, 7.5K tokens: 0.98x ar against 0.68x).
-    who = f"{_retrieval_name(knobs)},iid" if name == "retrieval" else draft
-    return f"{who}/chain:{n}"
+    return spec_lib.Levels(spec_lib.Level.of(_retrieval(knobs), mode="iid"), _chain(rest or str(knobs.gamma)))
+  bottom = spec_lib.parse_level(with_heads_kind(draft))
+  if name == "sd":
+    return spec_lib.Levels(bottom, _chain(shape or str(knobs.gamma)))
+  if name == "tree":
+    return spec_lib.Levels(bottom, shape or knobs.tree or "kary:2x2")
+  if not isinstance(bottom.source, spec_lib.DraftModel) or bottom.cache is not None:
+    raise UsageError(f"--method={name} drafts with a draft model over a StreamingLLM cache (--sinks, "
+                     f"--window): give --draft=PATH (e.g. drafts/smollm2-draft.gguf), not {draft}; "
+                     "other stacks: --method=hsd --levels=...")
+  from hitree_jax.cache.kinds import Streaming
   defaults = HIERARCHY_DEFAULTS[name]
-  if spec_lib.parse_level(draft).kind in ("ngram", "self"):
-    raise UsageError(f"--method={name} drafts with a draft model over a StreamingLLM cache: give "
-                     f"--draft=PATH (e.g. drafts/smollm2-draft.gguf), not {draft}; other stacks: "
-                     "--method=hsd --levels=...")
-  streaming = f"@streaming:{knobs.sinks}x{knobs.window}"
-  who, _, mode = draft.rpartition(",") if draft.rpartition(",")[2] in DRAW_MODES else (draft, "", "")
-  bottom = f"{who}{streaming}{',' + mode if mode else ''}"
-  if name == "triforce":
-    tree = f"chain:{knobs.gamma1 or defaults['gamma1']}"
-  else:
-    tree = shape or knobs.tree or defaults["tree"]
-  return f"{bottom}/{tree}+{_retrieval_name(knobs)}/{knobs.gamma2 or defaults['gamma2']}"
+  bottom = dataclasses.replace(bottom, cache=Streaming(knobs.sinks, knobs.window))
+  tree = f"chain:{knobs.gamma1 or defaults['gamma1']}" if name == "triforce" else shape or knobs.tree or defaults["tree"]
+  return spec_lib.Levels(bottom, tree, ((spec_lib.Level.of(_retrieval(knobs)), knobs.gamma2 or defaults["gamma2"]),))
 
 
-def _retrieval_name(knobs: Knobs) -> str:
-  return f"retrieval:{knobs.budget}" + (f":{knobs.reselect}" if knobs.reselect else "")
+def _chain(gamma: str) -> str:
+  """A chain of `gamma` draft tokens, the tree of sd and retrieval."""
+  from hitree_jax.tree.shapes import MAX_TREE_NODES
+  if not gamma.lstrip("-").isdigit() or not 1 <= int(gamma) <= MAX_TREE_NODES:
+    raise UsageError(f"gamma={gamma} must be an integer in [1, {MAX_TREE_NODES}] (draft tokens per round)")
+  return f"chain:{gamma}"
+
+
+def _retrieval(knobs: Knobs):
+  from hitree_jax.cache.kinds import Retrieval
+  return Retrieval(knobs.budget, reselect=knobs.reselect)
 
 
 def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Method:
@@ -300,13 +268,12 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
                        f"under the target, not to {name}")
     step_aside = StepAside.parse(aside_text)
   if name == "hsd":
-    levels = rest or knobs.levels
-    if not levels:
+    if not (rest or knobs.levels):
       raise UsageError("--method=hsd needs its levels: --levels=DRAFTER/TREE+WHO/GAMMA+... "
                        "(e.g. ngram:3/chain:2+draft/4+retrieval:1024/6)")
+    parsed = spec_lib.parse(rest or knobs.levels)
   else:
-    levels = _levels_of(name, rest, knobs)
-  parsed = spec_lib.parse(levels)
+    parsed = _levels_of(name, rest, knobs)
   shape, mode = parsed.tree, parsed.drafter.mode
   model_named = [level.name for level in parsed.levels if level.kind == "draft"]
   heads = parsed.drafter.name if parsed.drafter.feature_draft is not None else None
@@ -316,25 +283,25 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
     read_meta(path, kind)  # FileNotFoundError naming it, before any load
   for n in model_named:
     if n != "draft" and "/" not in n and "." not in n and not shipped.find(n).exists():  # a misspelt drafter
-      from hitree_jax.decode.drafters import parse_draft_spec
-      parse_draft_spec(n)  # raises, naming it
+      raise UsageError(f"unknown drafter {n!r}: expected ngram[:N | :MIN-MAX], self:K, retrieval:BUDGET, "
+                       "eagle:PATH, eagle3:PATH, medusa:PATH, dflash:PATH, or a draft model's path or shipped name")
   draft_path = None
   if model_named:
     paths = [n for n in model_named if n != "draft"]
     path = paths[0] if paths else spec_lib.parse_level(knobs.draft).name
     if len(set(paths)) > 1:
-      raise UsageError(f"{levels!r} names two draft models ({', '.join(sorted(set(paths)))}); a "
+      raise UsageError(f"{str(parsed)!r} names two draft models ({', '.join(sorted(set(paths)))}); a "
                        "stack has one")
-    if path.startswith(("ngram", "self:")):
-      raise UsageError(f"{levels!r} names a draft model: give its path (--draft=PATH)")
+    if not isinstance(spec_lib.parse_level(path).source, spec_lib.DraftModel):
+      raise UsageError(f"{str(parsed)!r} names a draft model: give its path (--draft=PATH)")
     from hitree_jax.loading import resolve
     draft_path = str(resolve(path))  # FileNotFoundError naming it, before any load
   token_tree = tree_lib.parse_tree_spec(f"chain:{shape}" if shape.isdigit() else shape)
   if isinstance(token_tree, tuple):  # ("sequoia", budget, depth)
     profile = acceptance_profile(knobs.acceptance, draft_path, greedy)
     token_tree = tree_lib.from_acceptance(profile, *token_tree[1:])
-  label = _label(name, rest, knobs, shape, levels) + (f"/aside:{step_aside}" if step_aside else "")
-  return Method(name, label, levels, token_tree, draft_path, mode, heads=heads, step_aside=step_aside)
+  label = _label(name, rest, knobs, shape, parsed) + (f"/aside:{step_aside}" if step_aside else "")
+  return Method(name, label, parsed, token_tree, draft_path, mode, heads=heads, step_aside=step_aside)
 
 
 # The drafts this repository ships, trained for SmolLM2-135M-Instruct (the `smollm2` model): on
@@ -436,7 +403,7 @@ def preset_advice(method: Method, model: str, prompt_length: int, sampling, dtyp
   return None
 
 
-def _label(name: str, rest: str, knobs: Knobs, shape: str, levels: str) -> str:
+def _label(name: str, rest: str, knobs: Knobs, shape: str, levels: spec_lib.Levels) -> str:
   """sd/DRAFT/GAMMA and tree/DRAFT/TREE, as typed; a hierarchy by its levels."""
   if name in ("sd", "tree"):
     draft = _split_draft_and_shape(rest)[0] if rest else knobs.draft

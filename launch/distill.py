@@ -300,34 +300,35 @@ def evaluate_heads(teacher, tokenizer, spec: str, windows: np.ndarray | None = N
   """evaluate()'s figures for a draft on the target's features (eagle:PATH: reading true
   features and its own predictions; medusa:PATH: per head), and its cost: one timed proposal
   of a one-token chain (after `sd`'s prefill) against `ar`'s decode step on the same prompt."""
+  from hitree_jax import stacks
   from hitree_jax.decode import engine
   from hitree_jax.decode.drafters import DraftWeights
   from hitree_jax.decode.sampling import SamplingParams
-  from hitree_jax.decode.stack import Stack
+  from hitree_jax.decode.spec import parse_level
   from hitree_jax.heads import saved
   from hitree_jax.train import corpus, metrics
-  from hitree_jax.tree import shapes as tree_lib
 
-  kind, _, path = spec.partition(":")
-  meta, params, vocab = saved.load(path, teacher.params, teacher.config, kind)
-  drafter = saved.drafter(meta, teacher.config)
+  heads = parse_level(spec).source   # a spec.FeatureDraft
+  _, params, vocab = saved.load(heads.path, teacher.params, teacher.config, heads.kind)
+  stack = stacks.build(f"{spec}/chain:1", teacher.config)   # a one-token chain: its cost
+  drafter = stack.drafter
   sampling = SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
   if windows is None:
     windows = corpus.token_windows(tokenizer, "eval", FLAGS.window, FLAGS.eval_windows)
-  if kind == "eagle":
+  if heads.kind == "eagle":
     record = metrics.evaluate_eagle(teacher, params, drafter.config, vocab, windows, sampling,
                                     taps=drafter.taps)
   else:
     record = metrics.evaluate_medusa(teacher, params, vocab, windows, sampling)
   prompt = cost_prompt(tokenizer)
   sd = engine.generate(teacher.params, teacher.config, [prompt.tolist()], max_new_tokens=65,
-                       stop_at_eos=False, stack=Stack(drafter, tree_lib.chain(1)),
+                       stop_at_eos=False, stack=stack,
                        draft=DraftWeights.create(params, vocab), time_levels=True)
   return finish_record(record, spec, ar_ms_per_token(teacher, prompt), sd.levels[0]["proposer_round_ms"])
 
 
 def eval_main():
-  from hitree_jax.decode.drafters import SelfDrafter, parse_draft_spec
+  from hitree_jax.decode import spec
   from hitree_jax.loading import LoadedModel, load_model
   from hitree_jax.tokenizer import load_tokenizer
 
@@ -336,12 +337,11 @@ def eval_main():
   windows = None
   if FLAGS.train_text == "chat":   # judged on the held-out chat windows (labelled once in --workdir)
     windows = split_labels(teacher, tokenizer, "eval")["tokens"]
-  if FLAGS.draft.startswith(("eagle:", "medusa:")):
+  source = spec.parse_level(FLAGS.draft).source   # check_draft has checked it
+  if isinstance(source, spec.FeatureDraft):
     return evaluate_heads(teacher, tokenizer, FLAGS.draft, windows)
-  if FLAGS.draft.startswith("self:"):
-    drafter = parse_draft_spec(FLAGS.draft)
-    assert isinstance(drafter, SelfDrafter)
-    k = drafter.num_layers
+  if isinstance(source, spec.SelfDraft):
+    k = source.layers
     params = {n: v for n, v in teacher.params.items()
               if not n.startswith("layers_") or int(n.split("_")[1]) < k}
     draft = LoadedModel(teacher.config.replace(num_layers=k), params, teacher.path)
@@ -414,28 +414,28 @@ def teacher_num_layers() -> int:
 
 def check_draft() -> None:
   """--eval's draft: a self-draft within the teacher, or a model file that exists."""
-  from hitree_jax.decode.drafters import SelfDrafter, parse_draft_spec
+  from hitree_jax.decode import spec
   from hitree_jax.loading import resolve
   if not FLAGS.draft:
     raise app.UsageError("--eval needs --draft=PATH (or self:K, eagle:PATH, medusa:PATH)")
-  if FLAGS.draft.startswith(("eagle:", "medusa:")):
+  try:
+    source = spec.parse_level(FLAGS.draft).source
+  except ValueError as e:
+    raise app.UsageError(f"--draft: {e}") from None
+  if isinstance(source, spec.FeatureDraft) and source.kind in ("eagle", "medusa"):
     from hitree_jax.heads import saved
-    kind, _, path = FLAGS.draft.partition(":")
     try:
-      saved.read_meta(path, kind)
+      saved.read_meta(source.path, source.kind)
     except (FileNotFoundError, ValueError) as e:
       raise app.UsageError(f"--draft={FLAGS.draft}: {e}") from None
     return
-  if FLAGS.draft.startswith(("self:", "ngram")):
-    try:
-      drafter = parse_draft_spec(FLAGS.draft)
-    except ValueError as e:
-      raise app.UsageError(f"--draft: {e}") from None
-    if not isinstance(drafter, SelfDrafter):
-      raise app.UsageError(f"--draft={FLAGS.draft}: --eval measures a draft model (PATH or "
-                           "self:K); n-gram lookup has no distribution to compare")
+  if not isinstance(source, (spec.SelfDraft, spec.DraftModel)):
+    raise app.UsageError(f"--draft={FLAGS.draft}: --eval measures a draft model (PATH or self:K) or "
+                         "EAGLE's or Medusa's heads (eagle:PATH, medusa:PATH); this one has no "
+                         "distribution of its own to compare")
+  if isinstance(source, spec.SelfDraft):
     n = teacher_num_layers()
-    if not 1 <= drafter.num_layers < n:
+    if not 1 <= source.layers < n:
       raise app.UsageError(f"--draft={FLAGS.draft}: K must be in [1, {n}) for this teacher")
     return
   try:

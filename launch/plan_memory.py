@@ -56,15 +56,6 @@ def device_gib(spec: str) -> float:
   return gib
 
 
-def stack_of(cfg, draft_config):
-  from hitree_jax.decode.drafters import ModelDrafter
-  from hitree_jax.cache.kinds import Retrieval, Streaming
-  from hitree_jax.decode.stack import Stack, Verifier
-  from hitree_jax.tree import shapes as tree_lib
-  return Stack(ModelDrafter(draft_config, cache=Streaming(cfg.sinks, cfg.window)), tree_lib.chain(cfg.gamma1),
-               (Verifier("target", Retrieval(cfg.budget, 8), cfg.gamma2),), draft=draft_config)
-
-
 def main(argv):
   del argv
   cfg = FLAGS.shapes
@@ -95,7 +86,7 @@ def main(argv):
   if draft.vocab_size != target.vocab_size:
     raise UsageError(f"the draft's vocabulary ({draft.vocab_size}) is not the target's ({target.vocab_size})")
   mesh = sharding.make_mesh(axes, devices if tpu else jax.devices("cpu"))
-  plan = memory_plan.plan(target, draft, lambda d: stack_of(cfg, d), mesh, cfg.prompt_tokens,
+  plan = memory_plan.plan(target, draft, lambda d: memory_plan.shapes_stack(cfg, target, d), mesh, cfg.prompt_tokens,
                           cfg.max_new_tokens, cfg.batch)
   plan.update(device=FLAGS.device or _chip(FLAGS.topology) or "v5e", device_gib=gib,
               fits=plan["peak"] <= gib * memory_plan.GIB, spare=1 - plan["peak"] / (gib * memory_plan.GIB),

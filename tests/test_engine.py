@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from hitree_jax.cache.full import KVCache
-from hitree_jax.decode import engine, sizes
+from hitree_jax.decode import engine, sizes, spec
 from hitree_jax.decode import prefill as prefill_lib
-from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter, SelfDrafter, parse_draft_spec
+from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter, SelfDrafter
 from hitree_jax.decode import programs as programs_lib
 from hitree_jax.decode.programs import Programs
 from hitree_jax.decode.sampling import SamplingParams, probabilities
@@ -176,12 +176,12 @@ def test_bad_drafter_settings_are_named(params):
   with pytest.raises(ValueError, match="layers=3"):
     engine.generate(params, CONFIG, [[1, 2]], tree=tree_lib.chain(2), drafter=SelfDrafter(3),
                     max_new_tokens=4)
-  with pytest.raises(ValueError, match="bad draft spec 'selfie'"):
-    parse_draft_spec("selfie")
-  with pytest.raises(ValueError, match="bad draft spec 'ngram:3-'"):
-    parse_draft_spec("ngram:3-")
+  with pytest.raises(ValueError, match="'ngram:3-': expected ngram, ngram:N or ngram:MIN-MAX"):
+    spec.parse_level("ngram:3-")
+  with pytest.raises(ValueError, match="'self': expected self:K"):
+    spec.parse_level("self")
   with pytest.raises(ValueError, match="n-gram lengths 4..3"):
-    engine.generate(params, CONFIG, [[1, 2]], tree=tree_lib.chain(2), drafter=parse_draft_spec("ngram:4-3"),
+    engine.generate(params, CONFIG, [[1, 2]], tree=tree_lib.chain(2), drafter=NGramDrafter(3, min_ngram=4),
                     max_new_tokens=4)
   with pytest.raises(ValueError, match="chain"):
     engine.generate(params, CONFIG, [[1, 2]], tree=tree_lib.DynamicTree(4, 2), drafter=NGramDrafter(),

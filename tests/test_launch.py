@@ -192,7 +192,7 @@ def test_progress_reports_elapsed_and_eta():
     (["--method=beam", "--prompt=hi"], "method 'beam' is not available"),
     (["--method=tree", "--tree=dynamic:60,2", "--prompt=hi"], "budget=60 nodes do not fit"),
     (["--method=tree", "--tree=sequoia:16,4", "--prompt=hi"], "need the draft's acceptance profile"),
-    (["--method=sd", "--draft=selfie", "--prompt=hi"], "bad draft spec 'selfie'"),
+    (["--method=sd", "--draft=selfie", "--prompt=hi"], "unknown drafter 'selfie'"),
     (["--model=/no/such/model.gguf", "--prompt=hi"], "/no/such/model.gguf"),
     (["--prompt_file=/no/such/prompt.txt"], "--prompt_file=/no/such/prompt.txt"),
     (["--prompt=a", "--book=austen"], "exactly one of --prompt, --prompt_file, --prompts_file, --book"),
@@ -319,7 +319,7 @@ def test_reselection_in_presets_and_levels():
   target = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=8, max_position_embeddings=4096)
   method = parse_method("retrieval/6", Knobs(budget=512, reselect=64))
-  assert method.levels == "retrieval:512:64,iid/chain:6"
+  assert str(method.levels) == "retrieval:512:64,iid/chain:6"
   assert method.build(target).drafter.cache == Retrieval(512, reselect=64)
   stack = parse_method("hsd/ngram:3/chain:2+retrieval:1024:32/6").build(target)
   assert stack.verifiers[0].cache == Retrieval(1024, reselect=32)

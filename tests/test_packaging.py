@@ -36,7 +36,7 @@ def test_shipped_files_are_found_from_anywhere(tmp_path, monkeypatch):
   # a folder of trained heads by name reads as its kind: eagle:smollm2-eagle, medusa:smollm2-medusa
   assert methods.method("sd", draft="smollm2-eagle").heads == "eagle:smollm2-eagle"
   assert methods.method("tree", draft="smollm2-medusa,iid", tree="kary:2x2").heads == "medusa:smollm2-medusa"
-  assert methods.method("sd/smollm2-eagle/2").levels == "eagle:smollm2-eagle/chain:2"
+  assert str(methods.method("sd/smollm2-eagle/2").levels) == "eagle:smollm2-eagle/chain:2"
   # the chat versions (trained on the target's answers to instructions) ship beside them
   assert methods.method("sd", draft="smollm2-eagle-chat").heads == "eagle:smollm2-eagle-chat"
   assert methods.method("sd", draft="smollm2-medusa-chat").heads == "medusa:smollm2-medusa-chat"

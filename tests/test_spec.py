@@ -41,8 +41,16 @@ def test_a_spec_is_typed():
   assert spec.parse_level("draft@full").cache == Full() and spec.parse_level("ngram").kind == "ngram"
   lookup = spec.parse("ngram:2-3/chain:4")
   assert lookup.drafter.kind == "ngram" and str(lookup) == "ngram:2-3/chain:4"
-  from hitree_jax.decode.drafters import NGramDrafter, parse_draft_spec
-  assert parse_draft_spec("ngram:2-3") == NGramDrafter(3, min_ngram=2) and str(NGramDrafter(3, min_ngram=2)) == "ngram:2-3"
+  # each kind is a typed value, parsed once, which prints as the grammar writes it
+  assert lookup.drafter.source == spec.NGram(3, 2) and str(spec.NGram(3, 2)) == "ngram:2-3"
+  assert spec.parse_level("ngram").source == spec.NGram() and str(spec.NGram()) == "ngram:3"
+  assert spec.parse_level("self:4,iid").source == spec.SelfDraft(4)
+  assert spec.parse_level("draft").source == spec.DraftModel() and str(spec.DraftModel()) == "draft"
+  assert spec.parse_level("drafts/d.gguf@full").source == spec.DraftModel("drafts/d.gguf")
+  assert spec.parse_level("eagle3:drafts/e").source == spec.FeatureDraft("eagle3", "drafts/e")
+  assert spec.parse_level("retrieval:1024:64").source == Retrieval(1024, reselect=64)
+  from hitree_jax.decode.drafters import NGramDrafter, SelfDrafter
+  assert str(NGramDrafter(3, min_ngram=2)) == "ngram:2-3" and str(SelfDrafter(4)) == "self:4"
   # the cache kind prints as the grammar writes it
   assert str(Streaming(16, 234)) == "streaming:16x234"
 
@@ -52,7 +60,7 @@ def test_a_spec_is_typed():
 def test_every_preset_expands_to_a_spec_that_round_trips(method, monkeypatch):
   monkeypatch.setattr("hitree_jax.loading.resolve", lambda path: path)   # no draft file needed
   levels = methods.parse_method(method, methods.Knobs(draft="drafts/d.gguf")).levels
-  assert str(spec.parse(levels)) == levels
+  assert spec.parse(str(levels)) == levels and str(spec.parse(str(levels))) == str(levels)
 
 
 @pytest.mark.parametrize("text, error", [
@@ -74,7 +82,7 @@ def test_a_preset_from_python_is_the_stack_built_by_hand():
   draft = "drafts/smollm2-draft.gguf"
   target, draft_config, vocab = load_config("smollm2"), load_config(draft), load_vocab(draft)
   triforce = methods.method("triforce", draft=draft, budget=512)
-  assert triforce.levels == f"{draft}@streaming:16x234/chain:1+retrieval:512/6"
+  assert str(triforce.levels) == f"{draft}@streaming:16x234/chain:1+retrieval:512/6"
   by_hand = Stack(ModelDrafter(draft_config, target_vocab_size=vocab.target_vocab_size, cache=Streaming(16, 234)),
                   tree_lib.chain(1), (Verifier("target", Retrieval(512), 6),), draft=draft_config)
   assert triforce.build(target, draft_config, vocab) == by_hand
@@ -91,3 +99,28 @@ def test_a_preset_from_python_is_the_stack_built_by_hand():
 def test_a_bad_preset_or_option_is_named(call, error):
   with pytest.raises(ValueError, match=re.escape(error)):
     call()
+
+
+def test_stacks_build_each_kind_from_its_spec():
+  """hitree_jax/stacks.py, the one builder: every kind of level from its spec (text or parsed),
+  equal to the Stack written by hand; what a spec cannot build is named."""
+  from hitree_jax import stacks
+  from hitree_jax.decode.drafters import NGramDrafter, SelfDrafter
+  target, draft = load_config("smollm2"), load_config("drafts/smollm2-draft.gguf")
+  vocab = load_vocab("drafts/smollm2-draft.gguf")
+  assert stacks.build("ngram:2-4/chain:3", target) == Stack(NGramDrafter(4, min_ngram=2), tree_lib.chain(3))
+  assert stacks.build(spec.parse("self:4,iid/kary:2x2"), target) == Stack(SelfDrafter(4, "iid"), tree_lib.kary(2, 2))
+  assert stacks.build("retrieval:512,iid/4", target) == Stack(
+      ModelDrafter(target, "iid", cache=Retrieval(512), weights="target"), tree_lib.chain(4))
+  hierarchy = stacks.build("ngram:3/chain:2+draft@streaming:16x234/3+retrieval:256:64/6", target, draft, vocab)
+  assert hierarchy == Stack(NGramDrafter(3), tree_lib.chain(2),
+                            (Verifier("draft", Streaming(16, 234), 3), Verifier("target", Retrieval(256, reselect=64), 6)),
+                            draft=draft)
+  with pytest.raises(ValueError, match="names a draft model: give its path"):
+    stacks.build("draft/chain:2", target)
+  with pytest.raises(ValueError, match="prompt lookup proposes what it found; it draws nothing"):
+    stacks.build("ngram:3,iid/chain:2", target)
+  with pytest.raises(ValueError, match="a sequoia tree is built from the draft's acceptance profile"):
+    stacks.build("draft/sequoia:8,4", target, draft, vocab)
+  with pytest.raises(ValueError, match="layers=30"):   # checked against the target, from configs
+    stacks.build("self:30/chain:2", target)

@@ -20,7 +20,6 @@ sys.path.insert(0, str(ROOT))
 from hitree_jax import memory_plan, sharding, topology  # noqa: E402
 from hitree_jax.decode import loop, prefill  # noqa: E402
 from hitree_jax.model.config import ModelConfig  # noqa: E402
-from launch.plan_memory import stack_of  # noqa: E402
 
 GIB = 2**30
 spec = importlib.util.spec_from_file_location("shapes", ROOT / "configs/llama2_7b_128k.py")
@@ -29,7 +28,7 @@ spec.loader.exec_module(module)
 cfg = module.get_config()
 mesh = topology.mesh("v5e:2x4", "model:8")
 target, draft_config = ModelConfig.from_dict(dict(cfg.target)), ModelConfig.from_dict(dict(cfg.draft))
-stack = stack_of(cfg, draft_config)
+stack = memory_plan.shapes_stack(cfg, target, draft_config)
 
 
 def temporaries(compiled) -> str:

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hitree_jax.cache.full import KVCache
+from hitree_jax.decode import spec
 from hitree_jax.decode.levels import Lead, LevelCache, round_mask
 from hitree_jax.decode.sampling import SamplingParams, draw, probabilities
 from hitree_jax.cache.kinds import CacheKind, Full, Retrieval
@@ -147,7 +148,7 @@ class NGramDrafter(Drafter):
   min_ngram: int = 1
 
   def __str__(self) -> str:
-    return f"ngram:{self.max_ngram}" if self.min_ngram == 1 else f"ngram:{self.min_ngram}-{self.max_ngram}"
+    return str(spec.NGram(self.max_ngram, self.min_ngram))
 
   def check(self, tree: TokenTree, config: ModelConfig) -> None:
     if isinstance(tree, DynamicTree) or any(p != i - 1 for i, p in enumerate(tree.parents)):
@@ -209,7 +210,7 @@ class SelfDrafter(Drafter):
   reads_from_above = "cache"   # its first layers run over the level above's cache
 
   def __str__(self) -> str:
-    return f"self:{self.num_layers}"
+    return str(spec.SelfDraft(self.num_layers))
 
   def check(self, tree: TokenTree, config: ModelConfig) -> None:
     if not 1 <= self.num_layers < config.num_layers:
@@ -466,18 +467,3 @@ def tree_attend_mask(tree: TokenTree) -> np.ndarray:
   mask[:, 0] = True
   mask[1:, 1:] = tree.ancestor_mask
   return mask
-
-
-def parse_draft_spec(spec: str):
-  """'ngram' | 'ngram:N' | 'ngram:MIN-MAX' | 'self:K' [',' mode] -> a drafter."""
-  name, _, rest = spec.partition(":")
-  arg, _, mode = rest.partition(",")
-  try:
-    if name == "ngram":
-      shortest, dash, longest = arg.rpartition("-")
-      return NGramDrafter(int(longest) if arg else 3, min_ngram=int(shortest) if dash else 1)
-    if name == "self" and arg:
-      return SelfDrafter(int(arg), mode or "deterministic")
-  except ValueError:
-    pass
-  raise UsageError(f"bad draft spec {spec!r}: expected ngram, ngram:N, ngram:MIN-MAX or self:K[,iid|without_replacement|deterministic]")

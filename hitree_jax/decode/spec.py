@@ -27,32 +27,104 @@ FEATURE_DRAFTS = ("eagle", "eagle3", "medusa", "dflash")  # drafts on the target
 
 
 @dataclasses.dataclass(frozen=True)
+class NGram:
+  """Prompt lookup: what followed the latest earlier match of the last `shortest`..`longest`
+  tokens (decode/drafters.py NGramDrafter)."""
+  longest: int = 3
+  shortest: int = 1
+
+  def __str__(self) -> str:
+    return f"ngram:{self.longest}" if self.shortest == 1 else f"ngram:{self.shortest}-{self.longest}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfDraft:
+  """The target's own first `layers` layers, its final norm and LM head."""
+  layers: int
+
+  def __str__(self) -> str:
+    return f"self:{self.layers}"
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModel:
+  """A separate draft model: its path or shipped name, or None for `draft` (the --draft model)."""
+  path: str | None = None
+
+  def __str__(self) -> str:
+    return self.path or "draft"
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureDraft:
+  """A draft on the target's features, kind one of FEATURE_DRAFTS, in the folder `path` ("" in
+  the planner's level names, where the draft is given beside them)."""
+  kind: str
+  path: str = ""
+
+  def __str__(self) -> str:
+    return f"{self.kind}:{self.path}" if self.path else self.kind
+
+
+# Who runs a level. A retrieval level is the target over its retrieval cache, so its kind is the
+# cache's (cache/kinds.py Retrieval, printed as the grammar writes it).
+Source = NGram | SelfDraft | DraftModel | FeatureDraft | Retrieval
+
+
+def parse_source(name: str) -> Source:
+  """A level's NAME -> its typed source. Raises UsageError naming the text."""
+  kind, colon, arg = name.partition(":")
+  if kind == "ngram":
+    shortest, dash, longest = arg.rpartition("-")
+    if not colon:
+      return NGram()
+    if longest.isdigit() and (shortest.isdigit() or not dash):
+      return NGram(int(longest), int(shortest) if dash else 1)
+    raise UsageError(f"{name!r}: expected ngram, ngram:N or ngram:MIN-MAX (the match lengths it looks up)")
+  if kind == "self":
+    if arg.isdigit():
+      return SelfDraft(int(arg))
+    raise UsageError(f"{name!r}: expected self:K (the target's first K layers)")
+  if kind == "retrieval":
+    budget, _, every = arg.partition(":")
+    if not budget.isdigit() or not (every.isdigit() or not every):
+      raise UsageError(f"{name!r}: expected retrieval:BUDGET or retrieval:BUDGET:RESELECT "
+                       "(positive integers: slots, and tokens between re-selections)")
+    return Retrieval(int(budget), reselect=int(every or 0))
+  if kind in FEATURE_DRAFTS:
+    return FeatureDraft(kind, arg)
+  return DraftModel(None if name == "draft" else name)
+
+
+@dataclasses.dataclass(frozen=True)
 class Level:
-  """Who runs a level: its name, the cache it keeps (None: its kind's own) and, for the bottom
-  level, how it draws children."""
+  """Who runs a level (`name` as written, `source` its typed value), the cache it keeps (None:
+  its kind's own) and, for the bottom level, how it draws children."""
   name: str
   cache: Full | Streaming | None = None
   mode: str = "deterministic"
+  source: Source = dataclasses.field(init=False, repr=False, compare=False)
+
+  def __post_init__(self):
+    object.__setattr__(self, "source", parse_source(self.name))
+
+  @classmethod
+  def of(cls, source: Source, cache: Full | Streaming | None = None, mode: str = "deterministic") -> Level:
+    """A level from its typed source, named as the grammar writes it."""
+    return cls(str(source), cache, mode)
 
   @property
   def kind(self) -> str:
     """ngram, self, retrieval, eagle, eagle3, medusa, dflash or draft (the --draft model, or a
     draft model's path)."""
-    for kind in ("ngram", "self", "retrieval", *FEATURE_DRAFTS):
-      if self.name == kind or self.name.startswith(kind + ":"):
-        return kind
-    return "draft"
+    if isinstance(self.source, FeatureDraft):
+      return self.source.kind
+    return {NGram: "ngram", SelfDraft: "self", DraftModel: "draft", Retrieval: "retrieval"}[type(self.source)]
 
   @property
   def retrieval(self) -> Retrieval | None:
     """The retrieval cache a `retrieval:BUDGET[:RESELECT]` level keeps (None for other kinds)."""
-    if self.kind != "retrieval":
-      return None
-    budget, _, every = self.name.removeprefix("retrieval:").partition(":")
-    if not budget.isdigit() or not (every.isdigit() or not every):
-      raise UsageError(f"{self.name!r}: expected retrieval:BUDGET or retrieval:BUDGET:RESELECT "
-                       "(positive integers: slots, and tokens between re-selections)")
-    return Retrieval(int(budget), reselect=int(every or 0))
+    return self.source if isinstance(self.source, Retrieval) else None
 
   @property
   def budget(self) -> int | None:
@@ -62,12 +134,11 @@ class Level:
   @property
   def feature_draft(self) -> tuple[str, str] | None:
     """(eagle, eagle3, medusa or dflash, PATH) for a draft on the target's features."""
-    return (self.kind, self.name.partition(":")[2]) if self.kind in FEATURE_DRAFTS else None
+    source = self.source
+    return (source.kind, source.path) if isinstance(source, FeatureDraft) else None
 
   def __str__(self) -> str:
-    cache = "" if self.cache is None else "@" + ("full" if isinstance(self.cache, Full) else
-                                                  f"streaming:{self.cache.sinks}x{self.cache.window}"
-                                                  + (":reindex" if self.cache.reindex else ""))
+    cache = "" if self.cache is None else f"@{self.cache}"
     return f"{self.name}{cache}" + ("" if self.mode == "deterministic" else f",{self.mode}")
 
 
@@ -106,10 +177,9 @@ def parse_level(text: str) -> Level:
     cache = Streaming(int(sinks), int(window), reindex)
   if not name:
     raise UsageError(f"level {text!r}: name its drafter or model")
-  level = Level(name, cache, mode)
+  level = Level(name, cache, mode)   # parses its source, naming a bad one
   if cache is not None and level.kind != "draft":
     raise UsageError(f"level {text!r}: {level.name} keeps no cache of its own to choose")
-  level.retrieval  # noqa: B018 (raises on a bad budget, naming it)
   return level
 
 

@@ -233,8 +233,8 @@ def predict(profile: dict, greedy: bool, levels: str, tree: shapes.TokenTree | N
   return latency.predict(model)
 
 
-def in_profile_names(levels: str, draft_path: str | None, eagle_path: str | None = None) -> str:
-  """A Method's --levels spec with the draft model's path written 'draft' and the EAGLE draft's
+def in_profile_names(levels: spec.Levels, draft_path: str | None, eagle_path: str | None = None) -> str:
+  """A Method's levels (spec.Levels, or their text) with the draft model's path written 'draft' and the EAGLE draft's
   eagle:PATH written 'eagle', as profiles name them."""
   from hitree_jax.loading import resolve
   def renamed(level: spec.Level) -> spec.Level:
@@ -244,7 +244,7 @@ def in_profile_names(levels: str, draft_path: str | None, eagle_path: str | None
       return dataclasses.replace(level, name="eagle")
     return level
 
-  parsed = spec.parse(levels)
+  parsed = spec.parse(levels) if isinstance(levels, str) else levels
   return str(spec.Levels(renamed(parsed.drafter), parsed.tree,
                          tuple((renamed(level), gamma) for level, gamma in parsed.middles)))
 

@@ -39,10 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from hitree_jax import stacks
 from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.decode import engine, long_caches, spec
 from hitree_jax.decode import prefill as prefill_lib
-from hitree_jax.decode.drafters import parse_draft_spec
 from hitree_jax.decode.programs import Programs, ahead_of_time
 from hitree_jax.decode.sampling import probabilities
 from hitree_jax.cache.kinds import Streaming
@@ -183,8 +183,8 @@ class _Levels:
       selected = long_caches.select_retrieval(t.params, t.config, self.full, last, level.budget,
                                               level.retrieval.chunk, self.slots - len(self.prompt), 1)
       return t.config, t.params, selected, None
-    if level.kind == "self" and level.name.removeprefix("self:").isdigit():
-      k = int(level.name.removeprefix("self:"))
+    if isinstance(level.source, spec.SelfDraft):
+      k = level.source.layers
       return (t.config.replace(num_layers=k), *_first_layers(t.params, self.full, k), None)
     streaming = isinstance(level.cache, Streaming) and not level.cache.reindex
     if level.name == "draft" and level.mode == "deterministic" and (level.cache is None or streaming):
@@ -238,31 +238,23 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
   noise of a few milliseconds per timing averages out over ~100 tokens. (A per-token term came
   out negative here: not resolved by these widths, and left out.) costs: level_costs already
   measured at this prompt (the forwards it needs are timed only where missing)."""
-  from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter
-  from hitree_jax.cache.kinds import Full, Retrieval
-  from hitree_jax.decode.stack import Stack, Verifier
+  from hitree_jax.decode.drafters import DraftWeights
   from hitree_jax.planner.latency import affine, tree_draft_seconds
-  from hitree_jax.tree import shapes
 
   t, d = target, draft
-  vocab = None if d.vocab is None else d.vocab.target_vocab_size
   weights = DraftWeights.create(d.params, d.vocab)
-  drafter = lambda cache: ModelDrafter(d.config, "deterministic", vocab, cache=cache)
   retrieval, streaming = f"retrieval:{budget}", "draft@streaming:16x234"
-  stacks = [(["draft", "target"], Stack(drafter(Full()), shapes.chain(1))),
-            (["draft", "target"], Stack(drafter(Full()), shapes.chain(4))),
-            (["draft", "target"], Stack(drafter(Full()), shapes.kary(2, 2))),
-            ([streaming, retrieval, "target"], Stack(drafter(Streaming(16, 234)), shapes.chain(1),
-                                                     (Verifier("target", Retrieval(budget), 6),))),
-            (["ngram:3", "draft", "target"], Stack(NGramDrafter(3), shapes.chain(2),
-                                                   (Verifier("draft", Full(), 3),), draft=d.config))]
+  specs = ["draft/chain:1", "draft/chain:4", "draft/kary:2x2", f"{streaming}/chain:1+{retrieval}/6",
+           "ngram:3/chain:2+draft/3"]
+  measured = [([*map(str, levels.levels), "target"], stacks.build(levels, t.config, d.config, d.vocab))
+              for levels in map(spec.parse, specs)]
   costs = dict(costs or {})
   missing = [n for n in ("target", retrieval, "draft", streaming) if n not in costs]
   if missing:
     costs.update(level_costs(t, d, missing, prompt, [1, 2, 4, 8]))
   curve = {name: affine(points) for name, points in costs.items()}
   programs, rows, rest = Programs(), [], []
-  for names, stack in stacks:
+  for names, stack in measured:
     runs = [engine.generate(t.params, t.config, [list(prompt)], max_new_tokens=max_new_tokens, stack=stack,
                             sampling=sampling, stop_at_eos=False, draft=weights, programs=programs)
             for _ in range(2)]
@@ -391,9 +383,8 @@ def _ngram_probs(name: str, prompt, continuation, vocab_size: int):
   """An n-gram level as a proposer: a one-hot q on its proposal, which is its only rank (none
   where it offers nothing). Row k is its proposal after continuation[k], as a model level's row
   k is (_continuation_probs)."""
-  drafter = parse_draft_spec(name)
-  tokens = ngram_proposals(list(prompt) + list(continuation), len(prompt) + 1, drafter.max_ngram,
-                           drafter.min_ngram)
+  lookup = spec.parse_level(name).source
+  tokens = ngram_proposals(list(prompt) + list(continuation), len(prompt) + 1, lookup.longest, lookup.shortest)
   ranked = np.full((len(tokens), PROFILE_RANKS), -1, np.int32)
   ranked[:, 0] = tokens
   return jax.nn.one_hot(tokens, vocab_size), jnp.asarray(ranked)
@@ -402,8 +393,8 @@ def _ngram_probs(name: str, prompt, continuation, vocab_size: int):
 def _offered_counts(name: str, prompt, continuation) -> list[float]:
   """An n-gram level's law of how many tokens it offers at a position (ngram_offers; index m:
   the share offering m, the last index m or more), for latency.first_round."""
-  drafter = parse_draft_spec(name)
-  counts = ngram_offers(list(prompt) + list(continuation), len(prompt) + 1, drafter.max_ngram, drafter.min_ngram)
+  lookup = spec.parse_level(name).source
+  counts = ngram_offers(list(prompt) + list(continuation), len(prompt) + 1, lookup.longest, lookup.shortest)
   return (np.bincount(np.minimum(counts, MAX_OFFERED), minlength=MAX_OFFERED + 1) / len(counts)).tolist()
 
 
