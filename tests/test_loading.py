@@ -451,7 +451,7 @@ def test_a_gguf_missing_a_metadata_key_is_named_in_one_line(tmp_path, missing):
   config = tiny_config()
   save_gguf(tmp_path / "m.gguf", config, tiny_params(config), quantize=False)
   reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
-  writer = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), "llama" if missing != "general.architecture" else "qwen2")
+  writer = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), "llama" if missing != "general.architecture" else "gemma2")
   for key, field in reader.fields.items():
     if not key.startswith("GGUF.") and key not in ("general.architecture", missing):
       writer.add_key_value(key, field.contents(), field.types[0],
@@ -462,7 +462,7 @@ def test_a_gguf_missing_a_metadata_key_is_named_in_one_line(tmp_path, missing):
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
   writer.close()
-  expected = ("GGUF architecture 'qwen2' is not supported" if missing == "general.architecture"
+  expected = ("GGUF architecture 'gemma2' is not supported" if missing == "general.architecture"
               else f"the GGUF metadata lacks {missing}$")
   with pytest.raises(UsageError, match=f"^{tmp_path / 'cut.gguf'}: {expected}"):
     load_gguf(tmp_path / "cut.gguf")

@@ -1,16 +1,20 @@
-"""GGUF (llama.cpp) Llama weights: `load_gguf` dequantizes into the run's dtype, `save_gguf`
-writes Q8_0.
+"""GGUF (llama.cpp) weights of architecture `llama` (Llama, Mistral, a biased Llama), `qwen2`
+and `qwen3`: `load_gguf` dequantizes into the run's dtype, `save_gguf` writes Q8_0 in the
+architecture llama.cpp's converter would choose (`architecture`).
 
 A tensor is dequantized only when the model takes it, a block of rows at a time, straight into
 an array of the run's dtype (already transposed where the model wants [in, out]), which is
 placed and dropped before the next: the host never holds the model, or a whole matrix, in
 float32 (a 7B Q4 file once took 28 GB of it). docs/results/load_memory.py measures the peak.
 
-llama.cpp's converter permutes the rows of attn_q / attn_k from HF's
+For architecture `llama`, llama.cpp's converter permutes the rows of attn_q / attn_k from HF's
 rotate-half RoPE layout into interleaved pairs; we undo that on load (and redo
 it on save) so the model keeps a single (HF) RoPE layout while our files follow
-llama.cpp's convention. Parity with transformers' own GGUF loading is tested in
-tests/test_smollm2.py.
+llama.cpp's convention. Qwen2's and Qwen3's rows are written as HF has them (llama.cpp runs
+their RoPE in the rotate-half, "NEOX", layout). A Qwen3 adds per-head q/k norms
+(attn_q_norm, attn_k_norm) and its head width as `attention.key_length`. Parity with
+transformers' own GGUF loading is tested in tests/test_smollm2.py (SmolLM2) and
+tests/test_model_families.py (Qwen2, Qwen3).
 
 Llama 3's `llama3` RoPE scaling has no GGUF key: llama.cpp writes it as the `rope_freqs` tensor
 of per-frequency divisors, which `read_config` puts in config.rope_freq_factors (and `save_gguf`
@@ -43,8 +47,12 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# The architectures read and written, each with its metadata under its own name; only `llama`
+# permutes q/k's rows (module docstring).
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
 
@@ -215,7 +223,7 @@ class QuantizedTensor:
 
 
 def load_gguf(path: str | pathlib.Path, dtype: str = "float32", place: Callable | None = None):
-  """(config, params, ReducedVocab or None) from a GGUF file of architecture `llama`. Each
+  """(config, params, ReducedVocab or None) from a GGUF file (ARCHITECTURES). Each
   tensor is dequantized into `dtype` when taken, and handed to `place` (e.g. to the device)
   before the next is made: QuantizedTensor."""
   reader = open_reader(path)
@@ -228,7 +236,9 @@ def load_gguf(path: str | pathlib.Path, dtype: str = "float32", place: Callable 
   if unknown:
     raise UsageError(f"{path}: {unknown[0]}: a tensor this model does not use"
                      + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
-  heads = lambda name: (config.num_heads if name.endswith(("q_proj.weight", "q_proj.bias")) else
+  permuted = reader.fields["general.architecture"].contents() == "llama"
+  heads = lambda name: (None if not permuted else
+                        config.num_heads if name.endswith(("q_proj.weight", "q_proj.bias")) else
                         config.num_kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None)
   state = {name: QuantizedTensor(tensor, heads(name)) for tensor in reader.tensors
            if (name := hf_name(tensor.name)) is not None}   # not ROPE_FREQS: it is in the config
@@ -238,10 +248,19 @@ def load_gguf(path: str | pathlib.Path, dtype: str = "float32", place: Callable 
 
 # ---- writing ----
 
+def architecture(config: ModelConfig) -> str:
+  """The GGUF architecture a model is written as, as llama.cpp's converter writes it: `qwen3`
+  where it norms queries and keys per head, `qwen2` where q/k/v alone have biases, else `llama`
+  (a Mistral; a Llama with attention biases keeps them as llama's optional tensors)."""
+  if config.qk_norm:
+    return "qwen3"
+  return "qwen2" if config.qkv_bias and not config.o_bias else "llama"
+
+
 def gguf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
-  """Our params -> llama.cpp tensor names, numpy [out, in] (ggml order reversed), q/k permuted;
-  attention biases [out] (Qwen2's, a biased Llama's) as `.bias`, q/k's permuted like their rows
-  (llama.cpp's convert_hf_to_gguf.py does the same)."""
+  """Our params -> llama.cpp tensor names, numpy [out, in] (ggml order reversed); for `llama`,
+  q/k permuted; attention biases [out] (Qwen2's, a biased Llama's) as `.bias`, q/k's permuted like
+  their rows (llama.cpp's convert_hf_to_gguf.py does the same); a Qwen3's q/k norms [head_dim]."""
   f32 = lambda x: np.asarray(x, np.float32)
   weight = lambda p: np.ascontiguousarray(f32(p["kernel"]).T)  # kernel [in, out] -> [out, in]
   out = {"token_embd.weight": f32(params["embed_tokens"]["embedding"]),
@@ -257,14 +276,14 @@ def gguf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     for group in ("self_attn", "mlp"):
       for proj, p in layer[group].items():
         name = f"blk.{i}.{hf_to_gguf[f'{group}.{proj}']}"
-        out[f"{name}.weight"] = weight(p)
+        out[f"{name}.weight"] = f32(p["weight"]) if "weight" in p else weight(p)   # a norm, or a matrix
         if "bias" in p:
           out[f"{name}.bias"] = f32(p["bias"])
     for norm in ("input_layernorm", "post_attention_layernorm"):
       out[f"blk.{i}.{hf_to_gguf[norm]}.weight"] = f32(layer[norm]["weight"])
     for name, n_heads in (("attn_q", config.num_heads), ("attn_k", config.num_kv_heads)):
       for key in (f"blk.{i}.{name}.weight", f"blk.{i}.{name}.bias"):
-        if key in out:
+        if key in out and architecture(config) == "llama":
           out[key] = permute_rope_rows(out[key], n_heads)
   return out
 
@@ -288,6 +307,9 @@ def _add_config(writer: gguf.GGUFWriter, config: ModelConfig) -> None:
   writer.add_head_count(int(c.num_heads))
   writer.add_head_count_kv(int(c.num_kv_heads))
   writer.add_rope_dimension_count(int(c.head_dim))
+  if c.head_dim * c.num_heads != c.hidden_size:   # as llama.cpp's converter writes a head_dim
+    writer.add_key_length(int(c.head_dim))
+    writer.add_value_length(int(c.head_dim))
   writer.add_rope_freq_base(float(c.rope_theta))
   writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
   writer.add_vocab_size(int(c.vocab_size))
@@ -381,7 +403,8 @@ def _add_token_ids(writer: gguf.GGUFWriter, config: ModelConfig, copied: dict | 
 def save_gguf(path: str | pathlib.Path, config: ModelConfig, params: dict, *,
               vocab: ReducedVocab | None = None, tokenizer_from: str | pathlib.Path | None = None,
               quantize: bool = True) -> pathlib.Path:
-  """Writes a llama-architecture GGUF that llama.cpp's conventions and `load_gguf` accept.
+  """Writes a GGUF of architecture `llama`, `qwen2` or `qwen3` (`architecture`) that
+  llama.cpp's conventions and `load_gguf` accept.
 
   Matrices are Q8_0 (float32 with quantize=False, or when a row is not a multiple
   of 32 wide), norms float32. tokenizer_from: a GGUF whose tokenizer fields are copied, or a
@@ -389,12 +412,9 @@ def save_gguf(path: str | pathlib.Path, config: ModelConfig, params: dict, *,
   reduced vocabulary).
   """
   path = pathlib.Path(path)
-  if config.qk_norm:
-    raise UsageError(f"{path}: a GGUF of architecture llama has no per-head q/k norms (Qwen3): "
-                     "convert this model to a checkpoint instead")
   if vocab is not None and vocab.size != config.vocab_size:
     raise UsageError(f"vocab has {vocab.size} ids but config.vocab_size={config.vocab_size}")
-  writer = gguf.GGUFWriter(str(path), "llama")
+  writer = gguf.GGUFWriter(str(path), architecture(config))
   _add_config(writer, config)
   copied = (_copy_tokenizer(writer, pathlib.Path(tokenizer_from), vocab.target_vocab_size if vocab
                             else config.vocab_size) if tokenizer_from else None)

@@ -153,16 +153,17 @@ class ModelConfig:
   @classmethod
   def from_gguf_metadata(cls, meta: Mapping[str, Any], dtype: str = "float32",
                          tied: bool = True) -> "ModelConfig":
-    """Builds a config from GGUF key/values (architecture `llama`)."""
+    """Builds a config from GGUF key/values (architecture `llama`, `qwen2` or `qwen3`)."""
     arch = meta.get("general.architecture")
-    if arch != "llama":
-      raise UsageError(f"GGUF architecture {arch!r} is not supported; expected 'llama'")
-    g = lambda key, default=None: meta.get(f"llama.{key}", default)
+    if arch not in ("llama", "qwen2", "qwen3"):
+      raise UsageError(f"GGUF architecture {arch!r} is not supported; expected llama, qwen2 or qwen3 "
+                       "(Llama, Mistral, Qwen2 and Qwen3 models)")
+    g = lambda key, default=None: meta.get(f"{arch}.{key}", default)
 
     def required(key):
-      if meta.get(f"llama.{key}") is None:
-        raise UsageError(f"the GGUF metadata lacks llama.{key}")
-      return int(meta[f"llama.{key}"])
+      if meta.get(f"{arch}.{key}") is None:
+        raise UsageError(f"the GGUF metadata lacks {arch}.{key}")
+      return int(meta[f"{arch}.{key}"])
 
     hidden = required("embedding_length")
     num_heads = required("attention.head_count")
@@ -176,7 +177,8 @@ class ModelConfig:
         num_layers=required("block_count"),
         num_heads=num_heads,
         num_kv_heads=int(g("attention.head_count_kv", num_heads)),
-        head_dim=int(g("rope.dimension_count", hidden // num_heads)),
+        head_dim=int(g("attention.key_length") or g("rope.dimension_count") or hidden // num_heads),
+        qk_norm=arch == "qwen3",
         rope_theta=float(g("rope.freq_base", 10000.0)),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(g("context_length", 2048)),
