@@ -1,6 +1,7 @@
 """Weight sources: HF safetensors folders (one or several files), orbax and GGUF round trips, configs."""
 
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -515,14 +516,39 @@ def test_a_cut_checkpoint_is_refused_in_one_line(tmp_path):
     load_model(str(tmp_path / "ck"))
 
 
+def write_hf_folder(folder, config: ModelConfig, params: dict, dtype) -> pathlib.Path:
+  """An HF folder (config.json, model.safetensors in `dtype`) of a Llama with these params."""
+  import safetensors.numpy
+  import transformers
+  folder.mkdir()
+  transformers.LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                           intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+                           num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+                           head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
+                           tie_word_embeddings=config.tie_word_embeddings).save_pretrained(folder)
+  state = {"model.embed_tokens.weight": params["embed_tokens"]["embedding"], "model.norm.weight": params["norm"]["weight"]}
+  if not config.tie_word_embeddings:
+    state["lm_head.weight"] = params["lm_head"]["kernel"].T
+  for i in range(config.num_layers):
+    layer = params[f"layers_{i}"]
+    for group in ("self_attn", "mlp"):
+      state |= {f"model.layers.{i}.{group}.{n}.weight": p["kernel"].T for n, p in layer[group].items()}
+    state |= {f"model.layers.{i}.{n}.weight": layer[n]["weight"] for n in ("input_layernorm", "post_attention_layernorm")}
+  safetensors.numpy.save_file({k: np.ascontiguousarray(v).astype(dtype) for k, v in state.items()},
+                              str(folder / "model.safetensors"))
+  return folder
+
+
 @pytest.mark.slow
-def test_a_gguf_loads_tensor_by_tensor_within_a_quarter_above_its_weights(tmp_path):
-  """load_model dequantizes each tensor into the run's dtype and places it before it makes the
-  next: in a fresh process its anonymous memory peaks at most 1.25x the weights' bytes above its
-  start (loading the whole file to float32 first took about 4x), and bfloat16's weights are
-  float32's, rounded."""
+@pytest.mark.parametrize("kind", ["gguf", "safetensors"])
+def test_a_model_loads_tensor_by_tensor_within_a_quarter_above_its_weights(tmp_path, kind):
+  """load_model makes each tensor in the run's dtype (a GGUF's dequantized, a safetensors
+  folder's read from its memory map) and places it before it makes the next: in a fresh process
+  its anonymous memory peaks at most 1.25x the weights' bytes above its start (loading a whole
+  GGUF to float32 first took about 4x), and bfloat16's weights are float32's, rounded."""
   import subprocess
   import sys
+  import ml_dtypes
   from tests.helpers import REPO
   # No tensor above 7% of the weights: each is briefly held twice, made and placed.
   config = ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=2048, num_layers=14, num_heads=8,
@@ -530,16 +556,19 @@ def test_a_gguf_loads_tensor_by_tensor_within_a_quarter_above_its_weights(tmp_pa
   rng = np.random.default_rng(0)
   shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
   params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(np.float32), shapes)
-  save_gguf(tmp_path / "m.gguf", config, params, quantize=True)
+  if kind == "gguf":
+    path = save_gguf(tmp_path / "m.gguf", config, params, quantize=True)
+  else:   # a bfloat16 folder, as models are published
+    path = write_hf_folder(tmp_path / "hf", config, params, ml_dtypes.bfloat16)
   child = ("import json, sys\nfrom hitree_jax.loading import load_model\n"
            "from hitree_jax.loading.memory import peak_while, tree_bytes\n"
            "model, peak, before = peak_while(lambda: load_model(sys.argv[1], 'bfloat16'))\n"
            "print(json.dumps([peak - before, tree_bytes(model.params)]))")
-  proc = subprocess.run([sys.executable, "-c", child, str(tmp_path / "m.gguf")], cwd=REPO, capture_output=True,
+  proc = subprocess.run([sys.executable, "-c", child, str(path)], cwd=REPO, capture_output=True,
                         text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   peak, weights = json.loads(proc.stdout.strip().splitlines()[-1])
   assert weights > 120e6 and peak <= 1.25 * weights, (peak / 1e6, weights / 1e6)
-  wide, narrow = load_model(str(tmp_path / "m.gguf")), load_model(str(tmp_path / "m.gguf"), "bfloat16")
+  wide, narrow = load_model(str(path)), load_model(str(path), "bfloat16")
   for a, b in zip(jax.tree.leaves(wide.params), jax.tree.leaves(narrow.params)):
     assert b.dtype == jnp.bfloat16 and np.array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(b))

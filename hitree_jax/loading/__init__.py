@@ -85,12 +85,13 @@ def load_model(spec: str, dtype: str = "float32", key_dtype: str | None = None) 
   """The model's config and weights (in dtype); key_dtype as in load_config."""
   path = resolve(spec)
   vocab = None
-  if path.suffix == ".gguf":   # tensor by tensor, each on the device before the next is made
-    config, params, vocab = gguf.load_gguf(path, dtype, place=lambda w: jnp.asarray(w, jnp.dtype(dtype)))
+  place = lambda w: jnp.asarray(w, jnp.dtype(dtype))   # tensor by tensor, each on the device before the next
+  if path.suffix == ".gguf":
+    config, params, vocab = gguf.load_gguf(path, dtype, place)
   elif checkpoint.is_checkpoint(path):
     config, params = checkpoint.load_checkpoint(path, dtype)
   else:
-    config, params = hf.load_safetensors_dir(path, dtype)
+    config, params = hf.load_safetensors_dir(path, dtype, place)
   params = jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(dtype)), params)
   config = config.replace(key_dtype=key_dtype)
   return LoadedModel(config, with_decode_head(params, config), path, vocab)

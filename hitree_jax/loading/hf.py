@@ -2,18 +2,21 @@
 
 `params_from_state_dict` is the single place that knows HF's tensor names; the
 safetensors and GGUF loaders both produce an HF-named state dict and go
-through it.
+through it. A safetensors tensor is read (from the file's memory map) and converted to the run's
+dtype only when the model takes it, then placed before the next: a folder of bfloat16 shards
+never sits on the host whole, nor in float32.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from typing import Callable, Mapping
 
 import jax.numpy as jnp
 import numpy as np
-import safetensors.numpy
+import safetensors
 
 from hitree_jax.errors import NotFound, UsageError
 from hitree_jax.model.config import ModelConfig
@@ -115,17 +118,42 @@ def read_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig
   return ModelConfig.from_hf(hf_config, dtype=dtype, source=f"config.json at {path}")
 
 
-def read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
-  """A safetensors file's arrays; a cut or corrupt file is one line naming it."""
+@dataclasses.dataclass(frozen=True)
+class SafetensorsTensor:
+  """A tensor of a safetensors file as params_from_state_dict takes it: its shape from the
+  header, its values read only by `array`."""
+  path: pathlib.Path
+  name: str
+  shape: tuple[int, ...]
+
+  def array(self, dtype, transpose: bool = False) -> np.ndarray:
+    """The tensor in `dtype` ([in, out] with transpose)."""
+    try:
+      with safetensors.safe_open(str(self.path), framework="numpy") as f:
+        w = np.asarray(f.get_tensor(self.name), dtype)   # bfloat16: ml_dtypes' (jax's) numpy type
+    except Exception as e:  # safetensors' SafetensorError, or numpy's on a short buffer
+      raise _not_whole(self.path, e) from None
+    return np.ascontiguousarray(w.T) if transpose else w
+
+
+def _not_whole(path: pathlib.Path, e: Exception) -> UsageError:
+  return UsageError(f"{path}: not a whole safetensors file ({path.stat().st_size} bytes): "
+                    f"{type(e).__name__}: {e}")
+
+
+def read_safetensors(path: pathlib.Path) -> dict[str, SafetensorsTensor]:
+  """A safetensors file's tensors, by name, from its header (nothing is read until taken); a
+  cut or corrupt file is one line naming it."""
   try:
-    return safetensors.numpy.load_file(str(path))
-  except Exception as e:  # safetensors' SafetensorError, or numpy's on a short buffer
-    raise UsageError(f"{path}: not a whole safetensors file ({path.stat().st_size} bytes): "
-                     f"{type(e).__name__}: {e}") from None
+    with safetensors.safe_open(str(path), framework="numpy") as f:
+      return {name: SafetensorsTensor(path, name, tuple(f.get_slice(name).get_shape())) for name in f.keys()}
+  except Exception as e:  # safetensors' SafetensorError on a cut header or buffer
+    raise _not_whole(path, e) from None
 
 
-def load_safetensors_dir(path: str | pathlib.Path, dtype: str = "float32"):
-  """(config, params) from an HF folder: config.json + one or several *.safetensors."""
+def load_safetensors_dir(path: str | pathlib.Path, dtype: str = "float32", place: Callable | None = None):
+  """(config, params) from an HF folder: config.json + one or several *.safetensors. Each tensor
+  is read into `dtype` when taken and handed to `place` (e.g. to the device) before the next."""
   folder = pathlib.Path(path)
   config = read_config(folder, dtype)
   files = sorted(folder.glob("*.safetensors"))
@@ -134,4 +162,4 @@ def load_safetensors_dir(path: str | pathlib.Path, dtype: str = "float32"):
   state = {}
   for f in files:
     state.update(read_safetensors(f))
-  return config, params_from_state_dict(state, config, source=str(folder))
+  return config, params_from_state_dict(state, config, source=str(folder), dtype=dtype, place=place)
