@@ -237,6 +237,31 @@ def test_a_torn_profile_is_measured_again_and_an_interrupted_write_keeps_the_old
   assert path.read_text() == text
 
 
+def test_a_profile_is_keyed_by_what_the_draft_holds(tmp_path):
+  """A draft retrained in place (its path the same, its bytes not) is profiled again; an EAGLE
+  draft's folder likewise when a file in it changes; the same bytes keep their profile."""
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.loading.digest import SAMPLED
+  from hitree_jax.planner import auto
+  rng = np.random.default_rng(0)
+  draft, heads = tmp_path / "d.gguf", tmp_path / "eagle"
+  draft.write_bytes(rng.bytes(3 * SAMPLED))
+  heads.mkdir()
+  (heads / "heads.json").write_text("{}")
+  (heads / "weights.safetensors").write_bytes(rng.bytes(1000))
+  key = lambda: auto.profile_key("no/model.gguf", str(draft), 512, SamplingParams.create(), "austen", str(heads))
+  path, first = tmp_path / "p.json", key()
+  profile.cached(path, first, lambda: {"512": {}})
+  assert profile.stored(path, key()) == {"512": {}}
+  with open(draft, "r+b") as f:   # retrained: its last bytes differ, its size does not
+    f.seek(-4, 2)
+    f.write(b"next")
+  assert key()["contents"] != first["contents"] and profile.stored(path, key()) is None
+  profile.cached(path, key(), lambda: {"512": {"again": 1}})
+  (heads / "weights.safetensors").write_bytes(rng.bytes(1000))
+  assert key()["eagle_contents"] != first["eagle_contents"] and profile.stored(path, key()) is None
+
+
 def test_pair_acceptance_is_one_for_a_level_and_itself_and_less_for_a_draft(tiny_pair):
   from hitree_jax.decode.sampling import SamplingParams
   target, draft = tiny_pair

@@ -303,7 +303,10 @@ def profile_key(model_path: str, draft_path: str, context: int, sampling, book: 
     from hitree_jax.train.instructions import OPEN_INSTRUCTIONS
     key.update(prompts=f"one per task, and {len(OPEN_INSTRUCTIONS)} open instructions at their context",
                answer_tokens=CHAT_ANSWER)
-  return key if eagle_path is None else dict(key, eagle=eagle_path)
+  if eagle_path is None:
+    return key
+  from hitree_jax.loading.digest import contents_digest
+  return dict(key, eagle=eagle_path, eagle_contents=contents_digest(eagle_path))
 
 
 def profiled(model: str, draft: str, context: int, sampling, directory: str | pathlib.Path | None = None,

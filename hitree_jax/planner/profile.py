@@ -482,8 +482,11 @@ PROFILE_VERSION = 8
 
 
 def profile_key(model: str, draft: str | None) -> dict:
-  """What a profile is valid for: the models, the machine and the jax that measured it."""
-  return {"version": PROFILE_VERSION, "model": model, "draft": draft, "machine": platform.machine(),
+  """What a profile is valid for: the models (their paths and contents: loading/digest.py), the
+  machine and the jax that measured it."""
+  from hitree_jax.loading.digest import contents_digest
+  return {"version": PROFILE_VERSION, "model": model, "draft": draft,
+          "contents": [contents_digest(model), draft and contents_digest(draft)], "machine": platform.machine(),
           "processor": platform.processor(),
           "backend": jax.default_backend(), "devices": [d.device_kind for d in jax.devices()[:1]],
           "jax": jax.__version__}
