@@ -180,6 +180,9 @@ def acceptance_profile(acceptance: str | None, draft_path: str | None, greedy: b
                      "or a JSON file from `python -m launch.distill --eval --json`")
   if source.endswith(".json"):
     record = json.loads(pathlib.Path(source).read_text())
+    if acceptance is None:   # the draft's own sidecar: it must describe this draft
+      from hitree_jax.train.export import check_sidecar
+      record = check_sidecar(draft_path, record)
     return record["greedy_acceptance_profile" if greedy else "acceptance_profile"]
   try:
     return [float(x) for x in source.split(",")]

@@ -117,7 +117,14 @@ def split_labels(teacher, tokenizer, split: str, **features) -> dict:
                                 n_windows=FLAGS.train_windows if split == "train" else FLAGS.eval_windows,
                                 k=FLAGS.topk, progress=Progress(f"labelling {split} windows").update,
                                 own_text=own_text() if split == "train" or chat else None, chat=chat,
-                                **features)
+                                teacher_key=teacher_contents()[:8], **features)
+
+
+def teacher_contents() -> str:
+  """What --teacher holds (loading/digest.py): its labels and a run's settings are keyed by it."""
+  from hitree_jax.loading import resolve
+  from hitree_jax.loading.digest import contents_digest
+  return contents_digest(resolve(FLAGS.teacher))
 
 
 def draft_vocabulary(tokenizer, teacher_config, train_tokens):
@@ -150,7 +157,7 @@ def train_heads_main():
   from hitree_jax.loading import load_model
   from hitree_jax.tokenizer import load_tokenizer
   from hitree_jax.heads import saved
-  from hitree_jax.train import distill, heads
+  from hitree_jax.train import distill, export, heads
 
   workdir = pathlib.Path(FLAGS.workdir)
   teacher = load_model(FLAGS.teacher)
@@ -181,15 +188,17 @@ def train_heads_main():
     return record
   out = out_path()
   final = history[-1] if history else {}
-  saved.save(out, FLAGS.kind, params, teacher.config, vocab,
-             {"command": command(), "steps": FLAGS.steps, **({"taps": list(taps())} if taps() else {}),
-              **{k: final[k] for k in ("eval_loss", "eval_agreement") if k in final}})
-  logging.info("%s draft written to %s; evaluating it", FLAGS.kind, out)
-  record.update(out=str(out))
-  record.update(evaluate_heads(teacher, tokenizer, f"{FLAGS.kind}:{out}", held_out(labels)))
-  meta = saved.read_meta(out)
-  meta["evaluation"] = {k: v for k, v in record.items() if k not in ("history", "train_s_this_run")}
-  (out / saved.META).write_text(json.dumps(meta, indent=1))
+  with export.replacing(out) as partial:   # the old folder stays whole until this one is
+    saved.save(partial, FLAGS.kind, params, teacher.config, vocab,
+               {"command": command(), "steps": FLAGS.steps, **({"taps": list(taps())} if taps() else {}),
+                **{k: final[k] for k in ("eval_loss", "eval_agreement") if k in final}})
+    logging.info("%s draft written; evaluating it", FLAGS.kind)
+    record.update(out=str(out))
+    record.update(evaluate_heads(teacher, tokenizer, f"{FLAGS.kind}:{partial}", held_out(labels)))
+    meta = saved.read_meta(partial)
+    meta["evaluation"] = {k: v for k, v in record.items() if k not in ("history", "train_s_this_run")}
+    (partial / saved.META).write_text(json.dumps(meta, indent=1))
+  logging.info("%s draft written to %s", FLAGS.kind, out)
   return record
 
 
@@ -197,7 +206,7 @@ def train_main():
   from hitree_jax.loading import load_model
   from hitree_jax.loading.gguf import save_gguf
   from hitree_jax.tokenizer import gguf_tokenizer_source, load_tokenizer
-  from hitree_jax.train import distill
+  from hitree_jax.train import distill, export
 
   workdir = pathlib.Path(FLAGS.workdir)
   layers = tuple(int(x) for x in FLAGS.layers)
@@ -222,18 +231,15 @@ def train_main():
   if FLAGS.until is not None and FLAGS.until < FLAGS.steps:
     return record
   out = out_path()
-  out.parent.mkdir(parents=True, exist_ok=True)
-  save_gguf(out, config, jax_to_numpy(params), vocab=vocab,
-            tokenizer_from=gguf_tokenizer_source(teacher.path),
-            quantize=FLAGS.quantize)
-  record.update(out=str(out), out_mb=out.stat().st_size / 2**20)
-  logging.info("draft written to %s (%.1f MB); evaluating it", out, record["out_mb"])
-  record.update(evaluate(teacher, tokenizer, load_model(str(out)), str(out), held_out(labels)))
-  record["command"] = command()
-  sidecar = out.with_suffix(".json")
-  sidecar.write_text(json.dumps({k: v for k, v in record.items()
-                                 if k not in ("history", "train_s_this_run")}, indent=1))
-  logging.info("evaluation written to %s", sidecar)
+  with export.replacing(out) as partial:   # the old draft and sidecar stay whole until these are
+    save_gguf(partial, config, jax_to_numpy(params), vocab=vocab,
+              tokenizer_from=gguf_tokenizer_source(teacher.path), quantize=FLAGS.quantize)
+    record.update(out=str(out), out_mb=partial.stat().st_size / 2**20)
+    logging.info("draft written (%.1f MB); evaluating it", record["out_mb"])
+    record.update(evaluate(teacher, tokenizer, load_model(str(partial)), str(out), held_out(labels)))
+    record["command"] = command()
+    export.write_sidecar(partial, {k: v for k, v in record.items() if k not in ("history", "train_s_this_run")})
+  logging.info("draft written to %s, its evaluation to %s", out, export.sidecar(out))
   return record
 
 
@@ -243,8 +249,10 @@ _TRAIN_FLAGS = ("kind", "teacher", "workdir", "out", "layers", "vocab_size", "wi
 
 
 def run_settings() -> dict:
-  """The flags that define a training run (all of _TRAIN_FLAGS but where it is kept and written)."""
-  return {name: FLAGS[name].value for name in _TRAIN_FLAGS if name not in ("workdir", "out")}
+  """The flags that define a training run (all of _TRAIN_FLAGS but where it is kept and written),
+  and what the teacher holds."""
+  return {**{name: FLAGS[name].value for name in _TRAIN_FLAGS if name not in ("workdir", "out")},
+          "teacher_contents": teacher_contents()}
 
 
 def jax_to_numpy(tree):
@@ -448,6 +456,9 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   check_flags()
+  if not FLAGS.eval:   # a workdir of another run (another teacher, other flags) before anything loads
+    from hitree_jax.train import distill
+    distill.check_settings(pathlib.Path(FLAGS.workdir), run_settings(), record=False)
   record = eval_main() if FLAGS.eval else train_main() if FLAGS.kind == "draft" else train_heads_main()
   if FLAGS.json:
     print(json.dumps(record))

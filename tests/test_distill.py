@@ -1,5 +1,7 @@
 """Distillation on a tiny teacher/student: loss falls, resume is exact, metrics match brute force."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,6 +84,64 @@ def test_a_token_draft_reuses_a_feature_drafts_labels(tmp_path, teacher_params, 
   np.testing.assert_array_equal(labels["ids"], ids)
   with pytest.raises(AttributeError):   # other labels than those saved: the teacher is asked
     distill.prepare_labels(tmp_path, "train", None, None, window=windows.shape[1], n_windows=len(windows), k=4)
+
+
+def test_another_teachers_labels_are_never_taken(tmp_path, data):
+  """Labels are named by what their teacher holds: those of another teacher in the same workdir
+  are not read (the teacher is asked: None here), and the same teacher's are."""
+  windows, ids, log_probs, _ = data
+  np.savez(tmp_path / f"labels_aaaa_train_{len(windows)}x{windows.shape[1]}_top8.npz",
+           tokens=windows, ids=ids, log_probs=log_probs)
+  shape = dict(window=windows.shape[1], n_windows=len(windows), k=8)
+  labels = distill.prepare_labels(tmp_path, "train", None, None, teacher_key="aaaa", **shape)
+  np.testing.assert_array_equal(labels["ids"], ids)
+  with pytest.raises(AttributeError):
+    distill.prepare_labels(tmp_path, "train", None, None, teacher_key="bbbb", **shape)
+
+
+@pytest.mark.parametrize("kind", ["gguf", "folder"])
+def test_an_export_replaces_the_old_draft_whole_or_not_at_all(tmp_path, kind):
+  """train/export.py: a draft (a GGUF and its sidecar, or a folder of heads) interrupted at any
+  point of its writing leaves the old one as it was and no temporary; once whole, it replaces the
+  old one, and its sidecar names its contents, so a sidecar that outlived its draft is refused."""
+  from hitree_jax.train import export
+
+  def write(path, text, interrupt=None):
+    if kind == "gguf":
+      path.write_text(text)
+      if interrupt == "between":
+        raise KeyboardInterrupt
+      export.write_sidecar(path, {"acceptance_profile": [len(text)]})
+    else:
+      path.mkdir()
+      (path / "heads.json").write_text(text)
+      if interrupt == "between":
+        raise KeyboardInterrupt
+      (path / "weights").write_text(text * 2)
+    if interrupt == "after":
+      raise RuntimeError("evaluation failed")
+
+  out = tmp_path / ("draft.gguf" if kind == "gguf" else "eagle")
+  with export.replacing(out) as partial:
+    write(partial, "old")
+  before = sorted((p.name, p.read_text() if p.is_file() else "") for p in tmp_path.rglob("*"))
+  for interrupt in ("between", "after"):
+    with pytest.raises((KeyboardInterrupt, RuntimeError)):
+      with export.replacing(out) as partial:
+        write(partial, "new", interrupt)
+    assert sorted((p.name, p.read_text() if p.is_file() else "") for p in tmp_path.rglob("*")) == before
+  with export.replacing(out) as partial:
+    write(partial, "newer")
+  names = sorted(p.name for p in tmp_path.iterdir())
+  if kind == "gguf":
+    assert names == ["draft.gguf", "draft.json"] and out.read_text() == "newer"
+    record = json.loads(export.sidecar(out).read_text())
+    assert export.check_sidecar(out, record)["acceptance_profile"] == [5]
+    out.write_text("retrained")   # a draft written over by hand, its sidecar left
+    with pytest.raises(ValueError, match="draft.json describes another version of .*draft.gguf"):
+      export.check_sidecar(out, record)
+  else:
+    assert names == ["eagle"] and (out / "weights").read_text() == "newernewer"
 
 
 def test_sparse_targets_drop_tokens_outside_the_subset(data):

@@ -41,6 +41,13 @@ def test_distill_trains_exports_and_evaluates_a_draft(teacher, tmp_path):
   for line in ("labelling train windows 1/1 (100%)", "labelling eval windows 1/1 (100%)",
                "training 1/2 (50%) elapsed", "training 2/2 (100%)"):
     assert line in proc.stderr, line
+  assert json.loads(out.with_suffix(".json").read_text())["draft_contents"] and not list(out.parent.glob(".*partial*"))
+  # the same workdir with another teacher: refused before anything loads, naming what differs
+  tic = time.perf_counter()
+  proc = launch("distill", "--teacher=smollm2", f"--workdir={tmp_path / 'work'}", "--layers=0", "--vocab_size=512",
+                "--window=32", "--train_windows=4", "--eval_windows=1", "--steps=2", "--batch=2", "--cost_context=32")
+  assert proc.returncode != 0 and "holds a run made with other settings (teacher: " in proc.stderr, proc.stderr[-2000:]
+  assert "teacher_contents: " in proc.stderr and time.perf_counter() - tic < 60
 
 
 @pytest.mark.slow
@@ -81,7 +88,7 @@ def test_distill_trains_eagle3_chat_heads_that_generate_like_ar(teacher, tmp_pat
   # the recipe, then what overrode it
   assert meta["command"].startswith("python -m launch.distill --config=configs/distill_eagle_chat.py --batch=2 ")
   for split, n in (("train", 4), ("eval", 1)):   # both splits are chat windows, answered by the teacher
-    (text,) = work.glob(f"labels_{split}_{n}x80_top32_features*_chat64_t0.6_p0.9_text.npy")
+    (text,) = work.glob(f"labels_*_{split}_{n}x80_top32_features*_chat64_t0.6_p0.9_text.npy")
     answers = np.load(text)
     assert answers.shape == (n, 80) and answers[:, 64:].any()
   # --eval judges a draft on the same held-out chat windows (the labels are kept): the figure the run wrote

@@ -2,7 +2,8 @@
 are keyed by, so that a draft retrained in place is measured again rather than planned from the
 old one's figures.
 
-Each file's size and its first and last MiB are hashed (by their names within a folder): every
+Each file's size and its first and last MiB are hashed (with their names within a folder; a
+single file's own name is not part of it, so a file renamed into place keeps its digest): every
 weight of a retrained model differs, so its bytes there do; reading 2 MiB per file keeps the key
 instant for a 16 GB model. A change confined to a file's middle that keeps its size is not seen.
 """
@@ -24,7 +25,7 @@ def contents_digest(path: str | pathlib.Path) -> str | None:
   digest = hashlib.sha256()
   for file in files:
     size = file.stat().st_size
-    digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}:{size}\n".encode())
+    digest.update(f"{file.relative_to(path) if path.is_dir() else ''}:{size}\n".encode())
     with open(file, "rb") as f:
       digest.update(f.read(SAMPLED))
       if size > SAMPLED:

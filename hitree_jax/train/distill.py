@@ -39,19 +39,22 @@ ProgressFn = Callable[[int, int, str], None]
 def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, *, window: int,
                    n_windows: int, k: int, progress: ProgressFn | None = None,
                    features: bool = False, own_text=None, taps: tuple[int, ...] = (),
-                   chat: bool = False) -> dict:
+                   chat: bool = False, teacher_key: str = "") -> dict:
   """{'tokens' [N,T], 'ids' [N,T,k], 'log_probs' [N,T,k]} for a split, computed once per workdir;
   with features also 'features' [N,T,E] (the teacher's hidden states, float16; with taps
   [N,T,(len(taps)+1)E], those layers' states first: heads/eagle.py).
   own_text: (prompt tokens, SamplingParams): each window keeps that many book tokens and the
   rest is the teacher's own sampled continuation (teacher.own_continuations), cached too.
   chat: those first tokens are an instruction over a passage in the chat template instead
-  (train/instructions.py), and the rest the teacher's answer; own_text is then required."""
+  (train/instructions.py), and the rest the teacher's answer; own_text is then required.
+  teacher_key: what the teacher holds (loading/digest.py), in the files' names: another teacher's
+  labels in the same workdir are never taken for this one's."""
   if chat and own_text is None:
     raise UsageError("chat windows need own_text: the teacher writes their answers")
   text = "" if own_text is None else (f"_{'chat' if chat else 'own'}{own_text[0]}"
                                       f"_t{float(own_text[1].temperature):g}_p{float(own_text[1].top_p):g}")
-  named = lambda with_features: (f"labels_{split}_{n_windows}x{window}_top{k}"
+  teacher = f"{teacher_key}_" if teacher_key else ""
+  named = lambda with_features: (f"labels_{teacher}{split}_{n_windows}x{window}_top{k}"
                                  + ("_features" if with_features else "") + taps_suffix(taps) + text)
   name = named(features)
   path = pathlib.Path(workdir) / f"{name}.npz"
