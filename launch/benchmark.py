@@ -144,7 +144,9 @@ def batch_sizes() -> list[int]:
 
 
 def write_outputs(record: dict) -> None:
-  """OUT.json, OUT.md and the plots, all named from --out."""
+  """OUT.json, OUT.md and the plots, all named from --out (by process 0 of a multi-host run)."""
+  if not common.writes_outputs():
+    return
   from . import plots
   out = pathlib.Path(FLAGS.out)
   beside = lambda tail: out.with_name(out.stem + tail)  # results.json -> results_speed.png
@@ -233,23 +235,26 @@ def run_questions(chosen, methods, sampling, mesh) -> None:
       progress.step(detail=f"{method.label}{at} questions {group[0].question_id}-{group[-1].question_id}")
     by_run[method.label, size] = runs
     # What has run so far survives a run cut short (the margins of any parting come at the end).
-    write_questions_record(by_run, spec_bench_run.rows(by_run, FLAGS.temperature == 0), max_new, sizes, chosen)
+    if common.writes_outputs():
+      write_questions_record(by_run, spec_bench_run.rows(by_run, FLAGS.temperature == 0), max_new, sizes,
+                             chosen)
   greedy = FLAGS.temperature == 0
   from hitree_jax import near_ties
   margins_of = lambda prompt, answer: near_ties.top2_margins(model.params, model.config, prompt, answer)
   tie = near_ties.tie_margin(model.config)
   results = spec_bench_run.rows(by_run, greedy, margins_of, tie)
-  out = write_questions_record(by_run, results, max_new, sizes, chosen)
   table = spec_bench_run.markdown(results)
-  out.with_suffix(".md").write_text(table + "\n")
-  written = [out, out.with_suffix(".md")]
-  if spec_bench_run.figure(results, out.with_name(out.stem + "_specbench.png")):
-    written.append(out.with_name(out.stem + "_specbench.png"))
+  if common.writes_outputs():
+    out = write_questions_record(by_run, results, max_new, sizes, chosen)
+    out.with_suffix(".md").write_text(table + "\n")
+    written = [out, out.with_suffix(".md")]
+    if spec_bench_run.figure(results, out.with_name(out.stem + "_specbench.png")):
+      written.append(out.with_name(out.stem + "_specbench.png"))
+    logging.info("wrote %s", ", ".join(map(str, written)))
   print(table)
   for r in results:
     for d in r.get("differs_from_ar", []):
       print(spec_bench_run.parting_line(result_name(r), d))
-  logging.info("wrote %s", ", ".join(map(str, written)))
   fail_on_faults(results, tie, lambda d: f"question {d['question_id']} turn {d['turn']}")
 
 
@@ -364,7 +369,8 @@ def main(argv):
           "median_mean_accepted": statistics.median(accepted) if accepted else None,
           "median_prefill_s": statistics.median(x["prefill_s"] for x in runs)})
       rows += [peer_row(peer, n_tokens, peer_runs[peer]) for peer in beside]
-      pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))  # survives a crash
+      if common.writes_outputs():
+        pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))  # survives a crash
     if FLAGS.temperature == 0:   # sampled tokens differ from ar's by their random numbers alone
       compare_with_ar(rows, groups, n_tokens, size, ar_tokens, greedy_tokens, margins_of, tie)
     if size == 1 and not any(m.label == "ar" for m in planned):  # no `ar` to time them beside: after the methods
@@ -372,7 +378,8 @@ def main(argv):
         peer_warm_up(peer, n_tokens, groups[0][0], progress)
         rows.append(peer_row(peer, n_tokens, [peer_run(peer, n_tokens, i, group[0], ar_tokens, next(order), progress)
                                               for i, group in enumerate(groups)]))
-        pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))
+        if common.writes_outputs():
+          pathlib.Path(FLAGS.out).write_text(json.dumps(record(rows), indent=2))
   write_outputs(record(rows))
   for r in rows:
     for d in r.get("differs_from_ar", []):

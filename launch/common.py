@@ -187,6 +187,10 @@ def define_mesh_flags():
                       "devices of all of them.")
   flags.DEFINE_integer("num_processes", None, "Multi-host: how many processes.")
   flags.DEFINE_integer("process_id", None, "Multi-host: this process's index, 0 .. num_processes-1.")
+  flags.DEFINE_integer("coordinator_timeout", 300, "Multi-host: seconds a process waits for all the "
+                       "others to join before it gives up.")
+  flags.DEFINE_integer("heartbeat_timeout", 100, "Multi-host: seconds without word from a process "
+                       "after which the others take it for dead and stop.")
 
 
 def mesh_from_flags(FLAGS):
@@ -203,9 +207,21 @@ def mesh_from_flags(FLAGS):
                        f"{FLAGS.num_processes})")
     if not axes:
       raise UsageError("multi-host needs a --mesh over the processes' devices (e.g. --mesh=model:2)")
+    for name in ("coordinator_timeout", "heartbeat_timeout"):
+      if FLAGS[name].value < 1:
+        raise UsageError(f"--{name}={FLAGS[name].value}: give seconds, at least 1")
     import jax
-    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                               initialization_timeout=FLAGS.coordinator_timeout,
+                               heartbeat_timeout_seconds=FLAGS.heartbeat_timeout)
   return sharding.make_mesh(axes)
+
+
+def writes_outputs() -> bool:
+  """Whether this process writes the run's files (records, tables, plots): the only process of a
+  one-host run, process 0 of a multi-host one, whose processes all compute the same figures."""
+  import jax
+  return jax.process_index() == 0
 
 
 def define_sampling_flags():

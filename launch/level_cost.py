@@ -340,7 +340,7 @@ def write(record: dict, table_of) -> None:
   """Prints the record's table (and with --json the record), and writes both under --out."""
   table = table_of(record)
   print(table)
-  if FLAGS.out:
+  if FLAGS.out and common.writes_outputs():   # process 0 of a multi-host run
     out = pathlib.Path(FLAGS.out)
     out.write_text(json.dumps(record, indent=2))
     out.with_suffix(".md").write_text(table + "\n")

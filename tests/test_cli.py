@@ -119,6 +119,8 @@ def test_config_sets_flags_and_the_command_line_wins():
     (["--prompt=hi", "--temperature=-1"], "temperature=-1.0"),
     (["--prompt=hi", "--top_p=1.5"], "top_p=1.5"),
     (["--prompt=hi", "--max_new_tokens=0"], "--max_new_tokens=0"),
+    (["--prompt=hi", "--mesh=model:1", "--coordinator_address=localhost:1", "--num_processes=2", "--process_id=0",
+      "--coordinator_timeout=0"], "--coordinator_timeout=0: give seconds, at least 1"),
     (["--book=austen", "--prompt_tokens=8190", "--max_new_tokens=128"], "8318 > the model's context of 8192"),
     (["--book=milton", "--model=no/such/model.gguf"], "model 'no/such/model.gguf' not found"),
     (["--book=austen", "--method=sd", "--draft=no_such_draft.gguf"], "not found"),

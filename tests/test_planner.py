@@ -229,6 +229,12 @@ def test_a_torn_profile_is_measured_again_and_an_interrupted_write_keeps_the_old
     assert json.loads(path.read_text())["profile"] == whole and warnings[-1].startswith(f"{path} is not a whole")
   assert len(warnings) == 6
 
+  # Another process of a multi-host run measures as process 0 does, and writes nothing.
+  monkeypatch.setattr(profile.jax, "process_index", lambda: 1)
+  assert profile.cached(tmp_path / "q.json", key, lambda: {"1": {}}) == {"1": {}} and not (tmp_path / "q.json").exists()
+  monkeypatch.undo()
+  monkeypatch.setattr(absl_logging, "warning", lambda message, *args: warnings.append(message % args))
+
   def dies(*args):
     raise KeyboardInterrupt
   monkeypatch.setattr(profile.os, "replace", dies)

@@ -510,11 +510,14 @@ def stored(path: str | pathlib.Path, key: dict) -> dict | None:
 
 def cached(path: str | pathlib.Path, key: dict, measure: Callable[[], dict]) -> dict:
   """The profile stored at `path` if it was measured for `key`, else measure() stored there:
-  written to a temporary name and renamed, so an interrupted write leaves the old file whole."""
+  written to a temporary name and renamed, so an interrupted write leaves the old file whole (by
+  process 0 alone of a multi-host run)."""
   path = pathlib.Path(path)
   if (profile := stored(path, key)) is not None:
     return profile
   profile = measure()
+  if jax.process_index() != 0:   # a multi-host run's processes measure alike; process 0 keeps it
+    return json.loads(json.dumps(profile))
   path.parent.mkdir(parents=True, exist_ok=True)
   partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
   partial.write_text(json.dumps({"key": key, "profile": profile}, indent=1))
