@@ -1,6 +1,6 @@
 """The distillation launcher end to end: a draft model and EAGLE-3 chat heads trained, exported,
 evaluated and decoded with (apart from tests/test_launch.py so that pytest-xdist can run these
-long tests beside the rest of the launchers'). The teacher is a 4-layer random model with
+long tests beside the rest of the launchers'). The teacher is a 4-layer random model (256 wide) with
 SmolLM2's tokenizer and chat template: what is checked here is the launcher's path (labels,
 vocabulary, training, export, evaluation, decoding), which does not depend on the teacher's size;
 SmolLM2's own trained drafts are checked in tests/test_smollm2.py."""
@@ -15,7 +15,9 @@ from tests.helpers import launch, tiny_model_gguf
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
-  return tiny_model_gguf(tmp_path_factory.mktemp("teacher") / "teacher.gguf", num_layers=4)
+  # wide enough that a forward costs more than the calls around it: a draft's measured cost ratio
+  # (under 1) is the draft's, not the timer's
+  return tiny_model_gguf(tmp_path_factory.mktemp("teacher") / "teacher.gguf", num_layers=4, width=256)
 
 
 def test_distill_checks_sampling_flags_before_any_slow_work(tmp_path):

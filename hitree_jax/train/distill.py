@@ -53,8 +53,8 @@ def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, 
     raise UsageError("chat windows need own_text: the teacher writes their answers")
   text = "" if own_text is None else (f"_{'chat' if chat else 'own'}{own_text[0]}"
                                       f"_t{float(own_text[1].temperature):g}_p{float(own_text[1].top_p):g}")
-  teacher = f"{teacher_key}_" if teacher_key else ""
-  named = lambda with_features: (f"labels_{teacher}{split}_{n_windows}x{window}_top{k}"
+  keyed = f"{teacher_key}_" if teacher_key else ""
+  named = lambda with_features: (f"labels_{keyed}{split}_{n_windows}x{window}_top{k}"
                                  + ("_features" if with_features else "") + taps_suffix(taps) + text)
   name = named(features)
   path = pathlib.Path(workdir) / f"{name}.npz"
