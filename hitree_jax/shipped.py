@@ -46,8 +46,9 @@ def heads_kind(path: str | os.PathLike) -> str | None:
 
 def published_kind(folder: pathlib.Path) -> str | None:
   """The kind of draft another project published in `folder`, by its config.json: "medusa"
-  (FasterDecoding's medusa_num_heads), "dflash" (z-lab's dflash_config), "eagle3" (the EAGLE
-  authors' LlamaForCausalLMEagle3 or speculators' eagle3); None for anything else."""
+  (FasterDecoding's medusa_num_heads), "dflash" (z-lab's dflash_config or speculators' dflash),
+  "eagle3" (the EAGLE authors' LlamaForCausalLMEagle3 or speculators' eagle3); None for anything
+  else."""
   try:
     config = json.loads((pathlib.Path(folder) / "config.json").read_text())
   except (OSError, ValueError):
@@ -57,7 +58,9 @@ def published_kind(folder: pathlib.Path) -> str | None:
   if (config.get("speculators_model_type") == "eagle3"
       or "LlamaForCausalLMEagle3" in config.get("architectures", ())):
     return "eagle3"
-  return "medusa" if "medusa_num_heads" in config else "dflash" if "dflash_config" in config else None
+  if "dflash_config" in config or config.get("speculators_model_type") == "dflash":
+    return "dflash"
+  return "medusa" if "medusa_num_heads" in config else None
 
 
 def names(folder: str, suffix: str = "") -> list[str]:

@@ -146,6 +146,35 @@ def test_trees_over_the_block_decode_ar_tokens(pair, method):
   assert got.tokens == expected.tokens and got.target_forwards < 20
 
 
+def test_the_speculators_format_holds_the_same_draft(pair, tmp_path):
+  """vLLM's speculators format, written by its own converter from the z-lab folder (its tapped
+  layers counted from the embedding): the same drafter and weights as z-lab's, and sd over it
+  decodes ar's tokens; what that format adds and this drafter does not do is named."""
+  from speculators.convert.dflash.converter import DFlashConverter
+  _, target_folder, _, draft_folder = pair
+  folder = tmp_path / "speculators"
+  DFlashConverter().convert(draft_folder, folder, base_model=str(target_folder), validate=False)
+  hf = json.loads((folder / "config.json").read_text())
+  assert hf["speculators_model_type"] == "dflash" and hf["aux_hidden_state_layer_ids"] == [i + 1 for i in TAPS]
+  model = load_model(str(target_folder))
+  (zlab_meta, zlab, _), (meta, params, _) = [saved.load(str(f), model.params, model.config, "dflash")
+                                             for f in (draft_folder, folder)]
+  assert (zlab_meta["format"], meta["format"]) == ("dflash", "speculators")
+  assert saved.drafter(meta, model.config) == saved.drafter(zlab_meta, model.config)
+  jax.tree.map(np.testing.assert_array_equal, params, zlab)
+  spec = methods.parse_method(f"sd/dflash:{folder}/{BLOCK - 1}").load_draft(model.config, model.params)
+  prompts = [np.random.default_rng(3).integers(0, VOCAB - 1, size=n).tolist() for n in (8, 13)]
+  expected = engine.generate(model.params, model.config, prompts, max_new_tokens=16, stop_at_eos=False)
+  got = spec.generate(model.params, model.config, prompts, max_new_tokens=16, stop_at_eos=False)
+  assert got.tokens == expected.tokens and got.target_forwards < 16
+  for change, message in [({"sample_from_anchor": True}, "sample_from_anchor=true .* is not supported"),
+                          ({"draft_vocab_size": 8}, r"a reduced draft vocabulary \(draft_vocab_size=8 of 16\)"),
+                          ({"aux_hidden_state_layer_ids": None}, "lacks mask_token_id or the target's layers")]:
+    (folder / "config.json").write_text(json.dumps({**hf, **change}))
+    with pytest.raises(UsageError, match=message):
+      saved.read_meta(str(folder), "dflash")
+
+
 def test_broken_or_foreign_drafts_are_named(pair, tmp_path):
   target, target_folder, draft, draft_folder = pair
   model = load_model(str(target_folder))
@@ -158,7 +187,7 @@ def test_broken_or_foreign_drafts_are_named(pair, tmp_path):
   hf = json.loads((draft_folder / "config.json").read_text())
   state = safetensors.torch.load_file(str(draft_folder / "model.safetensors"))
   for config_change, weights_change, message in [
-      ({"dflash_config": {"target_layer_ids": TAPS}}, None, "dflash_config lacks mask_token_id"),
+      ({"dflash_config": {"target_layer_ids": TAPS}}, None, "lacks mask_token_id or the target.s layers it reads"),
       ({"final_logit_softcapping": 30.0}, None, "final_logit_softcapping=30.0 is not supported"),
       ({"architectures": ["DFlash2DraftModel"]}, None, "DFlash2 .* is not supported"),
       ({}, lambda s: s.pop("layers.1.self_attn.k_norm.weight"), "lacks layers.1.self_attn.k_norm.weight"),

@@ -141,7 +141,7 @@ def load(path, target_params, target_config: ModelConfig, kind: str | None = Non
   if meta["kind"] == "eagle3":          # its own lm_head over its vocabulary (d2t)
     params, vocab = eagle3.load(folder, meta, target_config)
     return meta, as_target(params), vocab
-  if meta.get("format") == "dflash":   # the target's embedding (read from its params) and head
+  if meta["kind"] == "dflash":   # published (z-lab's or speculators'): the target's embedding and head
     params = as_target(dflash_format.load_params(folder, meta))
     return meta, dict(params, head=frozen_arrays(target_params, None)["head"]), None
   tree = restore(folder / "checkpoint")
