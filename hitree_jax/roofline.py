@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from hitree_jax import hbm_traffic, memory_plan, sharding
-from hitree_jax.cache import retrieval as retrieval_lib
+from hitree_jax.decode import retrieve
 from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.cache.streaming import StreamingCache
 from hitree_jax.decode.drafters import round_attend
@@ -182,7 +182,7 @@ class Levels:
     `context` slots: it must read none of the full cache."""
     full = self._full(self.target, context, heads=True)
     with sharding.use(self.mesh):
-      shape = jax.eval_shape(lambda p, f: retrieval_lib.from_full(p, self.target, f, jnp.zeros((1,), jnp.int32),
+      shape = jax.eval_shape(lambda p, f: retrieve.from_full(p, self.target, f, jnp.zeros((1,), jnp.int32),
                                                                   budget, chunk, tail), self.params, full)
     long = memory_plan.abstract(shape, sharding.cache_axes(shape, heads=True, slots=False), self.mesh)
     ideal = weights_read(self.params, self.target) + kv_bytes(long)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from hitree_jax.cache import retrieval
+from hitree_jax.decode import retrieve
 from hitree_jax.cache.full import KVCache, causal_attend
 from hitree_jax.cache.retrieval import RetrievalCache
 from hitree_jax.cache.streaming import StreamingCache
@@ -27,8 +28,8 @@ ATOL = 1e-5
 
 _forward = jax.jit(forward, static_argnums=1)
 _select = jax.jit(retrieval.select, static_argnames=("budget", "chunk", "tail"))
-_from_full = jax.jit(retrieval.from_full, static_argnums=(1,), static_argnames=("budget", "chunk", "tail"))
-_reselect = jax.jit(retrieval.from_full, static_argnums=(1,), static_argnames=("budget", "chunk", "tail"))
+_from_full = jax.jit(retrieve.from_full, static_argnums=(1,), static_argnames=("budget", "chunk", "tail"))
+_reselect = jax.jit(retrieve.from_full, static_argnums=(1,), static_argnames=("budget", "chunk", "tail"))
 _projections = jax.jit(llama_lib.last_token_projections, static_argnums=(1, 4))
 _from_prefill = jax.jit(StreamingCache.from_prefill, static_argnums=(1, 2))
 _stream_append = jax.jit(StreamingCache.append)

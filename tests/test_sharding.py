@@ -17,7 +17,7 @@ from hitree_jax import memory_plan, sharding
 from hitree_jax.cache import retrieval
 from hitree_jax.cache.full import KVCache
 from hitree_jax.cache.streaming import StreamingCache
-from hitree_jax.decode import engine, long_caches, loop, sizes
+from hitree_jax.decode import engine, long_caches, loop, retrieve, sizes
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.drafters import DraftWeights, ModelDrafter, NGramDrafter
 from hitree_jax.decode.programs import Programs
@@ -194,7 +194,7 @@ def test_retrieval_selection_of_a_cache_split_by_slots(params):
     full = sharding.place_cache(KVCache.init(CONFIG, 2, 256), mesh)
     _, full = prefill_lib.prefill(sharding.place_params(params, mesh), CONFIG, full, batch, Programs())
     shards = sharding.sequence_shards(mesh)
-    return jax.jit(retrieval.from_full, static_argnums=(1, 4, 5, 6, 7))(
+    return jax.jit(retrieve.from_full, static_argnums=(1, 4, 5, 6, 7))(
         sharding.place_params(params, mesh), CONFIG, full, last, 64, 4, 0, shards)
 
   one, split = select(None), select(sharding.make_mesh("sequence:4,model:2"))

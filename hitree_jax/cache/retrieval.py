@@ -25,9 +25,9 @@ writes generated tokens into the tail after the kept slots (never over chosen
 chunks). Keys stay post-RoPE at their original positions, so a new token's
 position is `lengths + dropped`, not `lengths`.
 
-The model does not return queries; `last_token_queries` recomputes the last
-prompt token once against the prefilled cache and captures the `q_proj`
-outputs with flax's `capture_intermediates`, then applies the model's RoPE.
+`select` takes the queries it scores with; this module knows nothing of the model (cache/ does
+not import model/). The model does not return queries: decode/retrieve.py has it recompute the
+last prompt token once against the prefilled cache (model/llama.py last_token_projections).
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ import jax.numpy as jnp
 
 from hitree_jax.cache.full import ROWS, KVCache, axes_field
 from hitree_jax.errors import UsageError
-from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import last_token_projections
 
 
 @flax.struct.dataclass
@@ -174,20 +172,5 @@ def select(full: KVCache, queries: jax.Array, budget: int, chunk: int = 8,
   return RetrievalCache(keys=tuple(keys), values=tuple(values), lengths=kept,
                         chunks=jnp.stack(chunks), dropped=full.lengths - kept,
                         selected=full.lengths, chunk=chunk)
-
-
-def last_token_queries(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array) -> jax.Array:
-  """Post-RoPE queries [L, B, H, D] of each row's last committed token (llama.last_token_projections:
-  the model reruns it; this module knows nothing of the model's modules)."""
-  return last_token_projections(params, config, full, last_tokens)["q_proj"]
-
-
-def from_full(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array, budget: int,
-              chunk: int = 8, tail: int = 0, shards: int = 1) -> RetrievalCache:
-  """The retrieval cache of a prefilled full cache, chosen by its last tokens' queries.
-
-  last_tokens [B]: the token at slot lengths-1 of each row (the last prompt token).
-  """
-  return select(full, last_token_queries(params, config, full, last_tokens), budget, chunk, tail, shards)
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hitree_jax import sharding
-from hitree_jax.cache import retrieval
+from hitree_jax.decode import retrieve
 from hitree_jax.cache.full import KVCache
 from hitree_jax.cache.streaming import StreamingCache
 from hitree_jax.decode import prefill as prefill_lib
@@ -80,4 +80,4 @@ def streaming_cache(full: KVCache, sinks: int, window: int, shift_freq) -> Strea
 def select_retrieval(params, config, full, last_tokens, budget: int, chunk: int, tail: int, shards: int):
   """A retrieval cache of `budget` slots (+ `tail`) chosen from a prefilled full cache by its last
   tokens' queries (jitted; shards: the full cache's slot shards, sharding.sequence_shards)."""
-  return retrieval.from_full(params, config, full, last_tokens, budget, chunk, tail, shards)
+  return retrieve.from_full(params, config, full, last_tokens, budget, chunk, tail, shards)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from hitree_jax import sharding
-from hitree_jax.cache import retrieval
+from hitree_jax.decode import retrieve
 from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.decode.drafters import (DraftInputs, DraftWeights, Proposal, chain_children, round_attend,
                                         tree_attend_mask)
@@ -376,7 +376,7 @@ class Decoder:
     for j in levels:
       kind, old = sizes.cache_kind(j), caches[j].long
       due = jnp.any(~st.done & (full.lengths - old.selected >= kind.reselect))
-      new = jax.lax.cond(due, lambda: retrieval.from_full(self.weights.target, sizes.target, full, last,
+      new = jax.lax.cond(due, lambda: retrieve.from_full(self.weights.target, sizes.target, full, last,
                                                           kind.budget, kind.chunk, old.tail,
                                                           sharding.sequence_shards(sizes.mesh)),
                          lambda: old)
