@@ -87,6 +87,24 @@ CONFIGS = {"methods.py": "generate", "models.py": "generate", "benchmarks.py": "
            "distill_smollm2.py": "distill", "distill_eagle.py": "distill"}
 
 
+@pytest.mark.parametrize("name", ["llama2_7b_128k.py", "llama3_8b_128k.py", "smollm2_8k.py"])
+def test_every_shapes_config_makes_its_models_and_stack(name):
+  """launch.plan_memory's and launch.level_cost's shapes configs: each makes its target and draft
+  and their TriForce stack (memory_plan.shapes_stack), and its prompt fits the target's context.
+  (.ci/runtime_smoke plans a small shape; compiling these takes minutes.)"""
+  import importlib.util
+  from hitree_jax import memory_plan
+  from hitree_jax.model.config import ModelConfig
+  spec = importlib.util.spec_from_file_location(name[:-3], REPO / "configs" / name)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cfg = module.get_config()
+  target, draft = ModelConfig.from_dict(dict(cfg.target)), ModelConfig.from_dict(dict(cfg.draft))
+  stack = memory_plan.shapes_stack(cfg, target, draft)
+  assert stack.verifiers[0].cache.budget == cfg.budget and stack.drafter.cache.window == cfg.window
+  assert cfg.prompt_tokens + cfg.max_new_tokens <= target.max_position_embeddings and draft.vocab_size == target.vocab_size
+
+
 @pytest.mark.parametrize("name,module", CONFIGS.items())
 def test_every_config_preset_names_only_flags_of_its_launcher(name, module):
   import importlib.util
