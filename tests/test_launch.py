@@ -30,8 +30,9 @@ def test_the_launch_modules_tests_import_share_one_process():
   assert proc.returncode == 0, proc.stderr[-2000:]
 
 @pytest.mark.slow
-def test_generate_json_record():
-  proc = launch("generate", "--model=smollm2", "--book=austen", "--prompt_tokens=64",
+def test_generate_json_record(tiny_model):
+  """The record's fields (on the one-layer model: they do not depend on its size)."""
+  proc = launch("generate", f"--model={tiny_model}", "--book=austen", "--prompt_tokens=64",
                 "--max_new_tokens=6", "--ignore_eos", "--temperature=0.6", "--top_p=0.9",
                 "--key_dtype=bfloat16", "--json")
   assert proc.returncode == 0, proc.stderr[-3000:]
