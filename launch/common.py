@@ -232,38 +232,40 @@ def define_sampling_flags():
 
 
 def define_speculation_flags():
-  flags.DEFINE_string("draft", "self:8", "Drafter: self:K[,iid|without_replacement|deterministic] "
+  """The flags of methods.Knobs' fields, each with its default there (one place for both)."""
+  knobs = methods.Knobs()
+  flags.DEFINE_string("draft", knobs.draft, "Drafter: self:K[,iid|without_replacement|deterministic] "
                       "(the target's first K layers), ngram[:N] (prompt lookup), eagle:PATH[,mode] "
                       "or medusa:PATH[,mode] (drafts on the target's features, e.g. "
                       "eagle:drafts/smollm2-eagle), or PATH[,mode]: a separate draft model (e.g. "
                       "drafts/smollm2-draft.gguf).")
-  flags.DEFINE_integer("gamma", 4, "Draft tokens per round for --method=sd and --method=retrieval.")
-  flags.DEFINE_string("step_aside", None, "--method=sd and tree: BELOW[:ROUNDS]. A row whose running "
+  flags.DEFINE_integer("gamma", knobs.gamma, "Draft tokens per round for --method=sd and --method=retrieval.")
+  flags.DEFINE_string("step_aside", knobs.step_aside, "--method=sd and tree: BELOW[:ROUNDS]. A row whose running "
                       "mean of accepted tokens per round falls below BELOW runs ROUNDS (default 16) "
                       "plain one-token rounds, then tries its drafter again; the output is unchanged.")
-  flags.DEFINE_string("tree", None, "Tree for --method=tree (default kary:2x2) and --method=hitree "
+  flags.DEFINE_string("tree", knobs.tree, "Tree for --method=tree (default kary:2x2) and --method=hitree "
                       "(default kary:2x4, HiTree's binary tree of depth 4): chain:N, kary:KxD, "
                       "sequoia:BUDGET,DEPTH (the best tree for --acceptance) or dynamic:BUDGET,DEPTH "
                       "(EAGLE-2: the BUDGET most probable of the draft's candidates, chosen each round).")
-  flags.DEFINE_string("acceptance", None, "Sequoia trees: the draft's per-rank acceptance "
+  flags.DEFINE_string("acceptance", knobs.acceptance, "Sequoia trees: the draft's per-rank acceptance "
                       "probabilities, comma-separated, or a JSON file holding 'acceptance_profile' "
                       "(launch.distill writes DRAFT.json next to each draft: the default for a draft "
                       "model).")
-  flags.DEFINE_integer("budget", 1024, "Retrieval cache slots (chunks of 8, the sink chunk kept) of "
+  flags.DEFINE_integer("budget", knobs.budget, "Retrieval cache slots (chunks of 8, the sink chunk kept) of "
                        "the target's retrieval level: --method=retrieval, triforce, hitree.")
-  flags.DEFINE_integer("reselect", 0, "The retrieval level chooses its chunks again, with the "
+  flags.DEFINE_integer("reselect", knobs.reselect, "The retrieval level chooses its chunks again, with the "
                        "newest token's query, every this many committed tokens (at the end of a "
                        "block; 0: once, after prefill, as TriForce does).")
-  flags.DEFINE_integer("sinks", 16, "StreamingLLM cache of the bottom draft (triforce, hitree): "
+  flags.DEFINE_integer("sinks", knobs.sinks, "StreamingLLM cache of the bottom draft (triforce, hitree): "
                        "attention-sink tokens kept (TriForce: 16).")
-  flags.DEFINE_integer("window", 234, "StreamingLLM cache of the bottom draft: most recent tokens "
+  flags.DEFINE_integer("window", knobs.window, "StreamingLLM cache of the bottom draft: most recent tokens "
                        "kept (TriForce: 234).")
-  flags.DEFINE_integer("gamma1", None, "Draft tokens per round from the bottom draft to the "
+  flags.DEFINE_integer("gamma1", knobs.gamma1, "Draft tokens per round from the bottom draft to the "
                        "retrieval level, --method=triforce (default 1, TriForce's).")
-  flags.DEFINE_integer("gamma2", None, "Tokens the retrieval level buffers before the target "
+  flags.DEFINE_integer("gamma2", knobs.gamma2, "Tokens the retrieval level buffers before the target "
                        "verifies them: --method=triforce (default 6) and hitree (default 12).")
   define_feature_draft_flag()
-  flags.DEFINE_string("levels", None, "--method=hsd: the stack below the target, bottom-up, levels "
+  flags.DEFINE_string("levels", knobs.levels, "--method=hsd: the stack below the target, bottom-up, levels "
                       "joined by '+': DRAFTER/TREE first (DRAFTER: ngram[:N], self:K, draft (the "
                       "--draft model) or PATH, [@streaming:SINKSxWINDOW], [,MODE]; or retrieval:BUDGET), "
                       "then WHO/GAMMA per level (WHO: retrieval:BUDGET[:RESELECT] or draft[@streaming:SxW]). "

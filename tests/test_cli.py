@@ -411,3 +411,17 @@ def _flag_defaults(module: str) -> dict:
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                         timeout=120)
   return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_the_speculation_flags_are_the_knobs_with_their_defaults():
+  """launch.generate's speculation flags are methods.Knobs' fields, each with Knobs' default: the
+  flags and the library's method(...) read one table."""
+  import dataclasses
+  from hitree_jax import methods
+  proc = launch("generate", "--helpfull", timeout=120)
+  blocks = dict(re.findall(r"^\s+--(\w+):(.*?)(?=^\s+--|\Z)", proc.stdout, re.M | re.S))
+  for field in dataclasses.fields(methods.Knobs):
+    assert field.name in blocks, field.name
+    shown = re.search(r"\(default: '?([^')]*)'?\)", blocks[field.name])   # absl shows no None
+    default = getattr(methods.Knobs(), field.name)
+    assert (shown and shown.group(1)) == (None if default is None else str(default)), field.name
