@@ -172,16 +172,16 @@ def acceptance_profile(acceptance: str | None, draft_path: str | None, greedy: b
   """--acceptance (numbers or a JSON file), else the JSON that launch.distill wrote for the draft."""
   import json
   import pathlib
+  from hitree_jax.train.export import check_sidecar, sidecar
   source = acceptance
-  if source is None and draft_path is not None and pathlib.Path(draft_path).with_suffix(".json").is_file():
-    source = str(pathlib.Path(draft_path).with_suffix(".json"))
+  if source is None and draft_path is not None and sidecar(pathlib.Path(draft_path)).is_file():
+    source = str(sidecar(pathlib.Path(draft_path)))
   if source is None:
     raise UsageError("sequoia trees need the draft's acceptance profile: pass --acceptance=P0,P1,... "
                      "or a JSON file from `python -m launch.distill --eval --json`")
   if source.endswith(".json"):
     record = json.loads(pathlib.Path(source).read_text())
     if acceptance is None:   # the draft's own sidecar: it must describe this draft
-      from hitree_jax.train.export import check_sidecar
       record = check_sidecar(draft_path, record)
     return record["greedy_acceptance_profile" if greedy else "acceptance_profile"]
   try:
@@ -299,7 +299,7 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
       raise UsageError(f"{str(parsed)!r} names a draft model: give its path (--draft=PATH)")
     from hitree_jax.loading import resolve
     draft_path = str(resolve(path))  # FileNotFoundError naming it, before any load
-  token_tree = tree_lib.parse_tree_spec(f"chain:{shape}" if shape.isdigit() else shape)
+  token_tree = tree_lib.parse_tree_spec(parsed.tree_spec)
   if isinstance(token_tree, tuple):  # ("sequoia", budget, depth)
     profile = acceptance_profile(knobs.acceptance, draft_path, greedy)
     token_tree = tree_lib.from_acceptance(profile, *token_tree[1:])

@@ -59,7 +59,7 @@ def build(levels: spec.Levels | str, target: ModelConfig, draft: ModelConfig | N
   if isinstance(levels, str):
     levels = spec.parse(levels)
   if tree is None:
-    tree = tree_lib.parse_tree_spec(f"chain:{levels.tree}" if levels.tree.isdigit() else levels.tree)
+    tree = tree_lib.parse_tree_spec(levels.tree_spec)
     if isinstance(tree, tuple):
       raise UsageError(f"{levels.tree!r}: a sequoia tree is built from the draft's acceptance "
                        "profile; pass the tree (tree.shapes.from_acceptance)")

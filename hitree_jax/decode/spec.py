@@ -150,6 +150,11 @@ class Levels:
   middles: tuple[tuple[Level, int], ...] = ()
 
   @property
+  def tree_spec(self) -> str:
+    """The bottom level's tree as tree.shapes.parse_tree_spec reads it (a bare N is chain:N)."""
+    return f"chain:{self.tree}" if self.tree.isdigit() else self.tree
+
+  @property
   def levels(self) -> tuple[Level, ...]:
     return (self.drafter, *(level for level, _ in self.middles))
 

@@ -92,6 +92,6 @@ def load_model(spec: str, dtype: str = "float32", key_dtype: str | None = None) 
     config, params = checkpoint.load_checkpoint(path, dtype)
   else:
     config, params = hf.load_safetensors_dir(path, dtype, place)
-  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(dtype)), params)
+  params = jax.tree.map(place, params)   # a checkpoint's (the others are placed already)
   config = config.replace(key_dtype=key_dtype)
   return LoadedModel(config, with_decode_head(params, config), path, vocab)

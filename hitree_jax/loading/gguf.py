@@ -50,9 +50,6 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
-# The architectures read and written, each with its metadata under its own name; only `llama`
-# permutes q/k's rows (module docstring).
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
 
@@ -223,7 +220,7 @@ class QuantizedTensor:
 
 
 def load_gguf(path: str | pathlib.Path, dtype: str = "float32", place: Callable | None = None):
-  """(config, params, ReducedVocab or None) from a GGUF file (ARCHITECTURES). Each
+  """(config, params, ReducedVocab or None) from a GGUF file (config.GGUF_ARCHITECTURES). Each
   tensor is dequantized into `dtype` when taken, and handed to `place` (e.g. to the device)
   before the next is made: QuantizedTensor."""
   reader = open_reader(path)
@@ -271,6 +268,7 @@ def gguf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
   if factors is not None:
     out[ROPE_FREQS] = factors
   hf_to_gguf = {v: k for k, v in _LAYER_NAMES.items()}
+  permuted = architecture(config) == "llama"   # only llama's q/k rows are interleaved
   for i in range(config.num_layers):
     layer = params[f"layers_{i}"]
     for group in ("self_attn", "mlp"):
@@ -283,7 +281,7 @@ def gguf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
       out[f"blk.{i}.{hf_to_gguf[norm]}.weight"] = f32(layer[norm]["weight"])
     for name, n_heads in (("attn_q", config.num_heads), ("attn_k", config.num_kv_heads)):
       for key in (f"blk.{i}.{name}.weight", f"blk.{i}.{name}.bias"):
-        if key in out and architecture(config) == "llama":
+        if key in out and permuted:
           out[key] = permute_rope_rows(out[key], n_heads)
   return out
 

@@ -155,7 +155,7 @@ class ModelConfig:
                          tied: bool = True) -> "ModelConfig":
     """Builds a config from GGUF key/values (architecture `llama`, `qwen2` or `qwen3`)."""
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
+    if arch not in GGUF_ARCHITECTURES:
       raise UsageError(f"GGUF architecture {arch!r} is not supported; expected llama, qwen2 or qwen3 "
                        "(Llama, Mistral, Qwen2 and Qwen3 models)")
     g = lambda key, default=None: meta.get(f"{arch}.{key}", default)
@@ -188,6 +188,11 @@ class ModelConfig:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         dtype=dtype,
     )
+
+
+# The GGUF architectures read (and written: loading/gguf.py architecture), each with its metadata
+# under its own name.
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def hf_max_positions(hf: Mapping[str, Any]) -> int:
