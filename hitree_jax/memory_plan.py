@@ -42,6 +42,7 @@ from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.decode.sizes import StackSizes
 from hitree_jax.cache.kinds import Full
 from hitree_jax.decode.stack import Stack
+from hitree_jax.errors import UsageError
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import init_params
 
@@ -135,16 +136,30 @@ class Program:
                m.temp_size_in_bytes)
 
 
-def shapes_stack(shapes, target: ModelConfig, draft: ModelConfig) -> Stack:
-  """The TriForce stack a shapes config describes (configs/llama2_7b_128k.py): the draft over a
-  StreamingLLM cache of `sinks` + `window` proposes chains of `gamma1` to the target over a
-  retrieval cache of `budget` slots, which hands `gamma2` tokens up to the target."""
+def shapes_stack(shapes, target: ModelConfig, draft: ModelConfig | None) -> Stack:
+  """The stack a shapes config describes: its `levels` (a --levels spec, e.g. a published draft's
+  folder of config.json alone: configs/llama3_8b_eagle3.py), else TriForce's
+  (configs/llama2_7b_128k.py): the draft over a StreamingLLM cache of `sinks` + `window` proposes
+  chains of `gamma1` to the target over a retrieval cache of `budget` slots, which hands `gamma2`
+  tokens up to the target."""
   from hitree_jax import stacks
   from hitree_jax.cache.kinds import Retrieval, Streaming
   from hitree_jax.decode import spec
+  if shapes.get("levels"):
+    return stacks.build(shapes.levels, target, draft)
   levels = spec.Levels(spec.Level.of(spec.DraftModel(), Streaming(shapes.sinks, shapes.window)),
                        f"chain:{shapes.gamma1}", ((spec.Level.of(Retrieval(shapes.budget)), shapes.gamma2),))
   return stacks.build(levels, target, draft)
+
+
+def shapes_models(shapes) -> tuple[ModelConfig, ModelConfig | None]:
+  """(target, draft model or None) of a shapes config: a draft model's shape only where its stack
+  has one (a published draft on the target's features says its own in its config.json)."""
+  target = ModelConfig.from_dict(dict(shapes.target))
+  draft = ModelConfig.from_dict(dict(shapes.draft)) if shapes.get("draft") else None
+  if draft is not None and draft.vocab_size != target.vocab_size:
+    raise UsageError(f"the draft's vocabulary ({draft.vocab_size}) is not the target's ({target.vocab_size})")
+  return target, draft
 
 
 def plan(config: ModelConfig, draft: ModelConfig | None, stack_of, mesh, prompt_tokens: int,
@@ -259,7 +274,7 @@ def _compile(config: ModelConfig, stack: Stack, mesh, prompt_tokens: int, max_ne
     kind = ("retrieval" if isinstance(long, RetrievalCache) else
             "full" if isinstance(long, KVCache) else "streaming")
     who = ("target" if j == sizes.top else "draft" if sizes.weights(j) == "draft" else
-           "EAGLE" if j == 0 and sizes.reads_features else f"level {j}")
+           str(stack.drafter).partition(":")[0] if j == 0 and sizes.reads_features else f"level {j}")
     caches[f"{who} {kind} cache"] = per_device_bytes(long)
   if a.draft_full is not None and not any(sizes.weights(j) == "draft" and
                                         isinstance(sizes.cache_kind(j), Full)

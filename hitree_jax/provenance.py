@@ -7,7 +7,9 @@ of the same kind, so every record names all three.
 from __future__ import annotations
 
 import platform
+import shlex
 import subprocess
+import sys
 
 from hitree_jax import shipped
 
@@ -43,3 +45,11 @@ def stamp() -> dict:
   import jax
   import jaxlib
   return {"cpu": cpu_name(), "jax": jax.__version__, "jaxlib": jaxlib.__version__, "commit": commit()}
+
+
+def command() -> str:
+  """The command line that ran this process, as `python -m MODULE ARGS` for a launcher."""
+  main = sys.modules.get("__main__")
+  module = getattr(getattr(main, "__spec__", None), "name", None)
+  head = f"python -m {module}" if module else shlex.quote(sys.argv[0])
+  return " ".join([head, *map(shlex.quote, sys.argv[1:])])

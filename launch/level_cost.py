@@ -282,6 +282,10 @@ def main(argv):
   cfg = FLAGS.shapes
   if cfg is None:
     raise UsageError("--shapes: name a shapes config, e.g. configs/llama2_7b_128k.py")
+  if cfg.get("levels"):
+    raise UsageError(f"--shapes names levels ({cfg.levels}): launch.level_cost costs TriForce's levels "
+                     "(a shapes config of a target, a draft model, budget, sinks and window, e.g. "
+                     "configs/llama2_7b_128k.py); launch.plan_memory plans any stack's memory")
   try:
     contexts = [int(c) for c in FLAGS.contexts]
     widths = [int(w) for w in FLAGS.widths]

@@ -3,7 +3,9 @@
   python -m launch.plan_memory --shapes=configs/llama2_7b_128k.py --topology=v5e:2x4
   python -m launch.plan_memory --shapes=configs/llama2_7b_128k.py --mesh=model:8 --device=v5e
 
-The config names the target's and the draft's shapes and TriForce's stack (configs/llama*_128k.py).
+The config names the target's shape and a stack: TriForce's, with its draft model's shape
+(configs/llama*_128k.py), or any `levels`, such as a published draft read from its config.json
+alone, before its weights are downloaded (configs/llama3_8b_eagle3.py, configs/qwen3_8b_dflash.py).
 The prefill, the retrieval selection and the decode loop are compiled for the mesh with abstract
 weights (hitree_jax/memory_plan.py), and the per-device bytes of the weights, of each cache and of
 each program's temporaries are printed, with whether the largest program fits the device.
@@ -78,23 +80,29 @@ def main(argv):
     import jax
     jax.config.update("jax_num_cpu_devices", needed)  # simulated: the plan needs no accelerator
   import jax
-  from hitree_jax import memory_plan
-  from hitree_jax.model.config import ModelConfig
+  from hitree_jax import memory_plan, provenance
 
-  target = ModelConfig.from_dict(dict(cfg.target))
-  draft = ModelConfig.from_dict(dict(cfg.draft))
-  if draft.vocab_size != target.vocab_size:
-    raise UsageError(f"the draft's vocabulary ({draft.vocab_size}) is not the target's ({target.vocab_size})")
+  target, draft = memory_plan.shapes_models(cfg)
   mesh = sharding.make_mesh(axes, devices if tpu else jax.devices("cpu"))
   plan = memory_plan.plan(target, draft, lambda d: memory_plan.shapes_stack(cfg, target, d), mesh,
                           cfg.prompt_tokens, cfg.max_new_tokens, cfg.batch)
   plan.update(device=FLAGS.device or _chip(FLAGS.topology) or "v5e", device_gib=gib,
               fits=plan["peak"] <= gib * memory_plan.GIB, spare=1 - plan["peak"] / (gib * memory_plan.GIB),
               topology=FLAGS.topology, config=config_flags.get_config_filename(FLAGS["shapes"]),
-              prompt_tokens=cfg.prompt_tokens, max_new_tokens=cfg.max_new_tokens, budget=cfg.budget)
+              prompt_tokens=cfg.prompt_tokens, max_new_tokens=cfg.max_new_tokens, budget=cfg.get("budget"),
+              levels=cfg.get("levels"), **provenance.stamp(), command=provenance.command(),
+              libtpu=_libtpu_version() if tpu else None)
   print(report(plan))
   if FLAGS.json:
     print(json.dumps(plan))
+
+
+def _libtpu_version() -> str | None:
+  import importlib.metadata
+  try:
+    return importlib.metadata.version("libtpu")
+  except importlib.metadata.PackageNotFoundError:
+    return None
 
 
 def _chip(name: str | None) -> str | None:

@@ -87,22 +87,35 @@ CONFIGS = {"methods.py": "generate", "models.py": "generate", "benchmarks.py": "
            "distill_smollm2.py": "distill", "distill_eagle.py": "distill"}
 
 
-@pytest.mark.parametrize("name", ["llama2_7b_128k.py", "llama3_8b_128k.py", "smollm2_8k.py"])
+@pytest.mark.parametrize("name", ["llama2_7b_128k.py", "llama3_8b_128k.py", "smollm2_8k.py", "llama3_8b_eagle3.py",
+                                  "qwen3_8b_dflash.py"])
 def test_every_shapes_config_makes_its_models_and_stack(name):
-  """launch.plan_memory's and launch.level_cost's shapes configs: each makes its target and draft
-  and their TriForce stack (memory_plan.shapes_stack), and its prompt fits the target's context.
-  (.ci/runtime_smoke plans a small shape; compiling these takes minutes.)"""
+  """launch.plan_memory's and launch.level_cost's shapes configs: each makes its target (and its
+  draft model, where its stack has one) and its stack (memory_plan.shapes_stack: TriForce's, or
+  its levels with a published draft read from its config.json alone), and its prompt fits the
+  target's context. (.ci/runtime_smoke plans a small shape; compiling these takes minutes.)"""
   import importlib.util
   from hitree_jax import memory_plan
-  from hitree_jax.model.config import ModelConfig
+  from hitree_jax.heads.drafter import DFlashDrafter, EagleDrafter
+  from hitree_jax.tree.shapes import DynamicTree
   spec = importlib.util.spec_from_file_location(name[:-3], REPO / "configs" / name)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   cfg = module.get_config()
-  target, draft = ModelConfig.from_dict(dict(cfg.target)), ModelConfig.from_dict(dict(cfg.draft))
+  target, draft = memory_plan.shapes_models(cfg)
   stack = memory_plan.shapes_stack(cfg, target, draft)
-  assert stack.verifiers[0].cache.budget == cfg.budget and stack.drafter.cache.window == cfg.window
-  assert cfg.prompt_tokens + cfg.max_new_tokens <= target.max_position_embeddings and draft.vocab_size == target.vocab_size
+  assert cfg.prompt_tokens + cfg.max_new_tokens <= target.max_position_embeddings
+  if cfg.get("levels") is None:
+    assert stack.verifiers[0].cache.budget == cfg.budget and stack.drafter.cache.window == cfg.window
+  elif "eagle3" in name:   # EAGLE-3: three taps, a 32K draft vocabulary mapped into the target's
+    assert isinstance(stack.drafter, EagleDrafter) and str(stack.drafter) == "eagle3"
+    assert stack.drafter.taps == (1, 15, 28) and stack.drafter.config.vocab_size == 32001
+    assert stack.tree.budget == 60 and draft is None
+  else:                    # DFlash: a block of 16 from five taps, as a chain of 15 or as TREE
+    assert isinstance(stack.drafter, DFlashDrafter) and stack.drafter.taps == (1, 9, 17, 25, 33)
+    assert stack.tree.max_depth == 15 and stack.drafter.config.num_layers == 5
+    cfg.levels = module.TREE
+    assert memory_plan.shapes_stack(cfg, target, draft).tree == DynamicTree(32, 8)
 
 
 @pytest.mark.parametrize("name,module", CONFIGS.items())

@@ -136,9 +136,15 @@ def _weights(folder: pathlib.Path) -> pathlib.Path:
   return published.weights_file(folder, WEIGHTS, CONFIG, PICKLES, "eagle3")
 
 
+def _config_alone(folder: pathlib.Path, hf: dict) -> bool:
+  """A folder of config.json alone (no weights, nor a pickle of them) that names its draft
+  vocabulary: enough to plan the draft's memory and cost, not to run it (load refuses it)."""
+  return "draft_vocab_size" in hf and not any((folder / name).is_file() for name in (WEIGHTS, *PICKLES))
+
+
 def read_meta(folder: pathlib.Path) -> dict:
   """heads.json's fields for an EAGLE-3 folder (either format), from config.json and the
-  safetensors header."""
+  safetensors header (config.json alone where it holds no weights: _config_alone)."""
   folder = pathlib.Path(folder)
   hf = json.loads((folder / CONFIG).read_text())
   where = str(folder / CONFIG)
@@ -156,15 +162,19 @@ def read_meta(folder: pathlib.Path) -> dict:
   if taps is not None and min(taps) < 1:
     raise UsageError(f"{where}: eagle_aux_hidden_state_layer_ids {taps}: layer 0's input (the "
                      "embeddings) is not one of the states a target offers")
-  with safetensors.safe_open(_weights(folder), framework="numpy") as f:
-    names = set(f.keys())
-    head = f.get_slice("lm_head.weight").get_shape() if "lm_head.weight" in names else None
-  if head is None:
-    raise UsageError(f"{folder / WEIGHTS} lacks lm_head.weight")
-  draft_vocab = int(hf.get("draft_vocab_size", head[0]))
+  if _config_alone(folder, hf):   # its shapes, before its weights are downloaded (launch.plan_memory)
+    draft_vocab = int(hf["draft_vocab_size"])
+    reduced = draft_vocab < draft.vocab_size
+  else:
+    with safetensors.safe_open(_weights(folder), framework="numpy") as f:
+      names = set(f.keys())
+      head = f.get_slice("lm_head.weight").get_shape() if "lm_head.weight" in names else None
+    if head is None:
+      raise UsageError(f"{folder / WEIGHTS} lacks lm_head.weight")
+    draft_vocab, reduced = int(hf.get("draft_vocab_size", head[0])), "d2t" in names
   return {"kind": "eagle3", "format": "speculators" if speculators else "eagle",
           "hidden_size": draft.hidden_size, "target_vocab_size": draft.vocab_size,
-          "checked": list(CHECKED), "draft_vocab_size": draft_vocab, "reduced": "d2t" in names,
+          "checked": list(CHECKED), "draft_vocab_size": draft_vocab, "reduced": reduced,
           # EAGLE-3 numbers a tap by the layer it enters; ours by the layer it leaves
           "aux_layers": None if taps is None else [int(i) for i in taps],
           "norm_before_residual": bool(hf.get("norm_before_residual", False)),

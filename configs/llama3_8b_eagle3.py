@@ -1,0 +1,28 @@
+"""Llama-3.1-8B-Instruct with the EAGLE authors' EAGLE-3 draft, for launch.plan_memory (shapes only).
+
+  python -m launch.plan_memory --shapes=configs/llama3_8b_eagle3.py --topology=v5e:2x4
+
+The draft is read from its config.json alone (configs/drafters/eagle3-llama3.1-8b: the shape
+fields of yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's config; no weights): one decoder layer at the
+target's width reading three of its layers, and an LM head over 32,000 draft ids mapped to the
+target's 128,256. It drafts EAGLE-2's dynamic tree, 60 nodes deep to 6 (EAGLE-3's published
+setting is 60 nodes, depth 7 counting the root). A chat of 32K tokens: `--shapes.prompt_tokens`
+changes it (the target's context is 128K).
+"""
+
+import pathlib
+
+from ml_collections import config_dict
+
+DRAFT = pathlib.Path(__file__).resolve().parent / "drafters" / "eagle3-llama3.1-8b"
+
+
+def get_config() -> config_dict.ConfigDict:
+  return config_dict.ConfigDict(dict(
+      target=dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                  num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                    high_freq_factor=4.0, original_max_position_embeddings=8192),
+                  max_position_embeddings=131072, dtype="bfloat16"),
+      levels=f"eagle3:{DRAFT}/dynamic:60,6",
+      prompt_tokens=32512, max_new_tokens=256, batch=1))
