@@ -243,10 +243,20 @@ def test_memory_plan_counts_what_the_arrays_hold(params, draft):
 
 @pytest.mark.slow
 def test_plan_memory_launcher_says_whether_it_fits(tmp_path):
+  """TriForce's stack of a shapes config, and a stack of levels with a published DFlash draft of
+  which only config.json exists (its shapes: a draft is planned before it is downloaded)."""
   config = tmp_path / "tiny.py"
   config.write_text(TINY_SHAPES)
-  for device, fits in (("h100", True), ("0.001", False)):
-    proc = subprocess.run([sys.executable, "-m", "launch.plan_memory", f"--shapes={config}", "--mesh=model:4",
+  dflash = tmp_path / "dflash"
+  dflash.mkdir()
+  (dflash / "config.json").write_text(json.dumps(dict(
+      architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=256, hidden_size=64,
+      intermediate_size=128, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+      max_position_embeddings=4096, block_size=4, dflash_config=dict(mask_token_id=255, target_layer_ids=[0, 1]))))
+  with_levels = tmp_path / "tiny_dflash.py"
+  with_levels.write_text(TINY_SHAPES.replace("batch=1,", f"batch=1, levels='dflash:{dflash}/chain:3',"))
+  for shapes, device, fits in ((config, "h100", True), (with_levels, "0.001", False)):
+    proc = subprocess.run([sys.executable, "-m", "launch.plan_memory", f"--shapes={shapes}", "--mesh=model:4",
                            f"--device={device}", "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -255,6 +265,11 @@ def test_plan_memory_launcher_says_whether_it_fits(tmp_path):
     assert ("does NOT fit" in proc.stdout) is not fits
     # bfloat16: the temporaries counted are at most XLA:CPU's own (which widens to float32)
     assert all(p["temporaries"] <= p["temporaries_cpu"] for p in record["programs"])
+    # where it came from
+    assert record["command"] == f"python -m launch.plan_memory --shapes={shapes} --mesh=model:4 --device={device} --json"
+    assert record["jax"] == jax.__version__ and record["cpu"] and record["libtpu"] is None
+  assert record["levels"] == f"dflash:{dflash}/chain:3" and "dflash full cache" in record["caches"]
+  assert record["draft_params"] > 0
 
 
 def tiny_shapes_bytes(slots: int, model: int) -> tuple[int, int, int]:
