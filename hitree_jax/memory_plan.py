@@ -39,7 +39,7 @@ from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.programs import CPU_COPY_FREE
 from hitree_jax.decode.drafters import DraftWeights
 from hitree_jax.decode.sampling import SamplingParams
-from hitree_jax.decode.sizes import StackSizes
+from hitree_jax.decode.sizes import StackSizes, decode_shapes
 from hitree_jax.cache.kinds import Full
 from hitree_jax.decode.stack import Stack
 from hitree_jax.errors import UsageError
@@ -205,11 +205,8 @@ def decode_arguments(config: ModelConfig, stack: Stack, mesh, prompt_tokens: int
   """The prefill chunk's, the retrieval selection's and the decode loop's arguments for a prompt
   of prompt_tokens, as the engine would shape them (inside sharding.use(mesh))."""
   draft_config = stack.draft_config  # None for a stack without a draft model (EAGLE's, say)
-  sizes = StackSizes(stack, config, draft_config, mesh)
-  width = sizes.recent_slots
-  slots = prefill_lib.cache_slots(prompt_tokens, max_new_tokens, extra=width)
-  tail = prefill_lib.round_up(max_new_tokens + width, 8)
-  sharding.check(config, mesh, batch, slots)
+  shapes = decode_shapes(stack, config, prompt_tokens, max_new_tokens, batch, mesh)
+  sizes, slots, tail = shapes.sizes, shapes.slots, shapes.tail
   params = abstract_params(config, mesh)
   weights = loop.Weights(params, abstract_draft_weights(stack, config, draft_config, mesh))
 
@@ -232,10 +229,9 @@ def decode_arguments(config: ModelConfig, stack: Stack, mesh, prompt_tokens: int
   features = (len(sizes.feature_taps) + 1) * config.hidden_size   # what a feature drafter reads
   first = (jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32),
            jax.ShapeDtypeStruct((batch, features), jnp.dtype(config.dtype)) if sizes.reads_features else None)
-  history = slots   # the engine's token history is as wide as its caches
   settings, key = abstract_settings()
   start = loop.DecodeStart(first, settings, scalar(jnp.int32), key,
-                           jax.ShapeDtypeStruct((batch, history), jnp.int32), lengths)
+                           jax.ShapeDtypeStruct((batch, shapes.history), jnp.int32), lengths)
   return DecodeArguments(sizes, slots, tail, params, weights, full, draft_full, tuple(longs), start, lengths)
 
 

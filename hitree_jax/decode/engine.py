@@ -30,7 +30,7 @@ from hitree_jax.decode.long_caches import prefill_levels
 from hitree_jax.decode.loop import DecodeStart, Stats, Weights, decode_loop
 from hitree_jax.decode.result import GenerationResult
 from hitree_jax.decode.sampling import SamplingParams
-from hitree_jax.decode.sizes import StackSizes
+from hitree_jax.decode.sizes import StackSizes, decode_shapes
 from hitree_jax.cache.kinds import Retrieval
 from hitree_jax.decode.stack import Stack
 from hitree_jax.errors import UsageError
@@ -73,22 +73,17 @@ def prefill(params, config: ModelConfig, prompts, max_new_tokens: int, stack: St
                      f"{stack.draft_config.vocab_size} tokens, the target's {config.vocab_size}")
   if not stack.uses_draft_weights:
     draft = None
-  sizes = StackSizes(stack, config, stack.draft_config, mesh)
   batch = prefill_lib.make_batch(prompts, config, max_new_tokens)
-  width = sizes.recent_slots
-  slots = prefill_lib.cache_slots(batch.tokens.shape[1], max_new_tokens, extra=width)
-  sharding.check(config, mesh, batch.batch, slots)
+  shapes = decode_shapes(stack, config, batch.tokens.shape[1], max_new_tokens, batch.batch, mesh)
+  sizes = shapes.sizes
   weights = Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
   start = time.perf_counter()
-  prefilled, longs = prefill_levels(sizes, weights, config, batch, slots,
-                                  prefill_lib.round_up(max_new_tokens + width, 8), programs)
+  prefilled, longs = prefill_levels(sizes, weights, config, batch, shapes.slots, shapes.tail, programs)
   # Every level's cache, not only the target's first logits: a draft's prefill still running
   # when the decode clock starts was counted as decoding (a draft stack at 7.5K: 28 tok/s, not 40).
   jax.block_until_ready((prefilled, longs))
   prefill_s = time.perf_counter() - start
-  # The token history is as wide as the caches, so that prompts sharing a cache bucket share
-  # the decode program too (a width of its own, rounded to 128, doubled the programs compiled).
-  seq = np.zeros((batch.batch, slots), np.int32)
+  seq = np.zeros((batch.batch, shapes.history), np.int32)
   seq[:, :batch.tokens.shape[1]] = batch.tokens
   eos = jnp.int32(config.eos_token_id if stop_at_eos and config.eos_token_id is not None else -1)
   start = DecodeStart(prefilled, sampling, eos, jax.random.key(seed), jnp.asarray(seq), jnp.asarray(batch.lengths))

@@ -1,6 +1,7 @@
 """The static sizes of a stack's levels (index 0 = the drafter ... K = the target): each level's
 model, long cache and weights, how many tokens it can have pending, its buffer, the recent cache's
-width, and the mesh. Hashable: the compiled programs are keyed by it."""
+width, and the mesh. Hashable: the compiled programs are keyed by it. And a generation's shapes
+(decode_shapes): the one function the engine's prefill and memory_plan's abstract arguments share."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from jax.sharding import Mesh
 
 from hitree_jax import sharding
 from hitree_jax.decode.drafters import Drafter
+from hitree_jax.decode.prefill import cache_slots, round_up
 from hitree_jax.cache.kinds import Full
 from hitree_jax.decode.stack import Stack
 from hitree_jax.model.config import ModelConfig
@@ -127,3 +129,29 @@ class StackSizes:
   def max_emitted(self) -> int:
     """Most tokens one top round emits."""
     return 1 if self.top == 0 else self.proposal_depth(self.top - 1) + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShapes:
+  """A generation's static shapes, from its stack and lengths alone (decode_shapes)."""
+  sizes: StackSizes
+  batch: int
+  slots: int   # the full caches' slots: the prompt, the new tokens and a recent cache, bucketed
+  tail: int    # a derived long cache's slots for the tokens decoded after the prompt
+
+  @property
+  def history(self) -> int:
+    """The token history's width: as wide as the caches, so that prompts sharing a cache bucket
+    share the decode program too (a width of its own, rounded to 128, doubled the programs)."""
+    return self.slots
+
+
+def decode_shapes(stack: Stack, config: ModelConfig, prompt_len: int, max_new_tokens: int, batch: int = 1,
+                  mesh: Mesh | None = None) -> DecodeShapes:
+  """The shapes of a generation of `max_new_tokens` after prompts of up to `prompt_len` tokens,
+  checked against the mesh: what engine.prefill allocates and memory_plan compiles with."""
+  sizes = StackSizes(stack, config, stack.draft_config, mesh)
+  width = sizes.recent_slots
+  slots = cache_slots(prompt_len, max_new_tokens, extra=width)
+  sharding.check(config, mesh, batch, slots)
+  return DecodeShapes(sizes, batch, slots, round_up(max_new_tokens + width, 8))
