@@ -210,21 +210,21 @@ def decode_arguments(config: ModelConfig, stack: Stack, mesh, prompt_tokens: int
   params = abstract_params(config, mesh)
   weights = loop.Weights(params, abstract_draft_weights(stack, config, draft_config, mesh))
 
-  placed = lambda j, shape: abstract(shape, sizes.long_axes(j, shape), mesh)
-  full = placed(sizes.top, jax.eval_shape(lambda: KVCache.init(config, batch, slots)))
+  placed = lambda level, shape: abstract(shape, level.long_axes(shape), mesh)
+  full = placed(sizes.levels[-1], jax.eval_shape(lambda: KVCache.init(config, batch, slots)))
   draft_full = None
   if draft_config is not None:
     shape = jax.eval_shape(lambda: KVCache.init(draft_config, batch, slots))
     draft_full = abstract(shape, sharding.cache_axes(shape, heads=False), mesh)
   lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)   # also each row's last token
   longs = []
-  for j in range(sizes.top + 1):
-    if sizes.is_drafter(j) and sizes.drafter.prefills_own_cache:  # e.g. EAGLE's, from the prompt
-      shape = jax.eval_shape(lambda: KVCache.init(sizes.config(j), batch, slots))
+  for level in sizes.levels:
+    if level.is_drafter and sizes.drafter.prefills_own_cache:  # e.g. EAGLE's, from the prompt
+      shape = jax.eval_shape(lambda: KVCache.init(level.config, batch, slots))
     else:
-      shape = jax.eval_shape(lambda: long_caches.derived_long_cache(sizes, j, full, draft_full, params,
+      shape = jax.eval_shape(lambda: long_caches.derived_long_cache(sizes, level, full, draft_full, params,
                                                                     lengths, tail))
-    longs.append(None if shape is None else placed(j, shape))
+    longs.append(None if shape is None else placed(level, shape))
 
   features = (len(sizes.feature_taps) + 1) * config.hidden_size   # what a feature drafter reads
   first = (jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32),
@@ -255,26 +255,26 @@ def _compile(config: ModelConfig, stack: Stack, mesh, prompt_tokens: int, max_ne
   compiled = prefill_lib.prefill_chunk.lower(params, config, full, tokens, scalar(jnp.int32), a.lengths,
                                               hidden).compile(options)
   programs.append(Program.of("prefill chunk", compiled))
-  for j, long in enumerate(longs):  # the retrieval level's selection, from the full cache
+  for level, long in zip(sizes.levels, longs):  # the retrieval level's selection, from the full cache
     if isinstance(long, RetrievalCache):
-      kind = sizes.cache_kind(j)
+      kind, j = level.cache, level.index
       compiled = long_caches.select_retrieval.lower(params, config, full, a.lengths, kind.budget, kind.chunk,
                                                     a.tail, sharding.sequence_shards(mesh)).compile()
       programs.append(Program.of(f"retrieval selection (level {j})", compiled))
   programs.append(decode_loop_program(a, max_new_tokens))
 
   caches = {}
-  for j, long in enumerate(longs):
+  for level, long in zip(sizes.levels, longs):
     if long is None:
       continue
     kind = ("retrieval" if isinstance(long, RetrievalCache) else
             "full" if isinstance(long, KVCache) else "streaming")
-    who = ("target" if j == sizes.top else "draft" if sizes.weights(j) == "draft" else
-           str(stack.drafter).partition(":")[0] if j == 0 and sizes.reads_features else f"level {j}")
+    who = ("target" if level is sizes.levels[-1] else "draft" if level.weights == "draft" else
+           str(stack.drafter).partition(":")[0] if level.is_drafter and sizes.reads_features else
+           f"level {level.index}")
     caches[f"{who} {kind} cache"] = per_device_bytes(long)
-  if a.draft_full is not None and not any(sizes.weights(j) == "draft" and
-                                        isinstance(sizes.cache_kind(j), Full)
-                                        for j in range(sizes.top)):
+  if a.draft_full is not None and not any(level.weights == "draft" and isinstance(level.cache, Full)
+                                        for level in sizes.levels[:-1]):
     caches["draft full cache (prefill only)"] = per_device_bytes(a.draft_full)
   arrays = dict(slots=a.slots, params=per_device_bytes(params),
                 draft_params=per_device_bytes(draft.params) if draft is not None else 0, caches=caches)

@@ -154,7 +154,7 @@ def test_every_array_is_where_it_was_declared(params, draft):
   expect(weights.draft.params["layers_0"]["mlp"]["up_proj"]["kernel"], mesh, (None, None))
 
   programs = Programs()
-  full = stack_sizes.place_long(stack_sizes.top, KVCache.init(CONFIG, batch.batch, 512))
+  full = stack_sizes.levels[-1].place_long(KVCache.init(CONFIG, batch.batch, 512), mesh)
   _, prefilled = prefill_lib.prefill(weights.target, CONFIG, full, batch, programs)
   expect(prefilled.keys[0], mesh, ("data", "model", None, "sequence"))  # the prefill program kept it
 

@@ -162,7 +162,7 @@ def level_report(sizes: StackSizes, stats: Stats, round_s: list[float] | None = 
                  alpha=accepted / tried if tried else None)
     kinds = [("reselections", j)] + ([("proposer_reselections", 0)] if j == 1 else [])
     for key, at in kinds:  # the drafter has no entry of its own: level 1 reports for it
-      kind = sizes.cache_kind(at)
+      kind = sizes.levels[at].cache
       if isinstance(kind, Retrieval) and kind.reselect:
         entry[key] = int(stats.reselected[at])
     if round_s is not None:

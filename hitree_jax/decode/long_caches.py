@@ -18,7 +18,7 @@ from hitree_jax.cache.streaming import StreamingCache
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode import programs as programs_lib
 from hitree_jax.decode.loop import Weights
-from hitree_jax.decode.sizes import StackSizes
+from hitree_jax.decode.sizes import LevelPlan, StackSizes
 from hitree_jax.cache.kinds import Full, Streaming
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import rope_inv_freq
@@ -28,7 +28,7 @@ def prefill_levels(sizes: StackSizes, weights: Weights, config: ModelConfig, bat
   """Prefills what each level keeps: -> ((first logits [B, V], the last prompt tokens' hidden
   states [B, E] for a feature drafter, else None), long caches per level)."""
   params, mesh = weights.target, sizes.mesh
-  full = sizes.place_long(sizes.top, KVCache.init(config, batch.batch, slots))
+  full = sizes.levels[-1].place_long(KVCache.init(config, batch.batch, slots), mesh)
   first_logits, full, *hidden = prefill_lib.prefill(params, config, full, batch, programs,
                                                     all_hidden=sizes.reads_features,
                                                     taps=sizes.feature_taps)
@@ -40,31 +40,31 @@ def prefill_levels(sizes: StackSizes, weights: Weights, config: ModelConfig, bat
     _, draft_full = prefill_lib.prefill(draft.params, sizes.draft, draft_empty, draft_batch, programs)
   last_tokens = jnp.asarray(batch.tokens[np.arange(batch.batch), batch.lengths - 1])
   longs = []
-  for j in range(sizes.top + 1):
-    if sizes.is_drafter(j) and sizes.drafter.prefills_own_cache:  # e.g. EAGLE's, from the prompt's features
-      empty = sizes.place_long(0, KVCache.init(sizes.config(0), batch.batch, slots))
-      longs.append(sizes.drafter.prefill_cache(weights.draft.params, params, sizes.config(0), empty, batch,
+  for level in sizes.levels:
+    if level.is_drafter and sizes.drafter.prefills_own_cache:  # e.g. EAGLE's, from the prompt's features
+      empty = level.place_long(KVCache.init(level.config, batch.batch, slots), mesh)
+      longs.append(sizes.drafter.prefill_cache(weights.draft.params, params, level.config, empty, batch,
                                                hidden[0] if hidden else None, programs))
       continue
-    long = derived_long_cache(sizes, j, full, draft_full, params, last_tokens, tail)
+    long = derived_long_cache(sizes, level, full, draft_full, params, last_tokens, tail)
     # Each level's cache is its own buffer (the decode loop donates them).
     longs.append(jax.tree.map(jnp.copy, long) if any(long is c for c in longs) else long)
   last_hidden = hidden[0][np.arange(batch.batch), batch.lengths - 1] if hidden else None
-  return (first_logits, last_hidden), tuple(sizes.place_long(j, c) for j, c in enumerate(longs))
+  return (first_logits, last_hidden), tuple(level.place_long(c, mesh) for level, c in zip(sizes.levels, longs))
 
 
-def derived_long_cache(sizes: StackSizes, j: int, full: KVCache, draft_full: KVCache | None, params,
+def derived_long_cache(sizes: StackSizes, level: LevelPlan, full: KVCache, draft_full: KVCache | None, params,
                        last_tokens, tail: int):
-  """Level j's long cache, made from the prefilled full caches of the target and of the draft
+  """A level's long cache, made from the prefilled full caches of the target and of the draft
   model (None for a level without one). Traceable: memory_plan takes its shapes with eval_shape."""
-  kind = sizes.cache_kind(j)
-  source = draft_full if sizes.weights(j) == "draft" else full
+  kind = level.cache
+  source = draft_full if level.weights == "draft" else full
   if kind is None:
     return None
   if isinstance(kind, Full):
     return source
   if isinstance(kind, Streaming):
-    shift_freq = jnp.asarray(rope_inv_freq(sizes.config(j))) if kind.reindex else None
+    shift_freq = jnp.asarray(rope_inv_freq(level.config)) if kind.reindex else None
     return streaming_cache(source, kind.sinks, kind.window, shift_freq)
   return select_retrieval(params, sizes.target, full, last_tokens, kind.budget, kind.chunk, tail,
                           sharding.sequence_shards(sizes.mesh))

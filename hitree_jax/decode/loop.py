@@ -117,8 +117,9 @@ class Decoder:
     positions from `first` on, hidden states [B, T, E] (level 1's with the drafter's taps:
     llama.hidden_states), its recent cache with fed's keys/values written)."""
     sizes = self.sizes
-    config = sizes.config(j)
-    if sizes.weights(j) == "draft":
+    level = sizes.levels[j]
+    config = level.config
+    if level.weights == "draft":
       draft = self.weights.draft
       logits, hidden, recent = forward(draft.params, config, draft.to_draft(fed), positions, cache.recent,
                                        attend, context=(cache.long,))
@@ -140,7 +141,7 @@ class Decoder:
     """
     sizes = self.sizes
     cache = st.caches[j]
-    lead = Lead.of(st.seq, prop.start, cache.cached, sizes.lead(j))
+    lead = Lead.of(st.seq, prop.start, cache.cached, sizes.levels[j].lead)
     p = lead.size
     batch = prop.tokens.shape[0]
     depth = jnp.broadcast_to(prop.depth, prop.tokens.shape)
@@ -166,7 +167,7 @@ class Decoder:
       caches[j - 1] = prop.cache
     elif prop.cache is not None:  # a drafter's own cache, written in its round: keep the same path
       below = prop.cache
-      below_lead = Lead.of(st.seq, prop.start, below.cached, sizes.lead(j - 1))
+      below_lead = Lead.of(st.seq, prop.start, below.cached, sizes.levels[j - 1].lead)
       held = jnp.minimum(n_acc, prop.cached_depth)   # an accepted leaf waits in its next lead
       caches[j - 1] = below.replace(recent=commit(below.recent, below_lead, verdict.path, held, live))
     keep = prop.start + n_acc
@@ -216,7 +217,7 @@ class Decoder:
 
   def _proposal_tree(self, j: int):
     """The static shape of level j's proposals: the stack's tree, or a chain (a buffer)."""
-    return self.sizes.stack.tree if j == 0 else tree_lib.chain(self.sizes.buffer(j))
+    return self.sizes.stack.tree if j == 0 else tree_lib.chain(self.sizes.levels[j].buffer)
 
   # --- proposals ------------------------------------------------------------------------------
 
@@ -230,7 +231,7 @@ class Decoder:
     cache = own if own is not None else st.caches[1]
     reader = 0 if own is not None else 1
     inputs = DraftInputs(seq=st.seq, end=st.end,
-                         lead=Lead.of(st.seq, st.end, cache.cached, sizes.lead(reader)),
+                         lead=Lead.of(st.seq, st.end, cache.cached, sizes.levels[reader].lead),
                          cache=cache, params=self.weights.target, draft=self.weights.draft,
                          sampling=self.sampling, config=sizes.target, features=st.features)
     if isinstance(tree, DynamicTree):
@@ -243,7 +244,7 @@ class Decoder:
   def _fill(self, j: int, st: LoopState, key):
     """Level j's rounds until it holds >= gamma_j tokens (rows done stay as they are)."""
     sizes = self.sizes
-    size, gamma = sizes.buffer(j), sizes.gamma(j)
+    size, gamma = sizes.levels[j].buffer, sizes.levels[j].gamma
     batch = st.end.shape[0]
     start = st.end
     buffer_q = jnp.zeros((batch, size + 1, sizes.target.vocab_size), jnp.float32)
@@ -366,15 +367,15 @@ class Decoder:
     `reselect` chooses its chunks again, with the newest committed token's query, once that
     many tokens were committed since its last choice (Retrieval.reselect)."""
     sizes = self.sizes
-    levels = [j for j in range(sizes.top)
-              if isinstance(sizes.cache_kind(j), Retrieval) and sizes.cache_kind(j).reselect]
+    levels = [level for level in sizes.levels[:-1] if isinstance(level.cache, Retrieval) and level.cache.reselect]
     if not levels:
       return st
     full = st.caches[sizes.top].long                       # the target's: every committed token
     last = jnp.take_along_axis(st.seq, jnp.maximum(full.lengths - 1, 0)[:, None], axis=1)[:, 0]
     caches, reselected = list(st.caches), st.stats.reselected
-    for j in levels:
-      kind, old = sizes.cache_kind(j), caches[j].long
+    for level in levels:
+      j, kind = level.index, level.cache
+      old = caches[j].long
       due = jnp.any(~st.done & (full.lengths - old.selected >= kind.reselect))
       new = jax.lax.cond(due, lambda: retrieve.from_full(self.weights.target, sizes.target, full, last,
                                                           kind.budget, kind.chunk, old.tail,
@@ -409,13 +410,13 @@ def initial_state(sizes: StackSizes, long_caches, start: DecodeStart, max_new_to
   rows = jnp.arange(batch)
   seq = seq.at[rows, end].set(first)
   width = sizes.recent_slots
-  recent = lambda j, long: sharding.constrain_cache(
-      KVCache.init(sizes.config(j), batch, width, **dtypes_of(long)), sizes.mesh,
-      heads=sizes.splits_heads(j), slots=False)
-  caches = tuple(None if long is None else LevelCache(long, recent(j, long))
-                 for j, long in enumerate(long_caches))
+  recent = lambda level, long: sharding.constrain_cache(
+      KVCache.init(level.config, batch, width, **dtypes_of(long)), sizes.mesh,
+      heads=level.splits_heads, slots=False)
+  caches = tuple(None if long is None else LevelCache(long, recent(level, long))
+                 for level, long in zip(sizes.levels, long_caches))
   top = sizes.top
-  depth = 1 if top == 0 else sizes.proposal_depth(top - 1)
+  depth = 1 if top == 0 else sizes.levels[top - 1].proposal_depth
   zeros = jnp.zeros((top + 1,), jnp.int32)
   features = None
   if sizes.reads_features:  # the first token's drafter reads the last prompt token's feature
@@ -461,12 +462,12 @@ def level_round(sizes: StackSizes, weights: Weights, long_caches, start: DecodeS
   if j == 1:
     prop, mode = below, sizes.stack.drafter.mode
   else:
-    size = sizes.buffer(j - 1)
+    size = sizes.levels[j - 1].buffer
     uniform = jnp.full((st.end.shape[0], size + 1, sizes.target.vocab_size),
                        1.0 / sizes.target.vocab_size, jnp.float32)
     prop = chain_proposal(st.seq, st.end, jnp.full_like(st.end, size), uniform, size)
     mode = "iid"
   live = jnp.ones_like(st.done)
-  length = jnp.full_like(st.end, sizes.proposal_depth(j - 1))
+  length = jnp.full_like(st.end, sizes.levels[j - 1].proposal_depth)
   st, emitted, n_acc, _ = decoder._verify_and_commit(j, st, prop, mode, length, key, live)
   return emitted, n_acc, tuple(c.recent for c in st.caches if c is not None)

@@ -6,13 +6,14 @@ width, and the mesh. Hashable: the compiled programs are keyed by it. And a gene
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jax.sharding import Mesh
 
 from hitree_jax import sharding
 from hitree_jax.decode.drafters import Drafter
 from hitree_jax.decode.prefill import cache_slots, round_up
-from hitree_jax.cache.kinds import Full
+from hitree_jax.cache.kinds import Full, Retrieval, Streaming
 from hitree_jax.decode.stack import Stack
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.tree.shapes import DynamicTree
@@ -21,9 +22,42 @@ MIN_RECENT_SLOTS = 32  # a block's recent cache: tokens a level writes before th
 
 
 @dataclasses.dataclass(frozen=True)
+class LevelPlan:
+  """One level of a stack, worked out once (StackSizes.levels): its model and whose weights fill
+  its long cache, that cache's kind and axes, and its static sizes. The sizes of a proposal are
+  those of the proposals it makes (None for the target, which makes none)."""
+  index: int
+  config: ModelConfig
+  weights: str | None        # whose weights fill its long cache: "target", "draft", None (the drafter's own)
+  cache: Full | Streaming | Retrieval | None   # its long cache's kind (None: it keeps none)
+  is_drafter: bool
+  lead: int                  # most tokens it can have pending (StackSizes._lead)
+  gamma: int | None          # a middle level's: the tokens it gathers before it hands them up
+  buffer: int | None         # a middle level's buffer slots: it stops at >= gamma, after a round
+  proposal_depth: int | None   # most tokens one of its proposals holds on a path
+  proposal_size: int | None    # tokens one of its proposals holds
+
+  @property
+  def splits_heads(self) -> bool:
+    """Whether its caches are split by KV head: those of the target's weights, which are."""
+    return self.weights == "target"
+
+  def long_axes(self, cache):
+    """The logical axes of its long cache: split by KV head (splits_heads), and by slot if it is
+    a full cache."""
+    return sharding.cache_axes(cache, heads=self.splits_heads, slots=isinstance(self.cache, Full))
+
+  def place_long(self, cache, mesh: Mesh | None):
+    """Its long cache on the mesh (long_axes)."""
+    if mesh is None or cache is None:
+      return cache
+    return sharding.place(cache, self.long_axes(cache), mesh)
+
+
+@dataclasses.dataclass(frozen=True)
 class StackSizes:
-  """Static sizes of a stack's levels (index 0 = the drafter ... K = the target), and the mesh
-  the program is partitioned over (None: one device). (Sizes, not a memory layout.)"""
+  """Static sizes of a stack's levels (index 0 = the drafter ... K = the target: `levels`), and
+  the mesh the program is partitioned over (None: one device). (Sizes, not a memory layout.)"""
   stack: Stack
   target: ModelConfig
   draft: ModelConfig | None
@@ -37,15 +71,6 @@ class StackSizes:
   def drafter(self) -> Drafter | None:
     return self.stack.drafter
 
-  def is_drafter(self, j: int) -> bool:
-    """Whether level j is the drafter (level 0 of a stack with more than the target)."""
-    return j == 0 and self.top > 0
-
-  def config(self, j: int) -> ModelConfig:
-    if self.is_drafter(j):
-      return self.drafter.level_config(self.target, self.draft)
-    return self.draft if self.weights(j) == "draft" else self.target
-
   @property
   def reads_features(self) -> bool:
     """Whether the drafter reads the features of the level above's verify forwards."""
@@ -56,70 +81,49 @@ class StackSizes:
     """The target's layers whose states a feature drafter reads beside the final ones (EAGLE-3)."""
     return () if self.drafter is None else tuple(self.drafter.taps)
 
-  def weights(self, j: int) -> str | None:
-    """Whose weights fill level j's long cache: "target", "draft", or None (the drafter's own)."""
-    if j == self.top:
-      return "target"
-    if j == 0:
-      return self.drafter.cache_weights
-    return self.stack.verifiers[j - 1].weights
+  @functools.cached_property
+  def levels(self) -> tuple[LevelPlan, ...]:
+    """Each level's plan, the drafter's first and the target's last (a frozen value's cache: the
+    fields, not this, make its hash)."""
+    top, stack = self.top, self.stack
+    weights = ["target" if j == top else self.drafter.cache_weights if j == 0 else stack.verifiers[j - 1].weights
+               for j in range(top + 1)]
+    caches = [Full() if j == top else self.drafter.cache if j == 0 else stack.verifiers[j - 1].cache
+              for j in range(top + 1)]
+    gammas = [None] + [v.gamma for v in stack.verifiers] + [None] if top else [None]
+    buffers, depths, sizes = [], [], []
+    for j in range(top):   # a level's buffer holds a round of the proposal below it
+      buffers.append(None if j == 0 else gammas[j] - 1 + depths[j - 1] + 1)
+      depths.append(stack.tree.max_depth if j == 0 else buffers[j])
+      sizes.append(stack.tree.size if j == 0 else buffers[j])
+    buffers, depths, sizes = buffers + [None], depths + [None], sizes + [None]
+    drafter = lambda j: j == 0 and top > 0
+    config = lambda j: (self.drafter.level_config(self.target, self.draft) if drafter(j) else
+                        self.draft if weights[j] == "draft" else self.target)
+    leads = [self._lead(j, caches) for j in range(top + 1)]
+    return tuple(LevelPlan(j, config(j), weights[j], caches[j], drafter(j), leads[j], gammas[j], buffers[j],
+                           depths[j], sizes[j]) for j in range(top + 1))
 
-  def cache_kind(self, j: int):
-    """The long cache of level j, or None for a level without one (n-gram, self-draft)."""
-    if j == self.top:
-      return Full()
-    if j == 0:
-      return self.drafter.cache
-    return self.stack.verifiers[j - 1].cache
-
-  def lead(self, j: int) -> int:
+  def _lead(self, j: int, caches) -> int:
     """Most pending tokens level j can have: its root, one more for each level above that may
     accept all it was handed, and for a drafter with a static tree the leaf it never runs."""
-    if j == 0 and self.cache_kind(0) is None:
-      return self.lead(1)
-    if self.is_drafter(j) and not self.drafter.keeps_tree:
+    if j == 0 and caches[0] is None:
+      return self._lead(1, caches)
+    if j == 0 and self.top > 0 and not self.drafter.keeps_tree:
       return self.top + self.stack.tree.max_depth  # it keeps none of its tree: the accepted path waits
     if j == 0 and isinstance(self.stack.tree, DynamicTree):
       return self.top  # it runs its whole tree: an accepted leaf is in its cache
     return self.top - j + 1
-
-  def splits_heads(self, j: int) -> bool:
-    """Whether level j's caches are split by KV head: those of the target's weights, which are."""
-    return self.weights(j) == "target"
-
-  def long_axes(self, j: int, cache):
-    """The logical axes of level j's long cache: split by KV head (splits_heads), and by slot
-    if it is a full cache."""
-    return sharding.cache_axes(cache, heads=self.splits_heads(j), slots=isinstance(self.cache_kind(j), Full))
-
-  def place_long(self, j: int, cache):
-    """Level j's long cache on the mesh (long_axes)."""
-    if self.mesh is None or cache is None:
-      return cache
-    return sharding.place(cache, self.long_axes(j, cache), self.mesh)
-
-  def gamma(self, j: int) -> int:
-    return self.stack.verifiers[j - 1].gamma
-
-  def proposal_depth(self, j: int) -> int:
-    """Most tokens a proposal of level j can hold on one path (its tree's depth, or buffer)."""
-    return self.stack.tree.max_depth if j == 0 else self.buffer(j)
-
-  def proposal_size(self, j: int) -> int:
-    return self.stack.tree.size if j == 0 else self.buffer(j)
-
-  def buffer(self, j: int) -> int:
-    """Slots of level j's buffer: it stops at >= gamma, after a round of at most depth + 1."""
-    return self.gamma(j) - 1 + self.proposal_depth(j - 1) + 1
 
   @property
   def round_extent(self) -> int:
     """A bound on the slots any level's recent cache can grow by, or write past, in a top round."""
     if self.top == 0:
       return 1
-    buffers = sum(self.buffer(j) for j in range(1, self.top))
-    widest = max(self.proposal_size(j) for j in range(self.top))
-    return buffers + self.proposal_depth(0) + 1 + self.lead(0) + self.top + widest
+    levels = self.levels
+    buffers = sum(level.buffer for level in levels[1:-1])
+    widest = max(level.proposal_size for level in levels[:-1])
+    return buffers + levels[0].proposal_depth + 1 + levels[0].lead + self.top + widest
 
   @property
   def recent_slots(self) -> int:
@@ -128,7 +132,7 @@ class StackSizes:
   @property
   def max_emitted(self) -> int:
     """Most tokens one top round emits."""
-    return 1 if self.top == 0 else self.proposal_depth(self.top - 1) + 1
+    return 1 if self.top == 0 else self.levels[self.top - 1].proposal_depth + 1
 
 
 @dataclasses.dataclass(frozen=True)
