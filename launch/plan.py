@@ -96,7 +96,7 @@ def write_config(out: str, choice, draft: str, title: str, context: int,
   record.write_text(json.dumps({"title": title, "flags": flags,
                                 "predicted_tokens_per_s": choice.predicted_tokens_per_s,
                                 "ar_tokens_per_s": choice.ar_tokens_per_s,
-                                "fastest_stack": {"levels": auto.levels_spec(best),
+                                "fastest_stack": {"levels": str(auto.levels_of(best)),
                                                   "predicted_tokens_per_s": 1 / best.exact.seconds_per_token,
                                                   "tokens_per_target_forward": best.exact.tokens_per_target_forward}},
                                indent=1))
@@ -153,9 +153,9 @@ def plan_on_paper() -> None:
   space = on_paper.space_for(acceptance["acceptance"])
   choice = auto.choose(profile, greedy, space, min_gain=FLAGS.min_gain)
   rows = [("ar", 1 / profile["ar_seconds"], 1.0)]
-  for levels_spec in [*FLAGS.predict, auto.levels_spec(choice.best_stack)]:
-    got = auto.predict(profile, greedy, levels_spec, space=space)
-    rows.append((levels_spec, 1 / got.seconds_per_token, got.tokens_per_target_forward))
+  for levels in [*FLAGS.predict, str(auto.levels_of(choice.best_stack))]:
+    got = auto.predict(profile, greedy, levels, space=space)
+    rows.append((levels, 1 / got.seconds_per_token, got.tokens_per_target_forward))
   record = {"source": "prediction: levels by the roofline of the TPU compiler's programs, not measured; "
                       "no per-round overheads", "acceptance_source": acceptance["source"],
             "topology": FLAGS.topology, "device_kind": chip.kind, "mesh": sharding.describe(mesh),
@@ -163,7 +163,7 @@ def plan_on_paper() -> None:
             "greedy": greedy, "costs_ms": {n: {w: 1e3 * s for w, s in c.items()} for n, c in costs.items()},
             "stacks": [{"levels": n, "tokens_per_s": t, "speedup": t * profile["ar_seconds"],
                         "tokens_per_target_forward": f} for n, t, f in rows],
-            "chosen": choice.levels or "ar"}
+            "chosen": str(choice.levels) if choice.levels else "ar"}
   table = paper_table(record)
   print(table)
   if FLAGS.out:
@@ -214,10 +214,10 @@ def main(argv):
            f"tokens, {setting}: {choice.predicted_tokens_per_s:.1f} tok/s predicted.")
   best = choice.best_stack
   print(f"profile: {path}")
-  print(f"chosen: {'hsd/' + choice.levels if choice.levels else 'ar'}: "
+  print(f"chosen: {f'hsd/{choice.levels}' if choice.levels else 'ar'}: "
         f"{choice.predicted_tokens_per_s:.1f} tok/s predicted")
   print(f"  ar: {choice.ar_tokens_per_s:.1f} tok/s (measured)")
-  print(f"  fastest stack: hsd/{auto.levels_spec(best)}: {1 / best.exact.seconds_per_token:.1f} tok/s "
+  print(f"  fastest stack: hsd/{auto.levels_of(best)}: {1 / best.exact.seconds_per_token:.1f} tok/s "
         f"predicted, {best.exact.tokens_per_target_forward:.2f} tokens per target forward")
   for levels in FLAGS.predict:
     got = auto.predict(profile, greedy, levels)

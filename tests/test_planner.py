@@ -342,7 +342,7 @@ def test_a_plan_is_the_fastest_stack_of_its_space_and_runs_as_flags(greedy):
   profile = synthetic_profile()
   choice = auto.choose(profile, greedy)
   # At 512 tokens no retrieval budget of 512 or more is a candidate (it would hold it all).
-  assert "retrieval:512" not in choice.levels and "retrieval:1024" not in choice.levels
+  assert not {"retrieval:512", "retrieval:1024"} & {level.name for level in choice.levels.levels}
   best = optimize.brute_force(auto.candidates(profile, greedy), max_middles=2, fixed_buffers=True)
   assert choice.best_stack.seconds_per_token <= best.seconds_per_token * (1 + 1e-9)
   assert choice.predicted_tokens_per_s == pytest.approx(
@@ -351,7 +351,7 @@ def test_a_plan_is_the_fastest_stack_of_its_space_and_runs_as_flags(greedy):
   flags = choice.flags("drafts/smollm2-draft.gguf")
   method = parse_method("hsd", Knobs(draft=flags["draft"], levels=flags["levels"],
                                      acceptance=flags.get("acceptance")), greedy)
-  assert str(method.levels).split("+")[1:] == choice.levels.split("+")[1:]
+  assert str(method.levels).split("+")[1:] == str(choice.levels).split("+")[1:]
 
 
 def test_an_eagle_draft_is_planned_only_under_the_targets_weights_and_runs_as_flags():
@@ -365,7 +365,7 @@ def test_an_eagle_draft_is_planned_only_under_the_targets_weights_and_runs_as_fl
   choice = auto.choose(profile, True)
   best = optimize.brute_force(auto.candidates(profile, True), max_middles=2, fixed_buffers=True)
   assert choice.best_stack.seconds_per_token <= best.seconds_per_token * (1 + 1e-9)
-  assert choice.levels.startswith("eagle/")  # the cheapest and best drafter here
+  assert choice.levels.drafter.kind == "eagle"  # the cheapest and best drafter here
   assert not any(m.startswith("draft") for m, _ in choice.best_stack.middles)
   with pytest.raises(ValueError, match="drafts with an EAGLE draft"):
     choice.flags("drafts/smollm2-draft.gguf")
@@ -433,7 +433,7 @@ def test_a_sequoia_plan_carries_the_profile_its_tree_came_from():
   space = auto.Space(drafters=("draft",), middles=(), chains=(), trees=("sequoia:16,5",))
   profile = synthetic_profile(space=space)
   choice = auto.choose(profile, True, space)
-  assert choice.levels == "draft/sequoia:16,5" and choice.acceptance is not None
+  assert str(choice.levels) == "draft/sequoia:16,5" and choice.acceptance is not None
   flags = choice.flags("drafts/smollm2-draft.gguf")
   method = parse_method("hsd", Knobs(draft=flags["draft"], levels=flags["levels"], acceptance=flags["acceptance"]))
   planned = auto.candidates(profile, True, space).drafters[0].trees[0][1]
@@ -449,8 +449,8 @@ def test_predictions_name_what_the_profile_lacks():
     auto.predict(profile, True, "eagle/chain:2")
   with pytest.raises(ValueError, match="no middle level"):
     auto.predict(profile, True, "draft/chain:1+retrieval:4096/6")
-  assert (auto.in_profile_names("drafts/smollm2-draft.gguf@streaming:16x234/chain:1+retrieval:512/6",
-                                "drafts/smollm2-draft.gguf")
+  assert (str(auto.in_profile_names("drafts/smollm2-draft.gguf@streaming:16x234/chain:1+retrieval:512/6",
+                                    "drafts/smollm2-draft.gguf"))
           == "draft@streaming:16x234/chain:1+retrieval:512/6")
 
 
@@ -481,7 +481,7 @@ def test_measure_and_choose_on_tiny_models_and_the_plan_is_exact(tiny_pair):
   assert profile["ar_seconds"] > 0
   choice = auto.choose(profile, True, space)   # random tiny models: ar may well win; run the best stack
   method = parse_method("hsd", Knobs(draft="drafts/smollm2-draft.gguf",
-                                     levels=auto.levels_spec(choice.best_stack)), True)
+                                     levels=str(auto.levels_of(choice.best_stack))), True)
   stack = method.build(target.config, draft.config, None)
   got = engine.generate(target.params, target.config, [prompt], max_new_tokens=24, stack=stack,
                         draft=DraftWeights.create(draft.params), stop_at_eos=False).tokens[0]
@@ -519,7 +519,7 @@ def test_plan_writes_a_config_that_generate_runs_and_auto_plans_the_same(tmp_pat
     key = auto.profile_key(model_path, draft_path, 512, greedy, "austen", feature_draft)
     stored.write_text(json.dumps({"key": key, "profile": synthetic_profile(512, space)}))
     expected = auto.choose(synthetic_profile(512, space), True)
-    assert expected.levels.startswith("eagle/") == (feature_draft is not None)
+    assert (expected.levels.drafter.kind == "eagle") == (feature_draft is not None)
     extra = [] if feature_draft is None else [f"--feature_draft=eagle:{eagle}"]
     out = tmp_path / f"plan{len(extra)}.py"
     plan = run("plan", f"--draft={draft}", *extra, "--prompt_tokens=500", f"--out={out}",
@@ -535,7 +535,7 @@ def test_plan_writes_a_config_that_generate_runs_and_auto_plans_the_same(tmp_pat
       assert proc.returncode == 0, proc.stderr[-3000:]
       records[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     assert records["auto"]["method"] == f"auto={records['config']['method']}"
-    assert records["config"]["method"].endswith(expected.levels.split("/", 1)[1])
+    assert records["config"]["method"].endswith(str(expected.levels).split("/", 1)[1])
     assert records["config"]["tokens"] == records["auto"]["tokens"] == ar_tokens
 
 
@@ -601,7 +601,7 @@ def test_auto_with_bfloat16_keys_plans_from_their_own_profile(tmp_path):
   record = json.loads(bench.read_text())
   assert record["key_dtype"] == "bfloat16"
   (planned,) = [r for r in record["results"] if r["method"] != "ar"]
-  assert planned["method"].endswith(expected.levels.split("/", 1)[1]) and planned["differs_from_ar"] == []
+  assert planned["method"].endswith(str(expected.levels).split("/", 1)[1]) and planned["differs_from_ar"] == []
 
 
 def test_break_even_is_where_a_middle_level_starts_to_pay():

@@ -163,11 +163,11 @@ def candidates(profile: dict, greedy: bool, space: Space = Space()) -> optimize.
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-  """A plan in the launchers' terms: the --levels spec (None: plain decoding, `ar`, when no
-  stack is predicted to beat it), and for a Sequoia tree the per-rank acceptance it was built
-  from (--acceptance). best_stack: the fastest stack, chosen or not."""
+  """A plan in the launchers' terms: the stack's levels in the profile's names (None: plain
+  decoding, `ar`, when no stack is predicted to beat it), and for a Sequoia tree the per-rank
+  acceptance it was built from (--acceptance). best_stack: the fastest stack, chosen or not."""
   best_stack: optimize.Plan
-  levels: str | None
+  levels: spec.Levels | None
   acceptance: tuple[float, ...] | None
   predicted_tokens_per_s: float
   ar_tokens_per_s: float
@@ -178,18 +178,21 @@ class Choice:
     if self.levels is None:
       return {"method": "ar"}
     levels = self.levels
-    if levels.startswith("eagle/"):
+    if levels.drafter.feature_draft == ("eagle", ""):   # the profile's EAGLE draft, named by its path
       if eagle is None:
-        raise UsageError(f"{levels!r} drafts with an EAGLE draft: give its path")
-      levels = f"eagle:{eagle}/{levels.removeprefix('eagle/')}"
-    out = {"method": "hsd", "levels": levels, "draft": draft}
+        raise UsageError(f"{str(levels)!r} drafts with an EAGLE draft: give its path")
+      drafter = spec.Level.of(spec.FeatureDraft("eagle", eagle), levels.drafter.cache, levels.drafter.mode)
+      levels = dataclasses.replace(levels, drafter=drafter)
+    out = {"method": "hsd", "levels": str(levels), "draft": draft}
     if self.acceptance is not None:
       out["acceptance"] = ",".join(f"{a:.4f}" for a in self.acceptance)
     return out
 
 
-def levels_spec(plan: optimize.Plan) -> str:
-  return "+".join([f"{plan.drafter}/{plan.tree}", *(f"{m}/{g}" for m, g in plan.middles)])
+def levels_of(plan: optimize.Plan) -> spec.Levels:
+  """A plan's stack as levels, in the profile's names ('draft', 'eagle', 'retrieval:256', ...)."""
+  return spec.Levels(spec.parse_level(plan.drafter), plan.tree,
+                     tuple((spec.parse_level(name), gamma) for name, gamma in plan.middles))
 
 
 MIN_GAIN = 0.10  # a stack must be predicted this much faster than `ar` to be chosen over it
@@ -207,15 +210,16 @@ def choose(profile: dict, greedy: bool, space: Space = Space(), min_gain: float 
     return Choice(plan, None, None, ar_speed, ar_speed)
   # A Sequoia tree is built from the drafter's profile against the target (`candidates`).
   acceptance = tuple(c.profile("target", plan.drafter)) if plan.tree.startswith("sequoia") else None
-  return Choice(plan, levels_spec(plan), acceptance, stack_speed, ar_speed)
+  return Choice(plan, levels_of(plan), acceptance, stack_speed, ar_speed)
 
 
-def predict(profile: dict, greedy: bool, levels: str, tree: shapes.TokenTree | None = None,
+def predict(profile: dict, greedy: bool, levels: spec.Levels | str, tree: shapes.TokenTree | None = None,
             space: Space = Space()) -> latency.Prediction:
-  """The model's prediction for a stack given as a --levels spec in the profile's names ('draft'
-  for the draft model); tree: the bottom level's, when its label is not one of the space's."""
+  """The model's prediction for a stack (spec.Levels, or a --levels spec) in the profile's names
+  ('draft' for the draft model); tree: the bottom level's, when its label is not one of the space's."""
   c = candidates(profile, greedy, space)
-  parsed = spec.parse(levels)
+  parsed = spec.parse(levels) if isinstance(levels, str) else levels
+  levels = str(parsed)
   name, label = str(parsed.drafter), parsed.tree
   drafter = next((d for d in c.drafters if d.name == name), None)
   if drafter is None:
@@ -233,9 +237,9 @@ def predict(profile: dict, greedy: bool, levels: str, tree: shapes.TokenTree | N
   return latency.predict(model)
 
 
-def in_profile_names(levels: spec.Levels, draft_path: str | None, eagle_path: str | None = None) -> str:
-  """A Method's levels (spec.Levels, or their text) with the draft model's path written 'draft' and the EAGLE draft's
-  eagle:PATH written 'eagle', as profiles name them."""
+def in_profile_names(levels: spec.Levels | str, draft_path: str | None, eagle_path: str | None = None) -> spec.Levels:
+  """A Method's levels (spec.Levels, or their text) with the draft model's path written 'draft'
+  and the EAGLE draft's eagle:PATH written 'eagle', as profiles name them."""
   from hitree_jax.loading import resolve
   def renamed(level: spec.Level) -> spec.Level:
     if draft_path is not None and _resolves_to(level.name, draft_path, resolve):
@@ -245,8 +249,8 @@ def in_profile_names(levels: spec.Levels, draft_path: str | None, eagle_path: st
     return level
 
   parsed = spec.parse(levels) if isinstance(levels, str) else levels
-  return str(spec.Levels(renamed(parsed.drafter), parsed.tree,
-                         tuple((renamed(level), gamma) for level, gamma in parsed.middles)))
+  return spec.Levels(renamed(parsed.drafter), parsed.tree,
+                     tuple((renamed(level), gamma) for level, gamma in parsed.middles))
 
 
 def _same_path(a: str, b: str) -> bool:
