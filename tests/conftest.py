@@ -14,7 +14,7 @@ longer to compile than to run), so before jax starts:
   false`, unless $XLA_FLAGS names it), not through its MLIR emitters: at -O0 that compiles the
   suite's many small programs in about 40% less time (tests/test_hierarchy.py's greedy tests:
   49 s of compiling down to 28 s), and the whole suite took 3,405 worker-seconds instead of
-  4,230 (docs/results/suite_time.md). On the real SmolLM2 at a 2K-token prompt it is the other
+  4,230 (docs/results/suite/suite_time.md). On the real SmolLM2 at a 2K-token prompt it is the other
   way round (TriForce from cold: 48 s instead of 39 s at -O0; 68 s instead of 42 s at XLA's
   default -O2), so those tests drop it, and the product keeps XLA's default.
 - Programs go to the persistent compilation cache (compile_cache: $HITREE_COMPILE_CACHE, else
@@ -72,7 +72,7 @@ def _free_compiled_programs():
 # pytest-xdist (--dist loadfile --no-loadscope-reorder) hands out test files in collection order
 # (by default it would hand out the files with the most tests first, whatever their length), and a
 # long file handed out last runs alone at the end: run 11's suite ended on one worker for about
-# 100 s. So the longest files (docs/results/suite_time.md) go first, each keeping its own order.
+# 100 s. So the longest files (docs/results/suite/suite_time.md) go first, each keeping its own order.
 LONGEST_FIRST = ("test_smollm2.py", "test_sharding.py", "test_tpu_compile.py", "test_launch.py",
                  "test_planner.py", "test_hierarchy.py", "test_engine.py", "test_cli.py", "test_distill_launch.py")
 

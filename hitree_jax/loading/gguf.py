@@ -5,7 +5,7 @@ architecture llama.cpp's converter would choose (`architecture`).
 A tensor is dequantized only when the model takes it, a block of rows at a time, straight into
 an array of the run's dtype (already transposed where the model wants [in, out]), which is
 placed and dropped before the next: the host never holds the model, or a whole matrix, in
-float32 (a 7B Q4 file once took 28 GB of it). docs/results/load_memory.py measures the peak.
+float32 (a 7B Q4 file once took 28 GB of it). docs/results/cpu/load_memory.py measures the peak.
 
 For architecture `llama`, llama.cpp's converter permutes the rows of attn_q / attn_k from HF's
 rotate-half RoPE layout into interleaved pairs; we undo that on load (and redo

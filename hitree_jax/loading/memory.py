@@ -1,6 +1,6 @@
 """How much host memory loading a model takes: its peak above the process's start, against the
 bytes of the weights it ends with. tests/test_loading.py holds the GGUF loader to its aim with
-it, and docs/results/load_memory.py measures a 1B-shape file with it.
+it, and docs/results/cpu/load_memory.py measures a 1B-shape file with it.
 
 Anonymous memory (RssAnon) is what counts: the file's pages that the loader reads through its
 memory map are page cache, which the kernel drops under pressure. A thread samples it while the

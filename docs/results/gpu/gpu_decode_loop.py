@@ -8,7 +8,7 @@ trace of the 16-token run. The cache holds CONTEXT tokens in CONTEXT + 112 slots
 CONTEXT to choose the slot count (130960: 131,072 slots; 130944: 131,056). Run from the
 repository's root:
 
-  python docs/results/gpu_decode_loop.py OUT.json 32768 65536     # SMALL=1: tiny shapes (a CPU)
+  python docs/results/gpu/gpu_decode_loop.py OUT.json 32768 65536     # SMALL=1: tiny shapes (a CPU)
 """
 import collections, gc, glob, gzip, importlib.util, json, os, sys, tempfile, time
 sys.path.insert(0, os.getcwd())

@@ -5,7 +5,7 @@ anonymous memory above its start (hitree_jax/loading/memory.py) against the byte
 weights it ends with (the decode head, a tied model's transposed embedding, included). Run
 from the repository's root (any checkout: the child imports the hitree_jax it runs in):
 
-  python docs/results/load_memory.py OUT.json [FOLDER]   # FOLDER keeps the 1.3 GB file between runs
+  python docs/results/cpu/load_memory.py OUT.json [FOLDER]   # FOLDER keeps the 1.3 GB file between runs
 """
 import json, os, subprocess, sys, tempfile
 

@@ -1,13 +1,13 @@
 """How close to a tie the target's greedy choice is where the H100's speculative run left `ar`.
 
-On the H100 (docs/results/specbench_gpu_h100.*), `sd/ngram/8` in float32 differed from `ar` in
+On the H100 (docs/results/specbench/specbench_gpu_h100.*), `sd/ngram/8` in float32 differed from `ar` in
 5 of 24 Spec-Bench turns. This replays `ar` for those turns here, in float32 on the CPU, and
 gives the margin between the target's two best logits at the token where each run parted, set
 against the margins at every other token of the same turns. A margin far below the typical one
 at exactly those tokens says the runs parted on a near-tie: a different rounding (the GPU's
 default float32 products use TF32's 10-bit mantissa) picks the other token.
 
-  JAX_PLATFORMS=cpu python docs/results/gpu_near_ties.py > docs/results/gpu_near_ties.txt
+  JAX_PLATFORMS=cpu python docs/results/gpu/gpu_near_ties.py > docs/results/gpu/gpu_near_ties.txt
 """
 
 import pathlib
@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 from hitree_jax import methods, spec_bench  # noqa: E402
 from hitree_jax.loading import load_model  # noqa: E402

@@ -2,7 +2,7 @@
 rows, and the same products in numpy (OpenBLAS) for 1 and 9: what a verification's wide forward
 costs in its largest part, on this CPU, against `ar`'s 1-row step.
 
-  JAX_PLATFORMS=cpu python docs/results/mlp_rows.py > docs/results/mlp_rows.txt
+  JAX_PLATFORMS=cpu python docs/results/cpu/mlp_rows.py > docs/results/cpu/mlp_rows.txt
 """
 import time
 

@@ -8,7 +8,7 @@ bodies, command buffers for graphs of any size, command buffers off, and autotun
 (the median of 3 runs of 256 new tokens after a warm-up), and the compile seconds. Run from the
 repository's root:
 
-  python docs/results/gpu_step_flags.py OUT.json          # SMALL=1: 2 layers (a CPU)
+  python docs/results/gpu/gpu_step_flags.py OUT.json          # SMALL=1: 2 layers (a CPU)
 """
 import json, os, statistics, subprocess, sys, time
 

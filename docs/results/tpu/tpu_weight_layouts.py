@@ -4,7 +4,7 @@ the compiler (Layout.AUTO), and the layouts it chose given back as concrete form
 program's temporaries and how many weights the compiler laid out transposed. Needs libtpu (the
 test packages); no TPU:
 
-  JAX_PLATFORMS=cpu python docs/results/tpu_weight_layouts.py   # about 5 minutes on 2 cores
+  JAX_PLATFORMS=cpu python docs/results/tpu/tpu_weight_layouts.py   # about 5 minutes on 2 cores
 """
 import collections
 import importlib.util
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 from hitree_jax import memory_plan, sharding, topology  # noqa: E402
 from hitree_jax.decode import loop, prefill  # noqa: E402

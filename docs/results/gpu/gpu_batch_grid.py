@@ -2,11 +2,11 @@
 on 64 Spec-Bench questions (16 each of mt_bench, translation, qa and math_reasoning; 80 turns),
 greedy, 128 new tokens at most, at batch 16, 64, 4 and 1 in that order, each batch size a
 `launch.benchmark` process of its own that writes OUT_DIR/grid_B.json, within SECONDS in all.
-With STEP.json (docs/results/gpu_step_flags.py's record) it runs under the XLA_FLAGS of the
+With STEP.json (docs/results/gpu/gpu_step_flags.py's record) it runs under the XLA_FLAGS of the
 fastest float32 batch-1 `ar` step there, and with autotuning off when that step is within 3%
 of the same flags' step with autotuning on (autotuning compiles each new shape for seconds).
 
-  python docs/results/gpu_batch_grid.py MODEL.gguf OUT_DIR SECONDS [STEP.json]
+  python docs/results/gpu/gpu_batch_grid.py MODEL.gguf OUT_DIR SECONDS [STEP.json]
 """
 import json, os, subprocess, sys, time
 

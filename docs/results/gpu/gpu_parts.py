@@ -5,8 +5,8 @@ Where a Llama-2-7B decode step's time goes on a GPU: the real forward over a 256
 model computes it (`project`), with the values stored [S, D] (`vsd`), and split into 64 blocks
 by a reshape (`split64`). Run from the repository's root:
 
-  python docs/results/gpu_parts.py gpu_parts_h200.json       # OUT=folder for the JSON (default /tmp)
-  XLA_FLAGS=--xla_gpu_autotune_level=0 python docs/results/gpu_parts.py gpu_parts_h200_autotune0.json
+  python docs/results/gpu/gpu_parts.py gpu_parts_h200.json       # OUT=folder for the JSON (default /tmp)
+  XLA_FLAGS=--xla_gpu_autotune_level=0 python docs/results/gpu/gpu_parts.py gpu_parts_h200_autotune0.json
 """
 import json, math, os, sys, time
 sys.path.insert(0, os.getcwd())

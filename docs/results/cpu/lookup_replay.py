@@ -5,18 +5,18 @@ The replay follows hitree_jax/decode/drafters.py's NGramDrafter: the latest earl
 of the longest suffix of min..max tokens, offering at most cap(n) tokens after a match of n,
 verified at the narrowest of offer_widths that holds the offer. With the shipped rule (1-3
 tokens, cap 2**n, chain of 8) it gives τ 2.25 against the 2.27 the engine measured on the same
-questions (results/specbench_10.*). The cost of a w-token forward relative to a 1-token one is
+questions (results/specbench/specbench_10.*). The cost of a w-token forward relative to a 1-token one is
 a rough figure for this CPU (launch.step_cost; a 9-token round measured 1.58-1.68x), so read
 the last column only as a comparison between variants.
 
-  python docs/results/lookup_replay.py summarization 20 answers.json > docs/results/lookup_replay.txt
+  python docs/results/cpu/lookup_replay.py summarization 20 answers.json > docs/results/cpu/lookup_replay.txt
 """
 
 import json
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 from hitree_jax.tree.shapes import offer_widths  # noqa: E402
 
