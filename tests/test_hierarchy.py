@@ -266,9 +266,8 @@ def test_biased_middle_level_is_caught(monkeypatch):
   monkeypatch.setattr(loop, "verify", _verify_middle_resampling_from_p(stack.tree))
   # A function of its own, so jit traces it afresh with the biased rule, in any test order
   # (the engine's own program may already be traced with the exact one).
-  decode = loop.decode_loop.__wrapped__
   monkeypatch.setattr(engine, "decode_loop", jax.jit(lambda sizes, weights, long_caches, start, max_new_tokens:
-                                                     decode(sizes, weights, long_caches, start, max_new_tokens),
+                                                     loop.generation(sizes, weights, long_caches, start, max_new_tokens),
                                                      static_argnames=("sizes", "max_new_tokens")))
   samples, _, law = sample_stack(monkeypatch, stack, temperature, top_k, n)
   assert chi_square_pvalue(samples, law) < 1e-6

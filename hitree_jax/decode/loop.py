@@ -435,16 +435,20 @@ def initial_state(sizes: StackSizes, long_caches, start: DecodeStart, max_new_to
       resting=None if sizes.stack.step_aside is None else Resting.start(batch, sizes.stack.step_aside))
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "max_new_tokens"), donate_argnames=("long_caches",))
-def decode_loop(sizes: StackSizes, weights: Weights, long_caches, start: DecodeStart, max_new_tokens: int):
-  """The whole generation after prefill, one program. Returns (tokens [B, N + slack], n_tokens
-  [B], Stats, the long caches: returned so that the donated ones are updated in place, not
-  copied)."""
+def generation(sizes: StackSizes, weights: Weights, long_caches, start: DecodeStart, max_new_tokens: int):
+  """The whole generation after prefill, as a function to trace (decode_loop is it jitted; a
+  caller that jits it with its own shardings or layouts, docs/results/tpu/tpu_weight_layouts.py,
+  takes this). Returns (tokens [B, N + slack], n_tokens [B], Stats, the long caches: returned
+  so that the donated ones are updated in place, not copied)."""
   state = initial_state(sizes, long_caches, start, max_new_tokens)
   decoder = Decoder(sizes, weights, start.sampling, start.eos_id, max_new_tokens)
   state = decoder.run(state)
   longs = tuple(None if c is None else c.long for c in state.caches)
   return state.out, jnp.minimum(state.n_out, max_new_tokens), state.stats, longs
+
+
+# The generation as one program, its long caches donated.
+decode_loop = jax.jit(generation, static_argnames=("sizes", "max_new_tokens"), donate_argnames=("long_caches",))
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "max_new_tokens", "j"))

@@ -40,7 +40,7 @@ with sharding.use(mesh):
   weights, longs, start, last = a.weights, a.longs, a.start, a.lengths
   shardings = lambda tree: jax.tree.map(lambda s: s.sharding, tree)
   decode = lambda weight_formats: jax.jit(
-      lambda w, l, s: loop.decode_loop.__wrapped__(a.sizes, w, l, s, cfg.max_new_tokens),
+      lambda w, l, s: loop.generation(a.sizes, w, l, s, cfg.max_new_tokens),
       in_shardings=(weight_formats, shardings(longs), shardings(start)), donate_argnums=(1,))
   chunk = jax.ShapeDtypeStruct((1, prefill.prefill_chunk_size(cfg.prompt_tokens)), jnp.int32)
   hidden = jax.ShapeDtypeStruct((1, target.hidden_size), jnp.dtype(target.dtype))
