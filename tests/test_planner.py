@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from hitree_jax.decode import spec as spec_lib
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import init_params
 from hitree_jax.planner import latency, optimize, profile
@@ -732,7 +733,7 @@ def test_measure_with_an_eagle_draft_and_its_plan_is_exact(tmp_path, eagle_trio)
   saved.save(folder, "eagle", eagles[2.0].params, target.config, None, {})
   for levels in ("eagle/chain:2", "eagle/kary:2x2+retrieval:64/2"):
     assert auto.predict(measured, True, levels, space=space).seconds_per_token > 0
-    choice = auto.Choice(None, levels, None, 1.0, 1.0)
+    choice = auto.Choice(None, spec_lib.parse(levels), None, 1.0, 1.0)
     flags = choice.flags("drafts/smollm2-draft.gguf", str(folder))
     method = parse_method("hsd", Knobs(draft=flags["draft"], levels=flags["levels"]), True)
     method = method.load_draft(target.config, target.params)
