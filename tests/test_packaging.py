@@ -105,6 +105,26 @@ def test_no_module_imports_one_that_imports_it_back():
   assert "hitree_jax.cache.kinds" in imports["hitree_jax.decode.drafters"]   # the check sees imports
   circles = sorted({tuple(sorted((a, b))) for a in imports for b in imports[a] if a in imports.get(b, ())})
   assert circles == []
+  # Nor do packages: model imports cache (its caches), so cache imports no model (it is shaped
+  # by a config it does not import: cache.full.CacheShape).
+  package = lambda name: ".".join(name.split(".")[:2])
+  packages = {}
+  for name, imported in imports.items():
+    packages.setdefault(package(name), set()).update(package(i) for i in imported if package(i) != package(name))
+  assert "hitree_jax.cache" in packages["hitree_jax.model"]
+  reaches = lambda start: _reachable(packages, start)
+  assert sorted(p for p in packages if p in reaches(p)) == []
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+  """Every node a path of edges leads to from `start` (itself only through a cycle)."""
+  seen, todo = set(), list(graph.get(start, ()))
+  while todo:
+    node = todo.pop()
+    if node not in seen:
+      seen.add(node)
+      todo.extend(graph.get(node, ()))
+  return seen
 
 
 def test_tests_share_helpers_through_their_own_modules_not_each_other():

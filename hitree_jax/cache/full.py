@@ -19,11 +19,21 @@ decoding cheap.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from hitree_jax.model.config import ModelConfig
+class CacheShape(Protocol):
+  """What a cache is shaped by: a model's config (model/config.py ModelConfig), which the cache
+  does not import (the model imports the cache)."""
+  num_layers: int
+  num_kv_heads: int
+  head_dim: int
+  dtype: str
+  cache_key_dtype: str
+
 
 KV_AXES = ("batch", "kv_heads", "head_dim", "sequence")   # a layer's keys or values [B, KVH, D, S]
 ROWS = ("batch",)                                         # a number per row [B]
@@ -51,7 +61,7 @@ class KVCache:
   lengths: jax.Array = axes_field(ROWS)                # [B] int32: committed slots per row
 
   @classmethod
-  def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None,
+  def init(cls, config: CacheShape, batch: int, max_len: int, dtype=None,
            key_dtype=None) -> "KVCache":
     """An empty cache: values in `dtype`, keys in `key_dtype` (defaults: the config's)."""
     dtype = dtype or jnp.dtype(config.dtype)

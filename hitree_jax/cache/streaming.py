@@ -30,10 +30,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from hitree_jax.cache.full import KV_AXES, ROWS, KVCache, axes_field
+from hitree_jax.cache.full import KV_AXES, ROWS, CacheShape, KVCache, axes_field
 from hitree_jax.errors import UsageError
-from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import apply_rope, rope_cos_sin
+from hitree_jax.cache.rope import apply_rope, rope_cos_sin
 
 
 def held_positions(seen: jax.Array, sinks: int, window: int) -> jax.Array:
@@ -68,7 +67,7 @@ class StreamingCache:
   sink_shift: jax.Array | None = axes_field(ROWS, default=None)  # [B] int32: positions the sinks moved forward by
 
   @classmethod
-  def init(cls, config: ModelConfig, batch: int, sinks: int, window: int,
+  def init(cls, config: CacheShape, batch: int, sinks: int, window: int,
            dtype=None) -> "StreamingCache":
     """An empty cache (prefill may stream prompt chunks in through `append`)."""
     _check(sinks, window)

@@ -45,7 +45,8 @@ import jax.numpy as jnp
 
 from hitree_jax.cache.full import KVCache, write_slots
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from hitree_jax.cache.rope import apply_rope, rope_cos_sin
+from hitree_jax.model.llama import rms_norm, rope_inv_freq
 
 
 @dataclasses.dataclass(frozen=True)

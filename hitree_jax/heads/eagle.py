@@ -41,7 +41,8 @@ import numpy as np
 
 from hitree_jax.cache.full import KVCache, causal_attend
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
+from hitree_jax.cache.rope import rope_cos_sin
+from hitree_jax.model.llama import DecoderLayer, RMSNorm, rope_inv_freq
 from hitree_jax.model.vocab import mask_other
 
 OWN = ("fc", "layer", "norm")  # the layer's parameters; "head" is the target's

@@ -42,7 +42,8 @@ from hitree_jax.cache.full import KVCache, write_slots
 from hitree_jax.errors import UsageError
 from hitree_jax.heads import published
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq
+from hitree_jax.cache.rope import apply_rope, rope_cos_sin
+from hitree_jax.model.llama import attention, rms_norm, rope_inv_freq
 from hitree_jax.model.vocab import ReducedVocab
 
 CONFIG = "config.json"

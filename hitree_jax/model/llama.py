@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hitree_jax.cache.full import SLOT_AXIS, KVCache, dtypes_of, slot_shards, write_slots
+from hitree_jax.cache.rope import apply_rope, rope_cos_sin
 from hitree_jax.model.config import ModelConfig
 
 _MASKED = -1e30
@@ -65,21 +66,6 @@ def _inv_freq(config: ModelConfig) -> np.ndarray:
   if config.rope_freq_factors is not None:
     inv_freq = inv_freq / np.asarray(config.rope_freq_factors, np.float64)
   return inv_freq
-
-
-def rope_cos_sin(positions: jax.Array, inv_freq) -> tuple[jax.Array, jax.Array]:
-  """cos, sin [..., D] of RoPE's angles at positions [...] for inverse frequencies [D/2]."""
-  angles = positions[..., None].astype(jnp.float32) * inv_freq
-  angles = jnp.concatenate([angles, angles], axis=-1)
-  return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """HF rotate-half RoPE. x [B, T, H, D]; cos, sin [B, T, D]."""
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-  return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
 # Context caches are read in blocks of this many slots (a divisor of the cache
