@@ -38,7 +38,7 @@ import numpy as np
 
 from hitree_jax.cache.full import KVCache
 from hitree_jax.decode import spec
-from hitree_jax.decode.levels import Lead, LevelCache, round_mask
+from hitree_jax.decode.levels import Lead, LevelCache, commit, round_mask
 from hitree_jax.decode.sampling import SamplingParams, draw, probabilities
 from hitree_jax.cache.kinds import CacheKind, Full, Retrieval
 from hitree_jax.errors import UsageError
@@ -76,10 +76,7 @@ class Proposal:
   # runs the root and the fewest nodes that hold every live row's offer (offer_widths): where
   # none is offered, the root alone, as an `ar` step does.
   offered: jax.Array | None = None
-  cache: LevelCache | None = None    # a ModelDrafter's cache with the round written past its length
-  cached_depth: int = flax.struct.field(pytree_node=False, default=0)  # path nodes `cache` holds
-  # True: `cache` already holds what the drafter keeps (a feature draft keeps none of its tree)
-  committed: bool = flax.struct.field(pytree_node=False, default=False)
+  cache: LevelCache | None = None    # its own cache after the round (Drafter.commit keeps what it accepts)
 
 
 class Drafter(abc.ABC):
@@ -133,6 +130,19 @@ class Drafter(abc.ABC):
     """Shapes of the weights it is handed when they are not a draft model's (memory_plan),
     with the target's LM head it reads as "head"; None for a draft model's or none."""
     return None
+
+  def commit(self, cache: LevelCache | None, lead: Lead, tree: TokenTree | DynamicTree, path: jax.Array,
+             n_accepted: jax.Array, live: jax.Array) -> LevelCache | None:
+    """Its own cache (a Proposal's) once the level above accepted n_accepted [B] nodes of the
+    tree along path [B, D]; lead: its pending tokens when it proposed; None: it keeps none.
+    A draft model's, the default: its round wrote every node but the deepest (a dynamic tree:
+    every node) past its length, so the accepted ones it holds are committed, and an accepted
+    leaf it did not run waits in its next lead. A drafter that writes in its round only what it
+    keeps returns the cache as it is (heads/drafter.FeatureDrafter)."""
+    if cache is None:
+      return None
+    held = jnp.minimum(n_accepted, tree.max_depth if isinstance(tree, DynamicTree) else tree.max_depth - 1)
+    return cache.replace(recent=commit(cache.recent, lead, path, held, live))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,8 +202,7 @@ def chain_children(count: jax.Array, size: int) -> jax.Array:
 def _static_proposal(tree: TokenTree, tokens, q, inp: DraftInputs, cache=None) -> Proposal:
   """fill_tree runs every node but the deepest ones: a cache holds an accepted path's first D-1."""
   return Proposal(tokens=tokens, q=q, start=inp.end, depth=jnp.asarray(tree.depth),
-                  attend=jnp.asarray(tree_attend_mask(tree)), cache=cache,
-                  cached_depth=tree.max_depth - 1)
+                  attend=jnp.asarray(tree_attend_mask(tree)), cache=cache)
 
 
 def _roundtree_positions(inp: DraftInputs, depth) -> jax.Array:
@@ -252,10 +261,9 @@ class SelfDrafter(Drafter):
     return _dynamic_proposal(tokens, trees, inp)
 
 
-def _dynamic_proposal(tokens, trees: dynamic_tree.RowTrees, inp: DraftInputs, cache=None,
-                      max_depth: int = 0) -> Proposal:
+def _dynamic_proposal(tokens, trees: dynamic_tree.RowTrees, inp: DraftInputs, cache=None) -> Proposal:
   return Proposal(tokens=tokens, q=None, start=inp.end, depth=trees.depth, attend=trees.attend,
-                  children=trees.children, cache=cache, cached_depth=max_depth)
+                  children=trees.children, cache=cache)
 
 
 def _first_layers(cache: KVCache, k: int) -> KVCache:
@@ -426,8 +434,7 @@ class ModelDrafter(Drafter):
                               context=(cache.long,))
     # A token outside a reduced vocabulary is never ranked above a real one; if one still
     # fills a slot (a vocabulary smaller than the width), any target token keeps this exact.
-    return _dynamic_proposal(jnp.maximum(draft.to_target(tokens), 0), trees, inp,
-                             cache.replace(recent=recent), tree.max_depth)
+    return _dynamic_proposal(jnp.maximum(draft.to_target(tokens), 0), trees, inp, cache.replace(recent=recent))
 
 
 def round_attend(recent_lengths, width: int, tree_mask):

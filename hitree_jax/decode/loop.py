@@ -163,13 +163,9 @@ class Decoder:
     caches = list(st.caches)
     caches[j] = cache.replace(recent=commit(recent, lead, verdict.path, n_acc, live,
                                             base=cache.recent.lengths))
-    if prop.committed:          # a drafter's own cache that holds what it keeps
-      caches[j - 1] = prop.cache
-    elif prop.cache is not None:  # a drafter's own cache, written in its round: keep the same path
-      below = prop.cache
-      below_lead = Lead.of(st.seq, prop.start, below.cached, sizes.levels[j - 1].lead)
-      held = jnp.minimum(n_acc, prop.cached_depth)   # an accepted leaf waits in its next lead
-      caches[j - 1] = below.replace(recent=commit(below.recent, below_lead, verdict.path, held, live))
+    if prop.cache is not None:   # the drafter's own (only its proposals carry one): it keeps what it keeps
+      below_lead = Lead.of(st.seq, prop.start, prop.cache.cached, sizes.levels[j - 1].lead)
+      caches[j - 1] = sizes.drafter.commit(prop.cache, below_lead, tree, verdict.path, n_acc, live)
     keep = prop.start + n_acc
     for i in range(j):
       if caches[i] is not None:

@@ -43,8 +43,17 @@ def _target_head_shape(config: ModelConfig, vocab_size: int) -> jax.ShapeDtypeSt
   return jax.ShapeDtypeStruct((config.hidden_size, vocab_size), jnp.dtype(config.dtype))
 
 
+class FeatureDrafter(Drafter):
+  """A drafter on the target's features: what it keeps of a round (the accepted context, written
+  with the target's features) is in its cache when it proposes, so committing keeps it as is."""
+
+  def commit(self, cache, lead, tree, path, n_accepted, live):
+    del lead, tree, path, n_accepted, live
+    return cache
+
+
 @dataclasses.dataclass(frozen=True)
-class EagleDrafter(Drafter):
+class EagleDrafter(FeatureDrafter):
   """EAGLE's one-layer feature draft (heads/eagle.py) with a full cache of its own."""
   config: ModelConfig                   # eagle.layer_config: the target's width, one layer
   mode: str = "deterministic"
@@ -143,7 +152,7 @@ class EagleDrafter(Drafter):
     return Proposal(tokens=jnp.maximum(inp.draft.to_target(tokens), 0),
                     q=inp.draft.target_probs(q, self.target_vocab_size), start=inp.end,
                     depth=jnp.asarray(tree.depth), attend=jnp.asarray(tree_attend_mask(tree)),
-                    cache=cache, committed=True)
+                    cache=cache)
 
   def propose_dynamic(self, tree: DynamicTree, inp: DraftInputs) -> Proposal:
     """EAGLE-2's tree, grown from the root's predicted feature (dynamic_tree.grow)."""
@@ -164,12 +173,11 @@ class EagleDrafter(Drafter):
     state = (KVCache.init(self.config, batch, slots), predicted.at[:, 0].set(root_feature))
     tokens, trees = dynamic_tree.grow(tree, inp.draft.to_draft(inp.lead.root), run, state)
     return Proposal(tokens=jnp.maximum(inp.draft.to_target(tokens), 0), q=None, start=inp.end,
-                    depth=trees.depth, attend=trees.attend, children=trees.children, cache=cache,
-                    committed=True)
+                    depth=trees.depth, attend=trees.attend, children=trees.children, cache=cache)
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaDrafter(Drafter):
+class MedusaDrafter(FeatureDrafter):
   """Medusa's K heads (heads/medusa.py): no cache, no forward; depth k's children are head k's."""
   num_heads: int
   vocab_size: int                       # the heads' (reduced) vocabulary
@@ -234,7 +242,7 @@ def per_depth_proposal(key, tree: TokenTree, inp: DraftInputs, rows, vocab_size:
   return Proposal(tokens=jnp.maximum(inp.draft.to_target(tokens), 0),
                   q=inp.draft.target_probs(q, target_vocab_size), start=inp.end,
                   depth=jnp.asarray(tree.depth), attend=jnp.asarray(tree_attend_mask(tree)),
-                  cache=cache, committed=cache is not None)
+                  cache=cache)
 
 
 def per_depth_dynamic_proposal(tree: DynamicTree, inp: DraftInputs, rows, cache=None) -> Proposal:
@@ -246,12 +254,11 @@ def per_depth_dynamic_proposal(tree: DynamicTree, inp: DraftInputs, rows, cache=
 
   tokens, trees = dynamic_tree.grow(tree, inp.draft.to_draft(inp.lead.root), run, None)
   return Proposal(tokens=jnp.maximum(inp.draft.to_target(tokens), 0), q=None, start=inp.end,
-                  depth=trees.depth, attend=trees.attend, children=trees.children, cache=cache,
-                  committed=cache is not None)
+                  depth=trees.depth, attend=trees.attend, children=trees.children, cache=cache)
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashDrafter(Drafter):
+class DFlashDrafter(FeatureDrafter):
   """z-lab's DFlash block draft (heads/dflash.py): each round commits the new context to its own
   cache and runs one forward of its block; depth d's children are block row d's top tokens."""
   config: ModelConfig          # the draft's layers: the target's width and vocabulary
