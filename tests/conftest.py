@@ -16,7 +16,8 @@ longer to compile than to run), so before jax starts:
   49 s of compiling down to 28 s), and the whole suite took 3,405 worker-seconds instead of
   4,230 (docs/results/suite/suite_time.md). On the real SmolLM2 at a 2K-token prompt it is the other
   way round (TriForce from cold: 48 s instead of 39 s at -O0; 68 s instead of 42 s at XLA's
-  default -O2), so those tests drop it, and the product keeps XLA's default.
+  default -O2; an `sd` stack at 500 tokens: 15.5 s instead of 12.8 s), so the launchers that
+  compile it drop it (tests/helpers.py real_model_environ), and the product keeps XLA's default.
 - Programs go to the persistent compilation cache (compile_cache: $HITREE_COMPILE_CACHE, else
   <assets>/xla_cache, shared with the launcher subprocesses and both pytest-xdist workers), so a
   program that two tests or two modules compile is compiled once.

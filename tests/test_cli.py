@@ -13,7 +13,7 @@ import pytest
 from hitree_jax import errors, shipped, topology
 from hitree_jax.tree import shapes as tree_lib
 
-from tests.helpers import REPO
+from tests.helpers import REPO, real_model_environ
 README = (REPO / "README.md").read_text()
 
 
@@ -71,7 +71,7 @@ def _flag_names(module: str) -> set[str]:
 def test_readme_library_example_runs():
   (example,) = code_blocks("python")
   proc = subprocess.run([sys.executable, "-c", example], cwd=REPO, capture_output=True, text=True,
-                        timeout=900)
+                        timeout=900, env=real_model_environ())
   assert proc.returncode == 0, proc.stderr[-3000:]
   printed = proc.stdout.strip().splitlines()
   assert len(printed) == 3

@@ -15,7 +15,7 @@ from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import init_params
 from hitree_jax.planner import latency, optimize, profile
 from hitree_jax.tree import shapes
-from tests.helpers import synthetic_profile
+from tests.helpers import real_model_environ, synthetic_profile
 
 
 def affine(fixed, per_token):
@@ -506,7 +506,7 @@ def test_plan_writes_a_config_that_generate_runs_and_auto_plans_the_same(tmp_pat
   model_path, draft_path = str(resolve("smollm2")), str(resolve(draft))
   eagle_path = str((pathlib.Path(REPO) / eagle).resolve())
   greedy = SamplingParams.create()
-  env = dict(os.environ, HITREE_PROFILES=str(tmp_path))
+  env = real_model_environ({**os.environ, "HITREE_PROFILES": str(tmp_path)})
   run = lambda module, *args: subprocess.run([sys.executable, "-m", f"launch.{module}", *args], cwd=REPO,
                                              capture_output=True, text=True, timeout=600, env=env)
   common = ["--book=austen", "--prompt_tokens=500", "--max_new_tokens=12", "--ignore_eos", "--json"]
@@ -585,7 +585,7 @@ def test_auto_with_bfloat16_keys_plans_from_their_own_profile(tmp_path):
   key = auto.profile_key(model_path, draft_path, 512, greedy, "austen", target_precision=keys)
   stored.write_text(json.dumps({"key": key, "profile": synthetic_profile(512)}))
   expected = auto.choose(synthetic_profile(512), True)
-  env = dict(os.environ, HITREE_PROFILES=str(tmp_path))
+  env = real_model_environ({**os.environ, "HITREE_PROFILES": str(tmp_path)})
   run = lambda module, *args: subprocess.run([sys.executable, "-m", f"launch.{module}", *args], cwd=REPO,
                                              capture_output=True, text=True, timeout=600, env=env)
   out = tmp_path / "plan.py"

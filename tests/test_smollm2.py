@@ -14,6 +14,7 @@ from hitree_jax.decode import engine
 from hitree_jax.loading import load_model, smollm2_gguf_path
 from hitree_jax.model.llama import forward
 from hitree_jax.tokenizer import chat_prompt, load_tokenizer
+from tests.helpers import real_model_environ
 
 torch.set_num_threads(2)
 # Every test here loads the 135M-parameter model (and most the transformers reference too).
@@ -208,14 +209,10 @@ def launch_generate(*args):
   import json
   import subprocess
   import sys
-  import os
   repo = pathlib.Path(__file__).resolve().parent.parent
-  # XLA's MLIR fusion emitters, not conftest's older ones: with the real model's 2K-token
-  # programs they compile faster (TriForce from cold: 39 s, 48 s with the older emitters).
-  flags = os.environ.get("XLA_FLAGS", "").replace("--xla_cpu_use_fusion_emitters=false", "").strip()
   proc = subprocess.run([sys.executable, "-m", "launch.generate", "--book=austen", "--prompt_tokens=512",
                          "--max_new_tokens=24", "--ignore_eos", "--json", *args], cwd=repo,
-                        capture_output=True, text=True, timeout=900, env=dict(os.environ, XLA_FLAGS=flags))
+                        capture_output=True, text=True, timeout=900, env=real_model_environ())
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
