@@ -168,7 +168,8 @@ def forward_ms(timed, params, cache, widths) -> dict[int, float]:
   """{w: ms of one forward of w tokens over `cache`} (profile's timing: a program of
   FORWARDS_PER_CALL forwards, the median of --repeats calls)."""
   import jax.numpy as jnp
-  from hitree_jax.planner.profile import FORWARDS_PER_CALL, median_seconds
+  from hitree_jax.decode.timing import median_seconds
+  from hitree_jax.planner.profile import FORWARDS_PER_CALL
   return {w: 1e3 * median_seconds(timed, params, jnp.zeros((1, w), jnp.int32), cache,
                                   repeats=FLAGS.repeats) / FORWARDS_PER_CALL for w in widths}
 
@@ -182,7 +183,8 @@ def attention_ms(config, cache, widths) -> dict[int, float]:
   import jax
   import jax.numpy as jnp
   from hitree_jax.model import llama
-  from hitree_jax.planner.profile import FORWARDS_PER_CALL, median_seconds
+  from hitree_jax.decode.timing import median_seconds
+  from hitree_jax.planner.profile import FORWARDS_PER_CALL
 
   @jax.jit
   def run(q, keys, values, lengths):   # q [1, w, H, D]; keys, values [1, KVH, D, S]
@@ -214,7 +216,8 @@ def context_row(cfg, target: Arrays, draft: Arrays, params, draft_params, contex
   from hitree_jax import memory_plan, sharding
   from hitree_jax.decode import long_caches
   from hitree_jax.cache.kinds import RETRIEVAL_CHUNK
-  from hitree_jax.planner.profile import timed_forward, median_seconds
+  from hitree_jax.decode.timing import median_seconds
+  from hitree_jax.planner.profile import timed_forward
 
   full_bytes = memory_plan.per_device_bytes(target.abstract_cache(context))
   draft_bytes = memory_plan.per_device_bytes(draft.abstract_cache(context))

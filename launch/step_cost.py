@@ -53,7 +53,7 @@ FLAGS = flags.FLAGS
 
 
 def median_ms(fn, *args, repeats: int) -> float:
-  from hitree_jax.planner.profile import median_seconds
+  from hitree_jax.decode.timing import median_seconds
   return 1e3 * median_seconds(fn, *args, repeats=repeats)
 
 

@@ -36,7 +36,7 @@ from typing import Callable
 import jax
 
 from hitree_jax.decode.programs import compile_lowered
-from hitree_jax.planner.profile import median_seconds
+from hitree_jax.decode.timing import median_seconds
 
 ROLES = ("weights", "head", "attention", "other", "runtime")
 HEAD_PARAMS = ("lm_head", "embed_tokens")

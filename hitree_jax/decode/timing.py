@@ -1,15 +1,30 @@
-"""Each level's round timed alone, on the state after prefill (generate(time_levels=True)):
-what a round of the drafter, of each middle level and of the target costs, for the report."""
+"""Timing a program, the one way this project does: `median_seconds` (a warm-up call, then the
+median of several, each waited for), which the planner's profiles, the launchers and each
+level's round timed alone on the state after prefill (generate(time_levels=True): what a round
+of the drafter, of each middle level and of the target costs, for the report) all use."""
 
 from __future__ import annotations
 
+import statistics
 import time
+from typing import Callable
 
 import jax
-import numpy as np
 
 from hitree_jax.decode import programs as programs_lib
 from hitree_jax.decode.loop import level_round
+
+
+def median_seconds(fn: Callable, *args, repeats: int) -> float:
+  """Seconds of fn(*args), the median of `repeats` calls after one that compiles and warms up,
+  each waited for (jax.block_until_ready)."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
 
 
 def time_levels(programs: programs_lib.Programs, ready, repeats: int = 5) -> list[float]:
@@ -23,12 +38,7 @@ def time_levels(programs: programs_lib.Programs, ready, repeats: int = 5) -> lis
     program = programs.get(("level", sizes, j, ready.max_new_tokens, programs_lib.shape_key(inputs)),
                            level_round, sizes, inputs[0], inputs[1], inputs[2], ready.max_new_tokens, j,
                            inputs[3])
-    runs = []
-    for _ in range(repeats + 1):  # the first run warms up
-      start = time.perf_counter()
-      out = jax.block_until_ready(program(*inputs))
-      runs.append(time.perf_counter() - start)
-    if j == 0:
-      below = out
-    times.append(float(np.median(runs[1:])))
+    times.append(median_seconds(program, *inputs, repeats=repeats))
+    if j == 0:   # the drafter's proposal, which level 1's round verifies
+      below = program(*inputs)
   return times

@@ -55,16 +55,6 @@ from hitree_jax.train.metrics import PROFILE_RANKS
 
 
 
-def median_seconds(fn: Callable, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compiles and warms up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 FORWARDS_PER_CALL = 8  # a timed call runs this many forwards in one program
 
 

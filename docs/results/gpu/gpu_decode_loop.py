@@ -21,7 +21,8 @@ from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.decode.sizes import StackSizes
 from hitree_jax.decode.stack import Stack
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.planner.profile import FORWARDS_PER_CALL, median_seconds, timed_forward
+from hitree_jax.decode.timing import median_seconds
+from hitree_jax.planner.profile import FORWARDS_PER_CALL, timed_forward
 
 SHORT, LONG = 16, 48
 

@@ -14,7 +14,8 @@ import numpy as np
 import jax, jax.numpy as jnp
 from hitree_jax.model import llama
 from hitree_jax.model.config import ModelConfig
-from hitree_jax.planner.profile import timed_forward, median_seconds, FORWARDS_PER_CALL
+from hitree_jax.decode.timing import median_seconds
+from hitree_jax.planner.profile import timed_forward, FORWARDS_PER_CALL
 from hitree_jax.cache.full import KVCache
 
 SMALL = os.environ.get("SMALL") == "1"
