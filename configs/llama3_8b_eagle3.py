@@ -11,18 +11,17 @@ changes it (the target's context is 128K).
 """
 
 import pathlib
+import runpy
 
 from ml_collections import config_dict
 
-DRAFT = pathlib.Path(__file__).resolve().parent / "drafters" / "eagle3-llama3.1-8b"
+HERE = pathlib.Path(__file__).resolve().parent
+DRAFT = HERE / "drafters" / "eagle3-llama3.1-8b"
 
 
 def get_config() -> config_dict.ConfigDict:
+  llama3_8b = runpy.run_path(str(HERE / "llama3_8b_128k.py"))["get_config"]().target.to_dict()  # its shape
   return config_dict.ConfigDict(dict(
-      target=dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                  num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                    high_freq_factor=4.0, original_max_position_embeddings=8192),
-                  max_position_embeddings=131072, dtype="bfloat16"),
+      target=llama3_8b,
       levels=f"eagle3:{DRAFT}/dynamic:60,6",
       prompt_tokens=32512, max_new_tokens=256, batch=1))

@@ -307,11 +307,9 @@ def main(argv):
   mesh = common.mesh_from_flags(FLAGS)
   import jax
   from hitree_jax import memory_plan, sharding
-  from hitree_jax.model.config import ModelConfig
   from hitree_jax.planner.profile import timed_forward
 
-  target_config = ModelConfig.from_dict(dict(cfg.target))
-  draft_config = ModelConfig.from_dict(dict(cfg.draft))
+  target_config, draft_config = memory_plan.shapes_models(cfg)
   if max(contexts) + max(widths) > target_config.max_position_embeddings:
     raise UsageError(f"--contexts: {max(contexts)} + {max(widths)} tokens is past the target's "
                      f"{target_config.max_position_embeddings} positions")
@@ -360,11 +358,10 @@ ROOFLINE = "roofline from the TPU compiler's cost analysis, not measured"
 
 def on_paper(cfg, contexts: list[int], widths: list[int]) -> dict:
   """Each level's forward compiled for --topology: its flops, HBM bytes and roofline time."""
-  from hitree_jax import roofline, sharding, topology
+  from hitree_jax import memory_plan, roofline, sharding, topology
   from hitree_jax.decode.prefill import round_up
-  from hitree_jax.model.config import ModelConfig
   mesh = topology.mesh(FLAGS.topology, FLAGS.mesh or None)
-  target, draft = ModelConfig.from_dict(dict(cfg.target)), ModelConfig.from_dict(dict(cfg.draft))
+  target, draft = memory_plan.shapes_models(cfg)
   sharding.check(target, mesh, 1, max(contexts))
   chip = roofline.Chip.of(mesh.devices.flat[0])
   levels = roofline.Levels(target, draft, mesh, chip)

@@ -133,14 +133,13 @@ def plan_on_paper() -> None:
                      "configs/acceptance/triforce_llama2_7b_128k.json)")
   if FLAGS.out is not None and not FLAGS.out.endswith(".json"):
     raise UsageError(f"--out={FLAGS.out}: on paper the plan is written as a .json record")
-  from hitree_jax import roofline, sharding, topology
+  from hitree_jax import memory_plan, roofline, sharding, topology
   from hitree_jax.decode.prefill import cache_slots, round_up
-  from hitree_jax.model.config import ModelConfig
   from hitree_jax.planner import auto, on_paper
   acceptance = on_paper.load_acceptance(FLAGS.acceptance)
   context = FLAGS.prompt_tokens if FLAGS["prompt_tokens"].present else cfg.prompt_tokens
   mesh = topology.mesh(FLAGS.topology, FLAGS.mesh)
-  target, draft = ModelConfig.from_dict(dict(cfg.target)), ModelConfig.from_dict(dict(cfg.draft))
+  target, draft = memory_plan.shapes_models(cfg)
   slots = cache_slots(context, cfg.max_new_tokens, extra=max(PAPER_WIDTHS))   # the engine's full cache
   sharding.check(target, mesh, 1, slots)
   chip = roofline.Chip.of(mesh.devices.flat[0])

@@ -19,7 +19,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 from hitree_jax import memory_plan, sharding, topology  # noqa: E402
 from hitree_jax.decode import loop, prefill  # noqa: E402
-from hitree_jax.model.config import ModelConfig  # noqa: E402
 
 GIB = 2**30
 spec = importlib.util.spec_from_file_location("shapes", ROOT / "configs/llama2_7b_128k.py")
@@ -27,7 +26,7 @@ module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 cfg = module.get_config()
 mesh = topology.mesh("v5e:2x4", "model:8")
-target, draft_config = ModelConfig.from_dict(dict(cfg.target)), ModelConfig.from_dict(dict(cfg.draft))
+target, draft_config = memory_plan.shapes_models(cfg)
 stack = memory_plan.shapes_stack(cfg, target, draft_config)
 
 
