@@ -345,16 +345,16 @@ def check_auto_draft(draft: str, feature_draft: str | None = None) -> str | None
 
 def auto_method(model: str, draft: str, prompt_length: int, sampling, loaded: tuple = (None, None),
                 feature_draft: str | None = None, log=logging.getLogger(__name__).info,
-                text: str = "austen") -> Method:
+                text: str = "austen", batch: int = 1) -> Method:
   """--method=auto: the stack the planner chooses (hitree_jax/planner/auto.py) around the draft
   model `draft` (and the EAGLE draft `feature_draft`, eagle:PATH), for this prompt length,
-  sampling and kind of text (a book corpus, or "chat" for prompts in the chat template), from the
-  profile measured on first use."""
+  sampling, kind of text (a book corpus, or "chat" for prompts in the chat template) and batch of
+  `batch` rows, from the profile measured on first use."""
   from hitree_jax.planner import auto
   eagle = check_auto_draft(draft, feature_draft)
   precision = {} if loaded[0] is None else {"dtype": loaded[0].config.dtype, "key_dtype": loaded[0].config.key_dtype}
   choice, _, path = auto.plan_for(model, draft, prompt_length, sampling, book=text, loaded=loaded,
-                                  log=lambda message: log("%s", message), eagle=eagle, **precision)
+                                  log=lambda message: log("%s", message), eagle=eagle, batch=batch, **precision)
   log("--method=auto: %s, %.1f tok/s predicted (ar %.1f; profile %s)",
                f"hsd/{choice.levels}" if choice.levels else "ar", choice.predicted_tokens_per_s,
                choice.ar_tokens_per_s, path)

@@ -114,33 +114,19 @@ def check_flags() -> list[int]:
   """Fails fast, before the slow model load, on a bad count; returns --prompt_tokens as numbers."""
   if not FLAGS.methods:
     raise app.UsageError("--methods: give at least one method (e.g. ar,sd/ngram/4)")
-  try:
-    lengths = [int(n) for n in FLAGS.prompt_tokens]
-  except ValueError:
-    raise app.UsageError(f"--prompt_tokens={','.join(FLAGS.prompt_tokens)}: expected "
-                         "comma-separated integers") from None
-  if not lengths:
-    raise app.UsageError("--prompt_tokens: give at least one length")
+  lengths = common.positive_ints("prompt_tokens")
   from . import peers
   peers.check(FLAGS.peers, FLAGS.llamacpp_gguf)
   if not FLAGS.llamacpp_cache or set(FLAGS.llamacpp_cache) - set(peers.LLAMACPP_CACHES):
     raise app.UsageError(f"--llamacpp_cache={','.join(FLAGS.llamacpp_cache)}: expected f16 and/or f32")
-  for name, value in [("prompt_tokens", min(lengths)),
-                      ("max_new_tokens", FLAGS.max_new_tokens), ("n_prompts", FLAGS.n_prompts)]:
+  for name, value in [("max_new_tokens", FLAGS.max_new_tokens), ("n_prompts", FLAGS.n_prompts)]:
     if value < 1:
       raise app.UsageError(f"--{name}={value} must be >= 1")
   return lengths
 
 
 def batch_sizes() -> list[int]:
-  """--batch_sizes as numbers, each at least 1."""
-  try:
-    sizes = [int(b) for b in FLAGS.batch_sizes]
-  except ValueError:
-    raise app.UsageError(f"--batch_sizes={','.join(FLAGS.batch_sizes)}: expected comma-separated integers") from None
-  if not sizes or min(sizes) < 1:
-    raise app.UsageError(f"--batch_sizes={','.join(FLAGS.batch_sizes)}: give batch sizes of at least 1")
-  return sizes
+  return common.positive_ints("batch_sizes")
 
 
 def write_outputs(record: dict) -> None:
@@ -207,19 +193,18 @@ def run_questions(chosen, methods, sampling, mesh) -> None:
   from . import spec_bench_run
   max_new = FLAGS.max_new_tokens if FLAGS["max_new_tokens"].present else 256
   model, tokenizer, methods = load_target(mesh, methods)
-  if "auto" in methods:   # one plan for the questions' typical length (the planner plans per length)
+  sizes = batch_sizes()
+  if "auto" in methods:   # one plan per batch size for the questions' typical length
     import numpy as np
     from hitree_jax.tokenizer import conversation_prompt
     typical = int(np.median([len(conversation_prompt(tokenizer, q.turns[:1], [])) for q in chosen]))
-    auto = methods_lib.auto_method(FLAGS.model, FLAGS.draft, typical, sampling, loaded=(model, None),
-                                   feature_draft=FLAGS.feature_draft, text="chat"
-                                   ).load_draft(model.config, model.params)
-    auto = dataclasses.replace(auto, label=f"{auto.label} (planned for {typical} prompt tokens)")
-    methods = [auto if m == "auto" else m for m in methods]
-  sizes = batch_sizes()
+    planned = {size: planned_auto(model, typical, sampling, size, "chat") for size in sizes}
+  else:
+    planned = {}
   progress = Progress("spec-bench", sum(len(methods) * (len(spec_bench_run.batches(chosen, b)) + 1) for b in sizes))
   by_run = {}
   for size, method in itertools.product(sizes, methods):
+    method = planned[size] if method == "auto" else method
     programs = Programs()
     jax.clear_caches()
     gc.collect()
@@ -319,7 +304,7 @@ def main(argv):
   greedy_tokens = {}  # (method, prompt length, batch size, run) -> its tokens per row, compared with ar's
   order = itertools.count()  # each timed run's place in the benchmark (the JSON's `order`)
   sizes = batch_sizes()
-  plans = {}   # prompt length -> the methods with `auto` planned
+  plans = {}   # (prompt length, batch size) -> the methods with `auto` planned
   progress = Progress("benchmark", len(lengths) * sum(len(methods) + len(peer_engines) * (b == 1) for b in sizes)
                       * (FLAGS.n_prompts + 1))
   for n_tokens, size in itertools.product(lengths, sizes):
@@ -327,10 +312,10 @@ def main(argv):
     passages = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts * size, corpus=FLAGS.book)
     groups = [passages[i * size:(i + 1) * size] for i in range(FLAGS.n_prompts)]
     at = f" x{size}" if size != 1 else ""
-    if n_tokens not in plans:   # auto is planned per prompt length (at batch 1), once
-      plans[n_tokens] = [methods_lib.auto_method(FLAGS.model, FLAGS.draft, n_tokens, sampling, loaded=(model, None),
-                                  feature_draft=FLAGS.feature_draft).load_draft(model.config, model.params) if m == "auto" else m for m in methods]
-    planned = plans[n_tokens]
+    if (n_tokens, size) not in plans:   # auto is planned per prompt length and batch size, once
+      plans[n_tokens, size] = [planned_auto(model, n_tokens, sampling, size, FLAGS.book) if m == "auto" else m
+                               for m in methods]
+    planned = plans[n_tokens, size]
     for method in planned:
       # Each method's programs live only while it runs: a process holding every method's
       # (a dozen hierarchies, a program per level each) ran XLA:CPU out of code memory.
@@ -414,6 +399,16 @@ def fail_on_faults(rows, tie: float, where) -> None:
   message = near_ties.fault_message(rows, tie, where)
   if message:
     raise SystemExit(message)
+
+
+def planned_auto(model, n_tokens: int, sampling, size: int, text: str):
+  """`auto` planned for prompts of `n_tokens` and batches of `size`, its draft loaded; its label
+  says what it was planned for."""
+  method = methods_lib.auto_method(FLAGS.model, FLAGS.draft, n_tokens, sampling, loaded=(model, None),
+                                   feature_draft=FLAGS.feature_draft, text=text, batch=size
+                                   ).load_draft(model.config, model.params)
+  return method if text != "chat" else dataclasses.replace(
+      method, label=f"{method.label} (planned for {n_tokens} prompt tokens)")
 
 
 def prediction(model, method, n_tokens: int, sampling) -> dict:

@@ -286,3 +286,15 @@ def knobs_from_flags(FLAGS) -> methods.Knobs:
 def sampling_from_flags(FLAGS):
   from hitree_jax.decode.sampling import SamplingParams
   return SamplingParams.create(FLAGS.temperature, FLAGS.top_p, FLAGS.top_k)
+
+
+def positive_ints(name: str) -> list[int]:
+  """A comma-separated list flag (--prompt_tokens, --batch_sizes) as numbers, each at least 1."""
+  given = ",".join(flags.FLAGS[name].value)
+  try:
+    values = [int(v) for v in flags.FLAGS[name].value]
+  except ValueError:
+    raise UsageError(f"--{name}={given}: expected comma-separated integers") from None
+  if not values or min(values) < 1:
+    raise UsageError(f"--{name}={given}: give at least one, each at least 1")
+  return values

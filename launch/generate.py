@@ -173,9 +173,10 @@ def main(argv):
 
   model = load_model(FLAGS.model, common.model_dtype(), FLAGS.key_dtype)
   sharding.check(model.config, mesh, 1, 256)  # before the draft loads; generate checks the cache's slots
-  if planned:  # planned for the longest prompt
+  if planned:  # planned for the longest prompt and a batch's rows
     method = methods.auto_method(FLAGS.model, FLAGS.draft, longest, sampling, loaded=(model, None),
-                                feature_draft=FLAGS.feature_draft, text=profile_text())
+                                feature_draft=FLAGS.feature_draft, text=profile_text(),
+                                batch=min(FLAGS.batch_size, len(prompts)))
   else:
     import jax
     advice = methods.preset_advice(method, FLAGS.model, longest, sampling, model.config.dtype,

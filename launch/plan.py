@@ -7,6 +7,11 @@ setting, from measured profiles (hitree_jax/planner), and write it as a config.
 
 It chooses plain decoding (`ar`) when no stack is predicted to beat it.
 
+A grid of contexts and batch sizes prints one plan per cell (a profile each, measured at that
+batch size: a round's cost at batch B is not B times one row's):
+
+  python -m launch.plan --draft=drafts/smollm2-draft.gguf --prompt_tokens=512,2048 --batch_sizes=1,4,16
+
 The first run at a (models, context, sampling) measures a profile: each candidate level's forward
 cost, the acceptance between every pair of levels over the target's own continuation of a book
 passage, and the engine's per-round overheads (a few minutes on a CPU). It is kept under
@@ -32,6 +37,7 @@ It prints `ar`, the stacks named by --predict and the fastest one: a prediction,
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
 
@@ -49,7 +55,9 @@ common.define_feature_draft_flag()
 flags.DEFINE_enum("book", "austen", ["austen", "shakespeare", "milton", "chat"], "Text the profile is "
                   "measured on: a book corpus's passages, or chat (instructions over held-out book "
                   "passages in the chat template, for a chat model's prompts).")
-flags.DEFINE_integer("prompt_tokens", 2048, "Context length to plan for, in tokens.")
+flags.DEFINE_list("prompt_tokens", ["2048"], "Context lengths to plan for, in tokens (a grid with "
+                  "--batch_sizes).")
+flags.DEFINE_list("batch_sizes", ["1"], "Batch sizes to plan for: prompts decoded together, a row each.")
 flags.DEFINE_string("profile_dir", None, "Where profiles are kept (default: $HITREE_PROFILES, else "
                     "assets/profiles).")
 flags.DEFINE_multi_string("predict", [], "Also print the prediction for this stack (--levels "
@@ -137,7 +145,10 @@ def plan_on_paper() -> None:
   from hitree_jax.decode.prefill import cache_slots, round_up
   from hitree_jax.planner import auto, on_paper
   acceptance = on_paper.load_acceptance(FLAGS.acceptance)
-  context = FLAGS.prompt_tokens if FLAGS["prompt_tokens"].present else cfg.prompt_tokens
+  given = common.positive_ints("prompt_tokens")
+  if FLAGS["prompt_tokens"].present and len(given) > 1:
+    raise UsageError(f"--prompt_tokens={','.join(FLAGS.prompt_tokens)}: on paper, plan one context at a time")
+  context = given[0] if FLAGS["prompt_tokens"].present else cfg.prompt_tokens
   mesh = topology.mesh(FLAGS.topology, FLAGS.mesh)
   target, draft = memory_plan.shapes_models(cfg)
   slots = cache_slots(context, cfg.max_new_tokens, extra=max(PAPER_WIDTHS))   # the engine's full cache
@@ -189,21 +200,48 @@ def main(argv):
     return plan_on_paper()
   if FLAGS.draft is None:
     raise UsageError("--draft: give the draft model's path (e.g. drafts/smollm2-draft.gguf)")
-  if FLAGS.prompt_tokens < 1:
-    raise UsageError(f"--prompt_tokens={FLAGS.prompt_tokens} must be >= 1")
+  contexts, batches = common.positive_ints("prompt_tokens"), common.positive_ints("batch_sizes")
   if FLAGS.out is not None and not FLAGS.out.endswith(".py"):
     raise UsageError(f"--out={FLAGS.out}: a config is a .py file")
-  sampling = common.sampling_from_flags(FLAGS)
-  from hitree_jax.planner import auto
+  if FLAGS.out is not None and len(contexts) * len(batches) > 1:
+    raise UsageError(f"--out={FLAGS.out} writes one plan: give one --prompt_tokens and one --batch_sizes")
   if FLAGS.min_gain < 0:
     raise UsageError(f"--min_gain={FLAGS.min_gain} must be >= 0")
   eagle = methods.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
-  choice, profile, path = auto.plan_for(FLAGS.model, FLAGS.draft, FLAGS.prompt_tokens, sampling,
-                                        FLAGS.profile_dir, FLAGS.book, log=logging.info,
-                                        min_gain=FLAGS.min_gain, eagle=eagle, dtype=common.model_dtype(),
-                                        key_dtype=FLAGS.key_dtype)
+  if len(contexts) * len(batches) > 1:
+    if FLAGS.predict:
+      raise UsageError("--predict applies to one plan: give one --prompt_tokens and one --batch_sizes")
+    return plan_grid(contexts, batches, eagle)
+  plan_one(contexts[0], batches[0], eagle)
+
+
+def plan_for(context: int, batch: int, eagle):
+  from hitree_jax.planner import auto
+  return auto.plan_for(FLAGS.model, FLAGS.draft, context, common.sampling_from_flags(FLAGS), FLAGS.profile_dir,
+                       FLAGS.book, log=logging.info, min_gain=FLAGS.min_gain, eagle=eagle,
+                       dtype=common.model_dtype(), key_dtype=FLAGS.key_dtype, batch=batch)
+
+
+def plan_grid(contexts: list[int], batches: list[int], eagle) -> None:
+  """One plan per (context, batch) cell, as a table (speeds per row; a batch's throughput is
+  the batch times them)."""
+  print("| prompt tokens | batch | chosen | predicted tok/s per row | ar tok/s per row | x ar | profile |")
+  print("|---|---|---|---|---|---|---|")
+  for context, batch in itertools.product(contexts, batches):
+    choice, profile, path = plan_for(context, batch, eagle)
+    chosen = f"hsd/{choice.levels}" if choice.levels else "ar"
+    print(f"| {profile['context']} | {profile.get('batch', 1)} | `{chosen}` | {choice.predicted_tokens_per_s:.1f} | "
+          f"{choice.ar_tokens_per_s:.1f} | {choice.predicted_tokens_per_s / choice.ar_tokens_per_s:.2f}x | {path} |")
+
+
+def plan_one(context: int, batch: int, eagle) -> None:
+  from hitree_jax.planner import auto
+  sampling = common.sampling_from_flags(FLAGS)
+  choice, profile, path = plan_for(context, batch, eagle)
   greedy = float(sampling.temperature) == 0
   setting = "greedy" if greedy else f"T {FLAGS.temperature:g}, top-p {FLAGS.top_p:g}"
+  if profile.get("batch", 1) > 1:
+    setting += f", batches of {profile['batch']}"
   models = " + ".join([FLAGS.model, FLAGS.draft, *([FLAGS.feature_draft] if eagle else [])])
   target_precision = auto.precision(common.model_dtype(), FLAGS.key_dtype)
   if target_precision:

@@ -428,6 +428,133 @@ def test_plain_decoding_is_chosen_when_no_stack_beats_it():
   assert auto.choose(close, True, min_gain=0.2).levels is None
 
 
+def _plant(directory, profile, batch, sampling, draft="drafts/smollm2-draft.gguf"):
+  """Stores `profile` where auto.plan_for looks for SmolLM2 + its draft at 512 tokens and `batch`."""
+  from hitree_jax.planner import auto
+  path, key = auto.where_kept("smollm2", draft, 512, sampling, directory, batch=batch)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps({"key": key, "profile": dict(profile, **({"batch": batch} if batch > 1 else {}))}))
+  return path
+
+
+def _must_not_measure(monkeypatch):
+  from hitree_jax.planner import auto
+  def fail(*args, **kwargs):
+    raise AssertionError("a planted profile was measured again")
+  monkeypatch.setattr(auto, "measure", fail)
+  monkeypatch.setattr(auto, "measure_costs", fail)
+
+
+def test_a_batch_is_planned_from_the_profile_measured_at_that_batch(tmp_path, monkeypatch):
+  """At batch 4 a round's forward of w tokens is w x 4 tokens: here every forward is bound by its
+  arithmetic (its cost w times a token's, as on a small CPU), so no stack pays, though one does at
+  batch 1. plan_for reads the profile of the nearest batch size (its own file and key), never
+  batch 1's scaled."""
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.planner import auto
+  greedy = SamplingParams.create()
+  single = synthetic_profile(512)
+  batched = synthetic_profile(512)
+  batched["costs"] = {name: {w: curve["1"] * int(w) for w in curve} for name, curve in batched["costs"].items()}
+  batched["ar_seconds"] = batched["costs"]["target"]["1"]
+  paths = {b: _plant(tmp_path, profile, b, greedy) for b, profile in ((1, single), (4, batched))}
+  assert paths[1].name == "ctx512-austen-greedy.json" and paths[4].name == "ctx512-austen-greedy-batch4.json"
+  _must_not_measure(monkeypatch)
+  plan = lambda batch: auto.plan_for("smollm2", "drafts/smollm2-draft.gguf", 500, greedy, tmp_path, batch=batch)
+  choice, profile, path = plan(1)
+  assert path == paths[1] and choice.levels is not None
+  for batch in (3, 4, 5):   # the nearest profiled size by ratio
+    choice, profile, path = plan(batch)
+    assert path == paths[4] and profile["batch"] == 4 and choice.levels is None
+    assert choice.predicted_tokens_per_s == pytest.approx(1 / batched["ar_seconds"])
+  assert [auto.nearest_batch(b) for b in (1, 2, 3, 6, 12, 100)] == [1, 2, 4, 8, 16, 64]
+  with pytest.raises(ValueError, match="a batch of 0 rows"):
+    auto.nearest_batch(0)
+
+
+def test_launch_plan_prints_a_plan_per_cell_of_its_grid(tmp_path):
+  """launch.plan --prompt_tokens=... --batch_sizes=...: one row per cell, each from its own
+  (planted) profile; --out and --predict, which are one plan's, are refused with a grid."""
+  import os
+  import subprocess
+  import sys
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.planner import auto
+  from tests.helpers import REPO
+  greedy = SamplingParams.create()
+  single = synthetic_profile(512)
+  batched = dict(single, ar_seconds=0.001)   # nothing beats so fast a step
+  for batch, planted in ((1, single), (4, batched)):
+    _plant(tmp_path, planted, batch, greedy)
+  run = lambda *args: subprocess.run([sys.executable, "-m", "launch.plan", "--draft=drafts/smollm2-draft.gguf",
+                                      f"--profile_dir={tmp_path}", *args], cwd=REPO, capture_output=True,
+                                     text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  proc = run("--prompt_tokens=500", "--batch_sizes=1,4")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| 512 |")]
+  expected = auto.choose(single, True)
+  assert [(r[1], r[2]) for r in rows] == [("1", f"`hsd/{expected.levels}`"), ("4", "`ar`")]
+  assert rows[1][3] == rows[1][4] == "1000.0"
+  for extra, refusal in (([f"--out={tmp_path / 'p.py'}"], "writes one plan"),
+                         (["--predict=draft/chain:2"], "--predict applies to one plan")):
+    proc = run("--prompt_tokens=500,2048", "--batch_sizes=1", *extra)
+    assert proc.returncode == 2 and refusal in proc.stderr, proc.stderr[-2000:]
+  proc = run("--batch_sizes=4,0")
+  assert proc.returncode == 2 and "--batch_sizes=4,0: give at least one, each at least 1" in proc.stderr
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_auto_chooses_ar_when_no_drafter_is_ever_accepted(tmp_path, monkeypatch, batch):
+  """A planted profile where every pair's acceptance is zero, at each batch size, greedy and
+  sampled: no stack commits more than one token per target forward, each pays its drafts and a
+  wider verify, so even with no margin (min_gain 0) `ar` is chosen."""
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.planner import auto
+  planted = synthetic_profile(512)
+  planted["costs"] = {name: {w: s * (1 + 0.3 * (batch - 1) * int(w) / 16) for w, s in curve.items()}
+                      for name, curve in planted["costs"].items()}
+  planted["ar_seconds"] = planted["costs"]["target"]["1"]   # a step of the target at this batch
+  for record in planted["acceptance"].values():
+    record.update(alpha=0.0, greedy=0.0, profile=[0.0] * 8, greedy_profile=[0.0] * 8)
+  _must_not_measure(monkeypatch)
+  for sampling in (SamplingParams.create(), SamplingParams.create(0.6, 0.9)):
+    _plant(tmp_path, planted, batch, sampling)
+    choice, profile, _ = auto.plan_for("smollm2", "drafts/smollm2-draft.gguf", 512, sampling, tmp_path,
+                                       batch=batch, min_gain=0.0)
+    assert profile.get("batch", 1) == batch
+    assert choice.levels is None and choice.flags("d.gguf") == {"method": "ar"}
+    assert choice.best_stack.exact.tokens_per_target_forward == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_a_batchs_timings_are_measured_at_that_batch(tiny_pair, monkeypatch):
+  """measure_costs at 3 rows times every forward, generation and `ar` step with 3 rows (not one
+  row's scaled): the forwards' tokens are [3, w], every generation decodes 3 prompts."""
+  from hitree_jax.decode import engine
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.planner import auto
+  target, draft = tiny_pair
+  rows_seen, real_timed, real_generate = set(), profile.timed_forward, engine.generate
+
+  def timed(config):
+    run = real_timed(config)
+    return lambda params, tokens, long: (rows_seen.add(("forward", tokens.shape[0])), run(params, tokens, long))[1]
+
+  def generate(params, config, prompts, **kwargs):
+    rows_seen.add(("generate", len(prompts)))
+    return real_generate(params, config, prompts, **kwargs)
+
+  monkeypatch.setattr(profile, "timed_forward", timed)
+  monkeypatch.setattr(engine, "generate", generate)
+  space = auto.Space(drafters=("ngram:3", "draft"), middles=("draft@streaming:16x234", "retrieval:256"),
+                     chains=(1, 3), trees=("kary:2x2",), gammas=(2, 4), widths=(1, 4))
+  got = auto.measure_costs(target, draft, list(np.arange(300) * 7 % 64), SamplingParams.create(), space,
+                           repeats=2, rows=3)
+  assert rows_seen == {("forward", 3), ("generate", 3)}
+  assert set(got["costs"]) == {"draft", "draft@streaming:16x234", "retrieval:256", "target"}
+  assert got["ar_seconds"] > 0 and set(got["overheads"]) == {"draft_forward", "verify", "tree"}
+
+
 def test_a_sequoia_plan_carries_the_profile_its_tree_came_from():
   from hitree_jax.planner import auto
   from hitree_jax.methods import Knobs, parse_method

@@ -11,6 +11,7 @@ fastest stack against `ar`; `predict` scores any stack.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 from typing import Sequence
 
@@ -23,6 +24,8 @@ from hitree_jax.tree import shapes
 # A prompt is planned for the nearest profiled length; 128 is a chat question's (Spec-Bench's
 # median prompt is 85 tokens).
 CONTEXTS = (128, 512, 1024, 2048, 4096, 7680)
+# A batch is planned for the nearest of these sizes (by ratio): a profile is measured per size.
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,20 +106,33 @@ def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequ
   eagle: profile.load_eagle's EAGLE draft, measured as the level 'eagle' (the space gets it).
   The overheads are fitted to the draft model's stacks; an EAGLE forward is charged the draft
   model's per-forward overhead."""
-  prompt = prompts[0]
-  space = space.for_context(len(prompt))
-  if eagle is not None:
-    space = space.with_eagle()
-  budgets = [_budget(m) for m in space.middles if _is_retrieval(m)]
+  space = _space_of(len(prompts[0]), eagle, space)
   per_passage = [profile_lib.pair_acceptance(target, draft, space.pairs(), p, c, sampling, eagle)
                  for p, c in zip(prompts, continuations)]
-  costs = profile_lib.level_costs(target, draft, _model_levels(space.levels()), prompt, space.widths, repeats,
-                                  eagle)
-  return {"context": len(prompt), "passages": len(prompts), "costs": costs,
+  return {"context": len(prompts[0]), "passages": len(prompts),
           "acceptance": {pair: _mean([a[pair] for a in per_passage]) for pair in per_passage[0]},
-          "overheads": profile_lib.round_overheads(target, draft, prompt, sampling,
-                                                   budget=min(budgets, default=256), costs=costs),
-          "ar_seconds": profile_lib.ar_seconds(target, prompt)}
+          **measure_costs(target, draft, prompts[0], sampling, space, repeats, eagle)}
+
+
+def measure_costs(target, draft, prompt: Sequence[int], sampling, space: Space = Space(), repeats: int = 10,
+                  eagle=None, rows: int = 1) -> dict:
+  """A profile's timings at a batch of `rows` copies of `prompt`: costs {level: {width: s}} of a
+  forward of all rows, overheads {field: s} of a round of all rows, ar_seconds (a step of all
+  rows: a row's seconds per token). A row's acceptance is the same at any batch (each row
+  accepts its own tokens), so a batch's profile takes it from batch 1's (`profiled`)."""
+  space = _space_of(len(prompt), eagle, space)
+  budgets = [_budget(m) for m in space.middles if _is_retrieval(m)]
+  costs = profile_lib.level_costs(target, draft, _model_levels(space.levels()), prompt, space.widths, repeats,
+                                  eagle, rows)
+  return {"costs": costs,
+          "overheads": profile_lib.round_overheads(target, draft, prompt, sampling, budget=min(budgets, default=256),
+                                                   costs=costs, rows=rows),
+          "ar_seconds": profile_lib.ar_seconds(target, prompt, rows=rows)}
+
+
+def _space_of(context: int, eagle, space: Space) -> Space:
+  space = space.for_context(context)
+  return space if eagle is None else space.with_eagle()
 
 
 def _mean(records: Sequence[dict]) -> dict:
@@ -273,8 +289,9 @@ def precision(dtype: str = "float32", key_dtype: str | None = None) -> dict:
 
 
 def profile_path(directory: str | pathlib.Path, model: str, draft: str, context: int, sampling,
-                 book: str = "austen", eagle: str | None = None, target_precision: dict | None = None) -> pathlib.Path:
-  """Where the profile of (models, context, book, sampling, the target's precision) is kept."""
+                 book: str = "austen", eagle: str | None = None, target_precision: dict | None = None,
+                 batch: int = 1) -> pathlib.Path:
+  """Where the profile of (models, context, book, sampling, the target's precision, batch) is kept."""
   stem = lambda path: pathlib.Path(path).name.split(".")[0]
   t, p, k = float(sampling.temperature), float(sampling.top_p), int(sampling.top_k)
   setting = "greedy" if t == 0 else f"T{t:g}-p{p:g}-k{k}"
@@ -282,11 +299,20 @@ def profile_path(directory: str | pathlib.Path, model: str, draft: str, context:
   if target_precision:
     dtype, key_dtype = target_precision["dtype"], target_precision["key_dtype"]
     setting += f"-{dtype}" + (f"-keys-{key_dtype}" if key_dtype else "")
+  if batch > 1:
+    setting += f"-batch{batch}"
   return pathlib.Path(directory) / models / f"ctx{context}-{book}-{setting}.json"
 
 
 def nearest_context(length: int) -> int:
   return min(CONTEXTS, key=lambda c: abs(c - length))
+
+
+def nearest_batch(rows: int) -> int:
+  """The profiled batch size nearest `rows` by ratio (a round's cost grows slowly with rows)."""
+  if rows < 1:
+    raise UsageError(f"a batch of {rows} rows: it must hold at least one")
+  return min(BATCHES, key=lambda b: abs(math.log(b / rows)))
 
 
 def default_dir() -> pathlib.Path:
@@ -298,11 +324,12 @@ def default_dir() -> pathlib.Path:
 
 
 def profile_key(model_path: str, draft_path: str, context: int, sampling, book: str,
-                eagle_path: str | None = None, target_precision: dict | None = None) -> dict:
-  """What a stored profile must have been measured for (profile.profile_key: and the machine)."""
+                eagle_path: str | None = None, target_precision: dict | None = None, batch: int = 1) -> dict:
+  """What a stored profile must have been measured for (profile.profile_key: and the machine);
+  batch 1's key names no batch (profiles stored before batches were planned stay valid)."""
   key = dict(profile_lib.profile_key(model_path, draft_path), context=context, book=book,
              sampling=[float(sampling.temperature), float(sampling.top_p), int(sampling.top_k)],
-             **(target_precision or {}))
+             **(target_precision or {}), **({"batch": batch} if batch > 1 else {}))
   if book == CHAT:   # what a chat profile is measured on (a book profile's key predates these)
     from hitree_jax.train.instructions import OPEN_INSTRUCTIONS
     key.update(prompts=f"one per task, and {len(OPEN_INSTRUCTIONS)} open instructions at their context",
@@ -316,17 +343,35 @@ def profile_key(model_path: str, draft_path: str, context: int, sampling, book: 
 def profiled(model: str, draft: str, context: int, sampling, directory: str | pathlib.Path | None = None,
              book: str = "austen", space: Space = Space(), loaded: tuple = (None, None),
              log=lambda message: None, eagle: str | None = None, dtype: str = "float32",
-             key_dtype: str | None = None) -> tuple[dict, pathlib.Path]:
+             key_dtype: str | None = None, batch: int = 1) -> tuple[dict, pathlib.Path]:
   """The profile of (model, draft) at `context` tokens of `book` and this sampling, with the
-  target in `dtype` and its caches' keys in `key_dtype`: stored, or measured and stored (a few
-  minutes on a CPU). loaded: the models if already in memory (the target in that precision);
-  eagle: an EAGLE draft's folder, profiled too (a profile of its own)."""
+  target in `dtype` and its caches' keys in `key_dtype`, for a batch of `batch` rows: stored, or
+  measured and stored (a few minutes on a CPU). loaded: the models if already in memory (the
+  target in that precision); eagle: an EAGLE draft's folder, profiled too (a profile of its own).
+  A batch's profile is batch 1's acceptance (profiled first, or read) with its own timings."""
   from hitree_jax.loading import load_model
   if loaded[0] is not None and precision(loaded[0].config.dtype, loaded[0].config.key_dtype) != precision(dtype, key_dtype):
     raise UsageError(f"the loaded target is in {loaded[0].config.dtype} with keys in "
                      f"{loaded[0].config.cache_key_dtype}, not the profile's {dtype} and {key_dtype or dtype}")
-  path, key = where_kept(model, draft, context, sampling, directory, book, eagle, dtype, key_dtype)
+  path, key = where_kept(model, draft, context, sampling, directory, book, eagle, dtype, key_dtype, batch)
   model_path, draft_path, eagle_path = key["model"], key["draft"], key.get("eagle")
+  if batch > 1:
+    if (stored_profile := profile_lib.stored(path, key)) is not None:
+      return stored_profile, path
+    single, single_path = profiled(model, draft, context, sampling, directory, book, space, loaded, log, eagle,
+                                   dtype, key_dtype)
+
+    def run_batch():
+      from hitree_jax.tokenizer import load_tokenizer
+      log(f"timing {model} + {draft} at a batch of {batch} (once; kept in {path})")
+      target = loaded[0] or load_model(model_path, dtype, key_dtype)
+      drafter = loaded[1] or load_model(draft_path)
+      feature_draft = None if eagle is None else profile_lib.load_eagle(eagle_path, target)
+      prompt = measured_prompts(load_tokenizer(target.path), book, context)[0]
+      return {**single, "batch": batch, "acceptance_from": str(single_path),
+              **measure_costs(target, drafter, prompt, sampling, space, eagle=feature_draft, rows=batch)}
+
+    return profile_lib.cached(path, key, run_batch), path
 
   def run():
     from hitree_jax.decode import engine
@@ -368,23 +413,24 @@ def measured_prompts(tokenizer, book: str, context: int) -> list[list[int]]:
 
 def where_kept(model: str, draft: str, context: int, sampling, directory=None, book: str = "austen",
                eagle: str | None = None, dtype: str = "float32",
-               key_dtype: str | None = None) -> tuple[pathlib.Path, dict]:
+               key_dtype: str | None = None, batch: int = 1) -> tuple[pathlib.Path, dict]:
   """(where the profile of these models and settings is kept, the key it was measured for)."""
   from hitree_jax.loading import resolve
   model_path, draft_path = str(resolve(model)), str(resolve(draft))
   eagle_path = None if eagle is None else str(pathlib.Path(eagle).resolve())
   target_precision = precision(dtype, key_dtype)
   path = profile_path(directory or default_dir(), model_path, draft_path, context, sampling, book, eagle_path,
-                      target_precision)
-  return path, profile_key(model_path, draft_path, context, sampling, book, eagle_path, target_precision)
+                      target_precision, batch)
+  return path, profile_key(model_path, draft_path, context, sampling, book, eagle_path, target_precision, batch)
 
 
 def stored_plan(model: str, draft: str, prompt_length: int, sampling, directory=None, book: str = "austen",
-                dtype: str = "float32", key_dtype: str | None = None) -> tuple[dict, pathlib.Path] | None:
+                dtype: str = "float32", key_dtype: str | None = None,
+                batch: int = 1) -> tuple[dict, pathlib.Path] | None:
   """(the profile, its path) that `plan_for` would plan from, if it was measured already; None
   where it was not (nothing is measured here)."""
   path, key = where_kept(model, draft, nearest_context(prompt_length), sampling, directory, book,
-                         dtype=dtype, key_dtype=key_dtype)
+                         dtype=dtype, key_dtype=key_dtype, batch=nearest_batch(batch))
   profile = profile_lib.stored(path, key)
   return None if profile is None else (profile, path)
 
@@ -392,12 +438,14 @@ def stored_plan(model: str, draft: str, prompt_length: int, sampling, directory=
 def plan_for(model: str, draft: str, prompt_length: int, sampling, directory=None, book: str = "austen",
              loaded: tuple = (None, None), log=lambda message: None,
              min_gain: float = MIN_GAIN, eagle: str | None = None, dtype: str = "float32",
-             key_dtype: str | None = None) -> tuple[Choice, dict, pathlib.Path]:
-  """(the fastest stack, the profile, its path) for a prompt of `prompt_length` tokens: planned
-  from the profile at the nearest of CONTEXTS (and the target's precision, as in `profiled`),
-  measured on first use; eagle: an EAGLE draft's folder, a candidate drafter too."""
+             key_dtype: str | None = None, batch: int = 1) -> tuple[Choice, dict, pathlib.Path]:
+  """(the fastest stack, the profile, its path) for a batch of `batch` prompts of `prompt_length`
+  tokens: planned from the profile at the nearest of CONTEXTS and of BATCHES (and the target's
+  precision, as in `profiled`), measured on first use; eagle: an EAGLE draft's folder, a
+  candidate drafter too."""
   profile, path = profiled(model, draft, nearest_context(prompt_length), sampling, directory, book,
-                           loaded=loaded, log=log, eagle=eagle, dtype=dtype, key_dtype=key_dtype)
+                           loaded=loaded, log=log, eagle=eagle, dtype=dtype, key_dtype=key_dtype,
+                           batch=nearest_batch(batch))
   return choose(profile, float(sampling.temperature) == 0, min_gain=min_gain), profile, path
 
 

@@ -110,19 +110,20 @@ def _first_layers(params, cache: KVCache, k: int):
 
 
 class _Levels:
-  """Each named level's (config, params, long cache, draft vocabulary or None) after a prompt;
-  `timed` times a level's forward, `eagle_long` is an EAGLE draft's cache of the prompt."""
+  """Each named level's (config, params, long cache, draft vocabulary or None) after a prompt,
+  in `rows` copies (a batch: what a round at that batch size reads); `timed` times a level's
+  forward, `eagle_long` is an EAGLE draft's cache of the prompt."""
 
-  def __init__(self, target, draft, prompt: Sequence[int], extra: int, eagle=None):
-    self.target, self.draft, self.eagle, self.prompt = target, draft, eagle, list(prompt)
+  def __init__(self, target, draft, prompt: Sequence[int], extra: int, eagle=None, rows: int = 1):
+    self.target, self.draft, self.eagle, self.prompt, self.rows = target, draft, eagle, list(prompt), rows
     self.slots = prefill_lib.cache_slots(len(prompt), extra, extra=RECENT_SLOTS)
     self.programs = Programs()
     c = target.config
-    self.batch = prefill_lib.make_batch([self.prompt], c, 1)
+    self.batch = prefill_lib.make_batch([self.prompt] * rows, c, 1)
     self.taps = () if eagle is None else eagle.taps
-    _, self.full, *hidden = prefill_lib.prefill(target.params, c, KVCache.init(c, 1, self.slots), self.batch,
+    _, self.full, *hidden = prefill_lib.prefill(target.params, c, KVCache.init(c, rows, self.slots), self.batch,
                                                 self.programs, all_hidden=eagle is not None, taps=self.taps)
-    self.prompt_hidden = hidden[0] if hidden else None   # [1, P', E]: what an EAGLE draft's prefill reads
+    self.prompt_hidden = hidden[0] if hidden else None   # [rows, P', E]: what an EAGLE draft's prefill reads
     self._draft_full = self._eagle_long = None
 
   def eagle_long(self) -> KVCache:
@@ -134,7 +135,7 @@ class _Levels:
       e = self.eagle
       tokens, chunk = prefill_lib.chunked_tokens(self.batch)
       self._eagle_long = eagle_lib.prefill(e.params, e.config, self.target.params["embed_tokens"]["embedding"],
-                                           KVCache.init(e.config, 1, self.slots), tokens, self.prompt_hidden,
+                                           KVCache.init(e.config, self.rows, self.slots), tokens, self.prompt_hidden,
                                            self.batch.lengths, chunk, self.programs)
     return self._eagle_long
 
@@ -149,9 +150,9 @@ class _Levels:
       e, long = self.eagle, self.eagle_long()
       embedding = self.target.params["embed_tokens"]["embedding"]
       return (_timed_eagle_forward(e.config, e.vocab is not None),
-              lambda w: (e.params, embedding, jnp.zeros((1, w), jnp.int32), long))
+              lambda w: (e.params, embedding, jnp.zeros((self.rows, w), jnp.int32), long))
     config, params, long, _ = self[name]
-    return timed_forward(config), lambda w: (params, jnp.zeros((1, w), jnp.int32), long)
+    return timed_forward(config), lambda w: (params, jnp.zeros((self.rows, w), jnp.int32), long)
 
   def draft_full(self, name: str):
     if self.draft is None:
@@ -159,8 +160,9 @@ class _Levels:
     if self._draft_full is None:
       d = self.draft
       ids = self.prompt if d.vocab is None else d.vocab.to_draft(self.prompt).tolist()
-      _, self._draft_full = prefill_lib.prefill(d.params, d.config, KVCache.init(d.config, 1, self.slots),
-                                                prefill_lib.make_batch([ids], d.config, 1), self.programs)
+      _, self._draft_full = prefill_lib.prefill(d.params, d.config, KVCache.init(d.config, self.rows, self.slots),
+                                                prefill_lib.make_batch([ids] * self.rows, d.config, 1),
+                                                self.programs)
     return self._draft_full
 
   def __getitem__(self, name: str):
@@ -169,7 +171,7 @@ class _Levels:
       return t.config, t.params, self.full, None
     level = spec.parse_level(name)
     if level.kind == "retrieval" and not level.retrieval.reselect:
-      last = jnp.asarray([self.prompt[-1]], jnp.int32)
+      last = jnp.full((self.rows,), self.prompt[-1], jnp.int32)
       selected = long_caches.select_retrieval(t.params, t.config, self.full, last, level.budget,
                                               level.retrieval.chunk, self.slots - len(self.prompt), 1)
       return t.config, t.params, selected, None
@@ -187,13 +189,15 @@ class _Levels:
 
 
 def level_costs(target, draft, names: Sequence[str], prompt: Sequence[int], widths: Sequence[int],
-                repeats: int = 10, eagle=None) -> dict:
+                repeats: int = 10, eagle=None, rows: int = 1) -> dict:
   """{level name: {width: seconds}} at the context of `prompt` (token ids of the target), the
   median of `repeats` timings, the widths of a level interleaved: a machine's drift (another
   process, the clock) then spreads over them all instead of bending the curve.
   target, draft: loading.LoadedModel (draft may be None when no name needs one); eagle:
-  load_eagle's, for the level 'eagle'."""
-  levels = _Levels(target, draft, prompt, 0, eagle)
+  load_eagle's, for the level 'eagle'; rows: the batch a forward runs (its w tokens in each of
+  `rows` rows, over `rows` caches: measured, since a batch's forward is not `rows` times one
+  row's, nor one row's)."""
+  levels = _Levels(target, draft, prompt, 0, eagle, rows)
   out = {}
   for name in names:
     run, args_of = levels.timed(name)
@@ -211,7 +215,7 @@ def level_costs(target, draft, names: Sequence[str], prompt: Sequence[int], widt
 
 
 def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int = 512,
-                    max_new_tokens: int = 96, costs: dict | None = None) -> dict:
+                    max_new_tokens: int = 96, costs: dict | None = None, rows: int = 1) -> dict:
   """latency.Overheads' fields, fitted to whole generations of five reference stacks:
 
     draft/chain:1, draft/chain:4, draft/kary:2x2, draft@streaming:16x234/chain:1+retrieval:BUDGET/6,
@@ -227,7 +231,8 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
   rounds timed alone (engine.generate's time_levels), so the loop's own cost is in, and the
   noise of a few milliseconds per timing averages out over ~100 tokens. (A per-token term came
   out negative here: not resolved by these widths, and left out.) costs: level_costs already
-  measured at this prompt (the forwards it needs are timed only where missing)."""
+  measured at this prompt and batch (the forwards it needs are timed only where missing); rows:
+  the batch, `rows` copies of the prompt, every round's forwards and overheads paid once for all."""
   from hitree_jax.decode.drafters import DraftWeights
   from hitree_jax.planner.latency import affine, tree_draft_seconds
 
@@ -241,25 +246,25 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
   costs = dict(costs or {})
   missing = [n for n in ("target", retrieval, "draft", streaming) if n not in costs]
   if missing:
-    costs.update(level_costs(t, d, missing, prompt, [1, 2, 4, 8]))
+    costs.update(level_costs(t, d, missing, prompt, [1, 2, 4, 8], rows=rows))
   curve = {name: affine(points) for name, points in costs.items()}
-  programs, rows, rest = Programs(), [], []
+  programs, equations, rest = Programs(), [], []
   for names, stack in measured:
-    runs = [engine.generate(t.params, t.config, [list(prompt)], max_new_tokens=max_new_tokens, stack=stack,
+    runs = [engine.generate(t.params, t.config, [list(prompt)] * rows, max_new_tokens=max_new_tokens, stack=stack,
                             sampling=sampling, stop_at_eos=False, draft=weights, programs=programs)
             for _ in range(2)]
     run = min(runs, key=lambda r: r.decode_s)
     proposals = run.levels[0]["forwards"]
     seconds = run.decode_s - proposals * tree_draft_seconds(stack.tree, curve.get(names[0]))
     is_tree = stack.tree.max_branching > 1
-    row = [proposals * stack.tree.max_depth * (names[0] in curve), 0.0, proposals * is_tree]
-    for level in run.levels:  # level 1 verifies the whole tree; above, the buffers' mean length
-      width = stack.tree.size + 1 if level["level"] == 1 else level["proposed"] / level["forwards"] + 1
+    equation = [proposals * stack.tree.max_depth * (names[0] in curve), 0.0, proposals * is_tree]
+    for level in run.levels:  # level 1 verifies the whole tree; above, the buffers' mean length (a row's)
+      width = stack.tree.size + 1 if level["level"] == 1 else level["proposed"] / level["forwards"] / rows + 1
       seconds -= level["forwards"] * curve[names[level["level"]]](width)
-      row[1] += level["forwards"]
-    rows.append(row)
+      equation[1] += level["forwards"]
+    equations.append(equation)
     rest.append(seconds)
-  fit = nonnegative_least_squares(np.array(rows), np.array(rest))
+  fit = nonnegative_least_squares(np.array(equations), np.array(rest))
   return {"draft_forward": float(fit[0]), "verify": float(fit[1]), "tree": float(fit[2])}
 
 
@@ -281,12 +286,13 @@ def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
   return best
 
 
-def ar_seconds(target, prompt: Sequence[int], max_new_tokens: int = 96) -> float:
-  """Seconds per token of plain decoding (`ar`) after `prompt`: what every stack must beat."""
+def ar_seconds(target, prompt: Sequence[int], max_new_tokens: int = 96, rows: int = 1) -> float:
+  """Seconds per token of a row of plain decoding (`ar`) after `prompt`, in a batch of `rows`
+  copies (a step's seconds: every row gains a token): what every stack must beat."""
   programs = Programs()
-  runs = [engine.generate(target.params, target.config, [list(prompt)], max_new_tokens=max_new_tokens,
+  runs = [engine.generate(target.params, target.config, [list(prompt)] * rows, max_new_tokens=max_new_tokens,
                           stop_at_eos=False, programs=programs) for _ in range(2)]
-  return 1.0 / max(r.decode_tokens_per_s for r in runs)
+  return rows / max(r.decode_tokens_per_s for r in runs)
 
 
 def _continuation_probs(config, params, long, vocab, tokens, target_vocab: int, sampling, taps=()):
