@@ -349,7 +349,7 @@ def main(argv):
       rows.append({
           "method": method.label, "prompt_tokens": n_tokens, **({"batch_size": size} if size != 1 else {}),
           "runs": runs, "compile_s": warm.compile_s, **stack_shape(method.stack),
-          **(prediction(model, method, n_tokens, sampling) if FLAGS.predict and size == 1 else {}),
+          **(prediction(model, method, n_tokens, sampling, size) if FLAGS.predict else {}),
           "median_decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in runs),
           "median_mean_accepted": statistics.median(accepted) if accepted else None,
           "median_prefill_s": statistics.median(x["prefill_s"] for x in runs)})
@@ -411,23 +411,24 @@ def planned_auto(model, n_tokens: int, sampling, size: int, text: str):
       method, label=f"{method.label} (planned for {n_tokens} prompt tokens)")
 
 
-def prediction(model, method, n_tokens: int, sampling) -> dict:
-  """The planner's prediction for this method's stack at this length ({} for ar, or a stack
-  outside the profile's levels: say why in the log)."""
+def prediction(model, method, n_tokens: int, sampling, size: int) -> dict:
+  """The planner's prediction for this method's stack at this length and batch size, in tokens
+  per second over all rows ({} for ar, or a stack outside the profile's levels: say why in the log)."""
   if method.levels is None:
     return {}
   from hitree_jax.planner import auto
   eagle = methods_lib.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   profile, _ = auto.profiled(FLAGS.model, FLAGS.draft, auto.nearest_context(n_tokens), sampling,
                              book=FLAGS.book, loaded=(model, None), log=logging.info, eagle=eagle,
-                             dtype=model.config.dtype, key_dtype=model.config.key_dtype)
+                             dtype=model.config.dtype, key_dtype=model.config.key_dtype,
+                             batch=auto.nearest_batch(size))
   try:
     got = auto.predict(profile, FLAGS.temperature == 0,
                        auto.in_profile_names(method.levels, FLAGS.draft, eagle), method.tree)
   except ValueError as e:
     logging.info("no prediction for %s: %s", method.label, e)
     return {}
-  return {"predicted_tokens_per_s": 1 / got.seconds_per_token,
+  return {"predicted_tokens_per_s": size / got.seconds_per_token,   # over all rows, as measured
           "predicted_tokens_per_target_forward": got.tokens_per_target_forward}
 
 

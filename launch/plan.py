@@ -225,13 +225,17 @@ def plan_for(context: int, batch: int, eagle):
 def plan_grid(contexts: list[int], batches: list[int], eagle) -> None:
   """One plan per (context, batch) cell, as a table (speeds per row; a batch's throughput is
   the batch times them)."""
-  print("| prompt tokens | batch | chosen | predicted tok/s per row | ar tok/s per row | x ar | profile |")
-  print("|---|---|---|---|---|---|---|")
+  from hitree_jax.planner import auto
+  print("| prompt tokens | batch | chosen | predicted tok/s per row | ar tok/s per row | x ar | fastest stack | "
+        "its x ar | profile |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for context, batch in itertools.product(contexts, batches):
     choice, profile, path = plan_for(context, batch, eagle)
     chosen = f"hsd/{choice.levels}" if choice.levels else "ar"
+    fastest = 1 / choice.best_stack.exact.seconds_per_token
     print(f"| {profile['context']} | {profile.get('batch', 1)} | `{chosen}` | {choice.predicted_tokens_per_s:.1f} | "
-          f"{choice.ar_tokens_per_s:.1f} | {choice.predicted_tokens_per_s / choice.ar_tokens_per_s:.2f}x | {path} |")
+          f"{choice.ar_tokens_per_s:.1f} | {choice.predicted_tokens_per_s / choice.ar_tokens_per_s:.2f}x | "
+          f"`hsd/{auto.levels_of(choice.best_stack)}` | {fastest / choice.ar_tokens_per_s:.2f}x | {path} |")
 
 
 def plan_one(context: int, batch: int, eagle) -> None:

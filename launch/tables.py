@@ -89,10 +89,11 @@ def prediction_markdown(rows) -> str:
   errors = prediction_errors(rows)
   if not errors:
     return ""
-  lines = ["| method | prompt tokens | measured tok/s | predicted tok/s | error | measured / predicted "
-           "tokens per target forward |", "|---|---|---|---|---|---|"]
+  lines = ["| method | prompt tokens | batch | measured tok/s | predicted tok/s | error | measured / predicted "
+           "tokens per target forward |", "|---|---|---|---|---|---|---|"]
   for r, e in errors:
-    lines.append(f"| {r['method']} | {r['prompt_tokens']} | {r['median_decode_tokens_per_s']:.1f} | "
+    lines.append(f"| {r['method']} | {r['prompt_tokens']} | {r.get('batch_size', 1)} | "
+                 f"{r['median_decode_tokens_per_s']:.1f} | "
                  f"{r['predicted_tokens_per_s']:.1f} | {e:+.0%} | {r['median_mean_accepted'] or 1:.2f} / "
                  f"{r['predicted_tokens_per_target_forward']:.2f} |")
   within = sum(abs(e) <= 0.15 for _, e in errors)

@@ -95,6 +95,7 @@ CONTINUATION = 64   # tokens of the target's own text after a book passage, wher
 # After a chat prompt, the target's whole answer, to its end of turn or this many tokens (Spec-Bench's
 # max_new_tokens): prompt lookup accepts an answer's repeats of itself, which a short piece misses.
 CHAT_ANSWER = 256
+GENERATED = 96   # tokens of each generation the overheads and `ar` are timed on, at batch 1
 
 
 def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
@@ -124,10 +125,11 @@ def measure_costs(target, draft, prompt: Sequence[int], sampling, space: Space =
   budgets = [_budget(m) for m in space.middles if _is_retrieval(m)]
   costs = profile_lib.level_costs(target, draft, _model_levels(space.levels()), prompt, space.widths, repeats,
                                   eagle, rows)
+  new_tokens = max(GENERATED // rows, 32)   # a batch's rows average its timings' noise too
   return {"costs": costs,
           "overheads": profile_lib.round_overheads(target, draft, prompt, sampling, budget=min(budgets, default=256),
-                                                   costs=costs, rows=rows),
-          "ar_seconds": profile_lib.ar_seconds(target, prompt, rows=rows)}
+                                                   max_new_tokens=new_tokens, costs=costs, rows=rows),
+          "ar_seconds": profile_lib.ar_seconds(target, prompt, new_tokens, rows)}
 
 
 def _space_of(context: int, eagle, space: Space) -> Space:

@@ -56,6 +56,11 @@ from hitree_jax.train.metrics import PROFILE_RANKS
 
 
 FORWARDS_PER_CALL = 8  # a timed call runs this many forwards in one program
+# A level's timings stop after this many seconds once each width has MIN_REPEATS: a batch of 16
+# rows' 16-token forward takes 0.7 s here, and ten repeats of its five widths took minutes per
+# level. At batch 1 every level of SmolLM2 up to 2K tokens finishes its repeats within it.
+LEVEL_SECONDS = 20.0
+MIN_REPEATS = 3
 
 
 def timed_forward(config):
@@ -191,8 +196,9 @@ class _Levels:
 def level_costs(target, draft, names: Sequence[str], prompt: Sequence[int], widths: Sequence[int],
                 repeats: int = 10, eagle=None, rows: int = 1) -> dict:
   """{level name: {width: seconds}} at the context of `prompt` (token ids of the target), the
-  median of `repeats` timings, the widths of a level interleaved: a machine's drift (another
-  process, the clock) then spreads over them all instead of bending the curve.
+  median of `repeats` timings (fewer, at least MIN_REPEATS, past LEVEL_SECONDS), the widths of a
+  level interleaved: a machine's drift (another process, the clock) then spreads over them all
+  instead of bending the curve.
   target, draft: loading.LoadedModel (draft may be None when no name needs one); eagle:
   load_eagle's, for the level 'eagle'; rows: the batch a forward runs (its w tokens in each of
   `rows` rows, over `rows` caches: measured, since a batch's forward is not `rows` times one
@@ -204,8 +210,10 @@ def level_costs(target, draft, names: Sequence[str], prompt: Sequence[int], widt
     calls = {w: args_of(w) for w in widths}
     for args in calls.values():
       jax.block_until_ready(run(*args))                      # compiles and warms up
-    times = {w: [] for w in widths}
-    for _ in range(repeats):
+    times, started = {w: [] for w in widths}, time.perf_counter()
+    for done in range(repeats):
+      if done >= MIN_REPEATS and time.perf_counter() - started > LEVEL_SECONDS:
+        break
       for w, args in calls.items():
         start = time.perf_counter()
         jax.block_until_ready(run(*args))
