@@ -311,7 +311,7 @@ def nearest_context(length: int) -> int:
 
 
 def nearest_batch(rows: int) -> int:
-  """The profiled batch size nearest `rows` by ratio (a round's cost grows slowly with rows)."""
+  """The profiled batch size nearest `rows` by ratio (BATCHES: each is timed on its own)."""
   if rows < 1:
     raise UsageError(f"a batch of {rows} rows: it must hold at least one")
   return min(BATCHES, key=lambda b: abs(math.log(b / rows)))

@@ -224,14 +224,17 @@ def level_costs(target, draft, names: Sequence[str], prompt: Sequence[int], widt
 
 def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int = 512,
                     max_new_tokens: int = 96, costs: dict | None = None, rows: int = 1) -> dict:
-  """latency.Overheads' fields, fitted to whole generations of five reference stacks:
+  """latency.Overheads' fields, fitted to whole generations of six reference stacks:
 
     draft/chain:1, draft/chain:4, draft/kary:2x2, draft@streaming:16x234/chain:1+retrieval:BUDGET/6,
-    ngram:3/chain:2+draft/3
+    ngram:3/chain:2+draft/3, ngram:3/chain:4
 
-  In each, the decode seconds less its forwards' (level_costs at each level's mean width) are
-  the model drafter's forwards x draft_forward + verifying rounds x verify + rounds verifying a
-  tree x tree: five equations, three unknowns, least squares. The last stack runs several cheap
+  In each, the decode seconds less its forwards' (level_costs at each level's mean width; an
+  n-gram's verifier at its mean offer) are the model drafter's forwards x draft_forward +
+  verifying rounds x verify + rounds verifying a tree x tree: six equations, three unknowns,
+  least squares. The last runs no draft forward, so it pins `verify` apart from `draft_forward`,
+  which every other stack pays with it (at 512 tokens, fitted without it: draft_forward 0 and
+  verify 7.1 ms, and prompt lookup's rounds predicted 20% dear). The last stack runs several cheap
   rounds of its middle level per target forward, as deep stacks do, so its rows pin `verify`
   down where the others (few rounds, each mostly forward) leave it to the forwards' noise: fitted
   without it, verify came out 1.2-3.1 ms across context lengths (a four-level stack pays it about
@@ -248,7 +251,7 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
   weights = DraftWeights.create(d.params, d.vocab)
   retrieval, streaming = f"retrieval:{budget}", "draft@streaming:16x234"
   specs = ["draft/chain:1", "draft/chain:4", "draft/kary:2x2", f"{streaming}/chain:1+{retrieval}/6",
-           "ngram:3/chain:2+draft/3"]
+           "ngram:3/chain:2+draft/3", "ngram:3/chain:4"]
   measured = [([*map(str, levels.levels), "target"], stacks.build(levels, t.config, d.config, d.vocab))
               for levels in map(spec.parse, specs)]
   costs = dict(costs or {})
@@ -266,8 +269,10 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
     seconds = run.decode_s - proposals * tree_draft_seconds(stack.tree, curve.get(names[0]))
     is_tree = stack.tree.max_branching > 1
     equation = [proposals * stack.tree.max_depth * (names[0] in curve), 0.0, proposals * is_tree]
+    offers = names[0].startswith("ngram")   # its verifier runs the narrowest width holding the offer
     for level in run.levels:  # level 1 verifies the whole tree; above, the buffers' mean length (a row's)
-      width = stack.tree.size + 1 if level["level"] == 1 else level["proposed"] / level["forwards"] / rows + 1
+      whole = level["level"] == 1 and not offers
+      width = stack.tree.size + 1 if whole else level["proposed"] / level["forwards"] / rows + 1
       seconds -= level["forwards"] * curve[names[level["level"]]](width)
       equation[1] += level["forwards"]
     equations.append(equation)
