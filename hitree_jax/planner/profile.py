@@ -232,9 +232,9 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
   In each, the decode seconds less its forwards' (level_costs at each level's mean width; an
   n-gram's verifier at its mean offer) are the model drafter's forwards x draft_forward +
   verifying rounds x verify + rounds verifying a tree x tree: six equations, three unknowns,
-  least squares. The last runs no draft forward, so it pins `verify` apart from `draft_forward`,
-  which every other stack pays with it (at 512 tokens, fitted without it: draft_forward 0 and
-  verify 7.1 ms, and prompt lookup's rounds predicted 20% dear). The last stack runs several cheap
+  least squares. ngram:3/chain:4 runs no draft forward, so it pins `verify` apart from
+  `draft_forward`, which every other stack pays with it (at 512 tokens, fitted without it:
+  draft_forward 0 and verify 7.1 ms). ngram:3/chain:2+draft/3 runs several cheap
   rounds of its middle level per target forward, as deep stacks do, so its rows pin `verify`
   down where the others (few rounds, each mostly forward) leave it to the forwards' noise: fitted
   without it, verify came out 1.2-3.1 ms across context lengths (a four-level stack pays it about
