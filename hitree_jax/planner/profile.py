@@ -58,7 +58,8 @@ from hitree_jax.train.metrics import PROFILE_RANKS
 FORWARDS_PER_CALL = 8  # a timed call runs this many forwards in one program
 # A level's timings stop after this many seconds once each width has MIN_REPEATS: a batch of 16
 # rows' 16-token forward takes 0.7 s here, and ten repeats of its five widths took minutes per
-# level. At batch 1 every level of SmolLM2 up to 2K tokens finishes its repeats within it.
+# level. At batch 1 and 512 tokens SmolLM2's target takes about 19 s for its ten; a longer context
+# or a larger batch gets fewer (three at least).
 LEVEL_SECONDS = 20.0
 MIN_REPEATS = 3
 
