@@ -11,6 +11,7 @@ fastest stack against `ar`; `predict` scores any stack.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import pathlib
 from typing import Sequence
@@ -357,33 +358,22 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
                      f"{loaded[0].config.cache_key_dtype}, not the profile's {dtype} and {key_dtype or dtype}")
   path, key = where_kept(model, draft, context, sampling, directory, book, eagle, dtype, key_dtype, batch)
   model_path, draft_path, eagle_path = key["model"], key["draft"], key.get("eagle")
-  if batch > 1:
-    if (stored_profile := profile_lib.stored(path, key)) is not None:
-      return stored_profile, path
-    single, single_path = profiled(model, draft, context, sampling, directory, book, space, loaded, log, eagle,
-                                   dtype, key_dtype)
 
-    def run_batch():
-      from hitree_jax.tokenizer import load_tokenizer
-      log(f"timing {model} + {draft} at a batch of {batch} (once; kept in {path})")
-      target = loaded[0] or load_model(model_path, dtype, key_dtype)
-      drafter = loaded[1] or load_model(draft_path)
-      feature_draft = None if eagle is None else profile_lib.load_eagle(eagle_path, target)
-      prompt = measured_prompts(load_tokenizer(target.path), book, context)[0]
-      return {**single, "batch": batch, "acceptance_from": str(single_path),
-              **measure_costs(target, drafter, prompt, sampling, space, eagle=feature_draft, rows=batch)}
-
-    return profile_lib.cached(path, key, run_batch), path
-
-  def run():
-    from hitree_jax.decode import engine
+  @functools.cache
+  def models_and_prompts():
+    """(target, draft model, EAGLE draft or None, the measured prompts): loaded once, for batch 1's
+    profile and a batch's alike."""
     from hitree_jax.tokenizer import load_tokenizer
-    log(f"profiling {' + '.join([model, draft, *([f'eagle:{eagle}'] if eagle else [])])} at {context} "
-        f"tokens of {book} (once; kept in {path})")
     target = loaded[0] or load_model(model_path, dtype, key_dtype)
     drafter = loaded[1] or load_model(draft_path)
     feature_draft = None if eagle is None else profile_lib.load_eagle(eagle_path, target)
-    prompts = measured_prompts(load_tokenizer(target.path), book, context)
+    return target, drafter, feature_draft, measured_prompts(load_tokenizer(target.path), book, context)
+
+  def run():
+    from hitree_jax.decode import engine
+    log(f"profiling {' + '.join([model, draft, *([f'eagle:{eagle}'] if eagle else [])])} at {context} "
+        f"tokens of {book} (once; kept in {single_path})")
+    target, drafter, feature_draft, prompts = models_and_prompts()
     # The target's own text, as a stack meets it: sampled when the plan is for sampling.
     chat = book == CHAT
     continuations = [engine.generate(target.params, target.config, [p], sampling=sampling, seed=i,
@@ -391,7 +381,20 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
                                      stop_at_eos=chat).tokens[0] for i, p in enumerate(prompts)]
     return measure(target, drafter, prompts, continuations, sampling, space, eagle=feature_draft)
 
-  return profile_lib.cached(path, key, run), path
+  def run_batch():
+    log(f"timing {model} + {draft} at a batch of {batch} (once; kept in {path})")
+    target, drafter, feature_draft, prompts = models_and_prompts()
+    return {**single, "batch": batch, "acceptance_from": str(single_path),
+            **measure_costs(target, drafter, prompts[0], sampling, space, eagle=feature_draft, rows=batch)}
+
+  if batch == 1:
+    single_path = path
+    return profile_lib.cached(path, key, run), path
+  if (stored_profile := profile_lib.stored(path, key)) is not None:
+    return stored_profile, path
+  single_path, single_key = where_kept(model, draft, context, sampling, directory, book, eagle, dtype, key_dtype)
+  single = profile_lib.cached(single_path, single_key, run)
+  return profile_lib.cached(path, key, run_batch), path
 
 
 def measured_prompts(tokenizer, book: str, context: int) -> list[list[int]]:
