@@ -148,7 +148,7 @@ def shapes_stack(shapes, target: ModelConfig, draft: ModelConfig | None) -> Stac
   if shapes.get("levels"):
     return stacks.build(shapes.levels, target, draft)
   levels = spec.Levels(spec.Level.of(spec.DraftModel(), Streaming(shapes.sinks, shapes.window)),
-                       f"chain:{shapes.gamma1}", ((spec.Level.of(Retrieval(shapes.budget)), shapes.gamma2),))
+                       spec.Chain(shapes.gamma1), ((spec.Level.of(Retrieval(shapes.budget)), shapes.gamma2),))
   return stacks.build(levels, target, draft)
 
 

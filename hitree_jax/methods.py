@@ -215,7 +215,7 @@ def _levels_of(name: str, rest: str, knobs: Knobs) -> spec_lib.Levels:
   if name == "sd":
     return spec_lib.Levels(bottom, _chain(shape or str(knobs.gamma)))
   if name == "tree":
-    return spec_lib.Levels(bottom, shape or knobs.tree or "kary:2x2")
+    return spec_lib.Levels(bottom, spec_lib.parse_tree(shape or knobs.tree or "kary:2x2"))
   if not isinstance(bottom.source, spec_lib.DraftModel) or bottom.cache is not None:
     raise UsageError(f"--method={name} drafts with a draft model over a StreamingLLM cache (--sinks, "
                      f"--window): give --draft=PATH (e.g. drafts/smollm2-draft.gguf), not {draft}; "
@@ -223,16 +223,17 @@ def _levels_of(name: str, rest: str, knobs: Knobs) -> spec_lib.Levels:
   from hitree_jax.cache.kinds import Streaming
   defaults = HIERARCHY_DEFAULTS[name]
   bottom = dataclasses.replace(bottom, cache=Streaming(knobs.sinks, knobs.window))
-  tree = f"chain:{knobs.gamma1 or defaults['gamma1']}" if name == "triforce" else shape or knobs.tree or defaults["tree"]
+  tree = (spec_lib.Chain(knobs.gamma1 or defaults["gamma1"]) if name == "triforce"
+          else spec_lib.parse_tree(shape or knobs.tree or defaults["tree"]))
   return spec_lib.Levels(bottom, tree, ((spec_lib.Level.of(_retrieval(knobs)), knobs.gamma2 or defaults["gamma2"]),))
 
 
-def _chain(gamma: str) -> str:
+def _chain(gamma: str) -> spec_lib.Chain:
   """A chain of `gamma` draft tokens, the tree of sd and retrieval."""
   from hitree_jax.tree.shapes import MAX_TREE_NODES
   if not gamma.lstrip("-").isdigit() or not 1 <= int(gamma) <= MAX_TREE_NODES:
     raise UsageError(f"gamma={gamma} must be an integer in [1, {MAX_TREE_NODES}] (draft tokens per round)")
-  return f"chain:{gamma}"
+  return spec_lib.Chain(int(gamma))
 
 
 def _retrieval(knobs: Knobs):
@@ -250,7 +251,6 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
   sd/drafts/smollm2-draft.gguf/3 (a draft model: any path the loaders read, [,mode]),
   hitree/drafts/smollm2-draft.gguf/kary:3x2, hsd/ngram:3/chain:2+draft/4+retrieval:1024/6.
   """
-  from hitree_jax.tree import shapes as tree_lib
   name, _, rest = spec.partition("/")
   if name not in METHODS or (name == "ar" and rest):
     raise UsageError(f"method {spec!r} is not available; use ar, sd[/DRAFT[/GAMMA]], "
@@ -299,10 +299,9 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
       raise UsageError(f"{str(parsed)!r} names a draft model: give its path (--draft=PATH)")
     from hitree_jax.loading import resolve
     draft_path = str(resolve(path))  # FileNotFoundError naming it, before any load
-  token_tree = tree_lib.parse_tree_spec(parsed.tree_spec)
-  if isinstance(token_tree, tuple):  # ("sequoia", budget, depth)
-    profile = acceptance_profile(knobs.acceptance, draft_path, greedy)
-    token_tree = tree_lib.from_acceptance(profile, *token_tree[1:])
+  acceptance = (acceptance_profile(knobs.acceptance, draft_path, greedy)
+                if isinstance(parsed.tree, spec_lib.Sequoia) else None)
+  token_tree = parsed.tree.topology(acceptance)
   label = _label(name, rest, knobs, shape, parsed) + (f"/aside:{step_aside}" if step_aside else "")
   return Method(name, label, parsed, token_tree, draft_path, mode, heads=heads, step_aside=step_aside)
 
@@ -406,9 +405,9 @@ def preset_advice(method: Method, model: str, prompt_length: int, sampling, dtyp
   return None
 
 
-def _label(name: str, rest: str, knobs: Knobs, shape: str, levels: spec_lib.Levels) -> str:
+def _label(name: str, rest: str, knobs: Knobs, shape: spec_lib.TreeSpec, levels: spec_lib.Levels) -> str:
   """sd/DRAFT/GAMMA and tree/DRAFT/TREE, as typed; a hierarchy by its levels."""
   if name in ("sd", "tree"):
     draft = _split_draft_and_shape(rest)[0] if rest else knobs.draft
-    return f"{name}/{draft}/{shape.removeprefix('chain:') if name == 'sd' else shape}"
+    return f"{name}/{draft}/{shape.length if name == 'sd' else shape}"
   return f"{name}/{levels}"

@@ -59,10 +59,7 @@ def build(levels: spec.Levels | str, target: ModelConfig, draft: ModelConfig | N
   if isinstance(levels, str):
     levels = spec.parse(levels)
   if tree is None:
-    tree = tree_lib.parse_tree_spec(levels.tree_spec)
-    if isinstance(tree, tuple):
-      raise UsageError(f"{levels.tree!r}: a sequoia tree is built from the draft's acceptance "
-                       "profile; pass the tree (tree.shapes.from_acceptance)")
+    tree = levels.tree.topology()   # a sequoia tree refuses: it needs the acceptance (methods.py)
   stack = Stack(drafter(levels.drafter, target, draft, draft_vocab), tree,
                 tuple(verifier(level, gamma) for level, gamma in levels.middles),
                 draft=draft, step_aside=step_aside)

@@ -116,16 +116,17 @@ PAPER_WIDTHS = (1, 8, 16)   # a level's roofline is affine in its width (planner
 
 def cost_of(levels, name: str, context: int, tail: int) -> dict[int, float]:
   """{width: roofline seconds} of a level, by its profile name."""
-  from hitree_jax.decode import spec
   from hitree_jax.cache.kinds import Streaming
-  level = spec.parse_level(name)
-  if name == "target":
+  from hitree_jax.decode import spec
+  from hitree_jax.planner import auto
+  level = auto.level_named(name)
+  if level == auto.TARGET:
     costs = levels.target_full(context, PAPER_WIDTHS)
-  elif name == "eagle":
+  elif level == auto.EAGLE:
     costs = levels.eagle(context, PAPER_WIDTHS)
   elif level.kind == "retrieval":
     costs = levels.retrieval(context, level.budget, 8, tail, PAPER_WIDTHS)
-  elif level.name == "draft" and isinstance(level.cache, Streaming):
+  elif level.source == spec.DraftModel() and isinstance(level.cache, Streaming):
     costs = levels.draft_streaming(context, level.cache.sinks, level.cache.window, PAPER_WIDTHS)
   else:
     raise UsageError(f"--acceptance: level {name!r} cannot be costed on paper (target, retrieval:B, "

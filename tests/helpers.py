@@ -87,10 +87,11 @@ def synthetic_profile(context=512, space=None):
   quality = {"target": 1.0, "retrieval:256": 0.9, "retrieval:512": 0.93, "retrieval:1024": 0.95,
              "self:8": 0.1, "draft": 0.45, "draft@streaming:16x234": 0.4, "ngram:3": 0.3, "eagle": 0.7}
   costs = {name: {str(w): base[name] * (1 + 0.08 * (w - 1)) for w in space.widths}
-           for name in space.levels() if name in base}
+           for name in map(str, space.levels()) if name in base}
   acceptance = {}
   for verifier, proposer in space.pairs():
-    a = quality[proposer] / quality[verifier] if quality[proposer] < quality[verifier] else 0.95
+    quality_of = lambda level: quality[str(level)]
+    a = quality_of(proposer) / quality_of(verifier) if quality_of(proposer) < quality_of(verifier) else 0.95
     ranks = [a] + [(1 - a) * 0.5 ** r for r in range(1, 8)]   # p(x_r) of distinct tokens: sum <= 1
     acceptance[f"{verifier}<-{proposer}"] = {"alpha": a, "greedy": a, "profile": ranks, "greedy_profile": ranks}
   return {"context": context, "costs": costs, "acceptance": acceptance,

@@ -11,7 +11,6 @@ import zipfile
 import pytest
 
 from hitree_jax import errors, shipped, topology
-from hitree_jax.tree import shapes as tree_lib
 
 from tests.helpers import REPO, real_model_environ
 README = (REPO / "README.md").read_text()
@@ -299,14 +298,6 @@ def test_draft_with_another_tokenizer_is_refused(tmp_path):
                 env={"HITREE_COMPILE_CACHE": "off"})
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "has a different tokenizer from the target's" in proc.stderr
-
-
-def test_tree_spec_size_is_checked_before_building():
-  with pytest.raises(ValueError, match="asks for 1022 nodes"):
-    tree_lib.parse_tree_spec("kary:2x9")
-  assert tree_lib.parse_tree_spec("kary:2x8").size == 510
-  with pytest.raises(ValueError, match="asks for 600 nodes"):
-    tree_lib.parse_tree_spec("dynamic:10,600")
 
 
 # ---- the persistent compilation cache ----

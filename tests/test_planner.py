@@ -194,12 +194,23 @@ def tiny_pair():
   return model(config, 0), model(config.replace(num_layers=1), 1)
 
 
+def typed(pairs):
+  """(verifier, proposer) pairs of levels from their names in a profile."""
+  return [tuple(map(profile.level_named, pair)) for pair in pairs]
+
+
+def by_name(pairs):
+  """(verifier, proposer) pairs of levels by their names in a profile."""
+  return [tuple(map(str, pair)) for pair in pairs]
+
+
 def test_profile_times_every_kind_of_level_and_is_reused(tmp_path, tiny_pair):
   target, draft = tiny_pair
   names = ["target", "retrieval:64", "self:1", "draft", "draft@streaming:4x28"]
   prompt = list(np.arange(300) % 64)
   key = profile.profile_key("tiny", "tiny-draft")
-  measure = lambda: {"300": profile.level_costs(target, draft, names, prompt, widths=[1, 4], repeats=2)}
+  levels = list(map(profile.level_named, names))
+  measure = lambda: {"300": profile.level_costs(target, draft, levels, prompt, widths=[1, 4], repeats=2)}
   got = profile.cached(tmp_path / "p.json", key, measure)
   assert sorted(got["300"]) == sorted(names)
   assert all(set(curve) == {"1", "4"} and all(s > 0 for s in curve.values()) for curve in got["300"].values())
@@ -211,7 +222,7 @@ def test_profile_times_every_kind_of_level_and_is_reused(tmp_path, tiny_pair):
   other = dict(key, jax="0.0")
   assert profile.cached(tmp_path / "p.json", other, lambda: {"x": 1}) == {"x": 1}  # another key: measured
   with pytest.raises(ValueError, match="unknown level 'tree'"):
-    profile.level_costs(target, draft, ["tree"], prompt, widths=[1])
+    profile.level_costs(target, draft, [profile.level_named("tree")], prompt, widths=[1])
 
 
 def test_a_torn_profile_is_measured_again_and_an_interrupted_write_keeps_the_old_one(tmp_path, monkeypatch):
@@ -275,7 +286,7 @@ def test_pair_acceptance_is_one_for_a_level_and_itself_and_less_for_a_draft(tiny
   prompt, continuation = list(np.arange(200) % 64), list(np.arange(24) * 7 % 64)
   pairs = [("target", "target"), ("target", "retrieval:256"), ("target", "draft"),
            ("retrieval:64", "draft@streaming:4x28")]
-  got = profile.pair_acceptance(target, draft, pairs, prompt, continuation, SamplingParams.create(0.8))
+  got = profile.pair_acceptance(target, draft, typed(pairs), prompt, continuation, SamplingParams.create(0.8))
   for same in ("target<-target", "target<-retrieval:256"):   # 256 slots keep the whole context
     assert got[same]["alpha"] == pytest.approx(1.0, abs=1e-5) and got[same]["greedy"] == 1.0
   for pair in ("target<-draft", "retrieval:64<-draft@streaming:4x28"):
@@ -318,7 +329,7 @@ def test_prompt_lookups_acceptance_compares_its_proposal_with_the_targets_for_th
   text = engine.generate(target.params, target.config, [prompt], max_new_tokens=49,
                          stop_at_eos=False).tokens[0]           # greedy: row k's argmax is text[k + 1]
   continuation = text[:48]
-  record = profile.pair_acceptance(target, None, [("target", "ngram:3")], prompt, continuation,
+  record = profile.pair_acceptance(target, None, typed([("target", "ngram:3")]), prompt, continuation,
                                    SamplingParams.create())["target<-ngram:3"]
   proposals = [profile.ngram_proposals(prompt + text[:k + 1], len(prompt) + k + 1, 3)[0] for k in range(48)]
   aligned = np.mean([proposals[k] == text[k + 1] for k in range(48)])
@@ -332,7 +343,7 @@ def test_prompt_lookups_acceptance_compares_its_proposal_with_the_targets_for_th
   # continuation[k] the lookup proposes continuation[k + 1], the token the verifier's row k predicts.
   prompt = list(np.random.default_rng(0).integers(3, 64, 160))
   copy = prompt[40:88]
-  _, ranked = profile._ngram_probs("ngram:3", prompt, copy, 64)
+  _, ranked = profile._ngram_probs(spec_lib.NGram(3), prompt, copy, 64)
   assert ranked[2:-1, 0].tolist() == copy[3:] != copy[2:-1]   # not the token one early
 
 
@@ -359,15 +370,16 @@ def test_an_eagle_draft_is_planned_only_under_the_targets_weights_and_runs_as_fl
   from hitree_jax.planner import auto
   from hitree_jax.methods import Knobs, parse_method
   space = auto.Space().with_eagle()
-  assert ("target", "eagle") in space.pairs() and ("retrieval:256", "eagle") in space.pairs()
-  assert not any(p == "eagle" and v.startswith("draft") for v, p in space.pairs())
+  pairs = by_name(space.pairs())
+  assert ("target", "eagle") in pairs and ("retrieval:256", "eagle") in pairs
+  assert not any(p == "eagle" and v.startswith("draft") for v, p in pairs)
   profile = synthetic_profile(space=space)
-  assert "eagle" in [d.name for d in auto.candidates(profile, True).drafters]  # from the profile alone
+  assert auto.EAGLE in [d.name for d in auto.candidates(profile, True).drafters]  # from the profile alone
   choice = auto.choose(profile, True)
   best = optimize.brute_force(auto.candidates(profile, True), max_middles=2, fixed_buffers=True)
   assert choice.best_stack.seconds_per_token <= best.seconds_per_token * (1 + 1e-9)
   assert choice.levels.drafter.kind == "eagle"  # the cheapest and best drafter here
-  assert not any(m.startswith("draft") for m, _ in choice.best_stack.middles)
+  assert not any(m.kind == "draft" for m, _ in choice.best_stack.middles)
   with pytest.raises(ValueError, match="drafts with an EAGLE draft"):
     choice.flags("drafts/smollm2-draft.gguf")
   flags = choice.flags("drafts/smollm2-draft.gguf", "drafts/smollm2-eagle")
@@ -390,7 +402,7 @@ def test_a_retrieval_level_drafts_where_it_is_cheap_and_only_for_a_dearer_level(
   from hitree_jax.planner import auto
   from hitree_jax.methods import Knobs, parse_method
   space = auto.Space().for_context(2048)
-  pairs = space.pairs()
+  pairs = by_name(space.pairs())
   assert ("target", "retrieval:1024") in pairs and ("retrieval:1024", "retrieval:256") in pairs
   assert len(pairs) == len(set(pairs))
   for verifier, proposer in pairs:
@@ -406,14 +418,14 @@ def test_a_retrieval_level_drafts_where_it_is_cheap_and_only_for_a_dearer_level(
   choice = auto.choose(profile, True)
   best = optimize.brute_force(auto.candidates(profile, True), max_middles=2, fixed_buffers=True)
   assert choice.best_stack.seconds_per_token <= best.seconds_per_token * (1 + 1e-9)
-  assert choice.best_stack.drafter.startswith("retrieval:"), choice.levels
+  assert choice.best_stack.drafter.retrieval is not None, choice.levels
   flags = choice.flags("drafts/smollm2-draft.gguf")
   stack = parse_method("hsd", Knobs(draft=flags["draft"], levels=flags["levels"],
                                     acceptance=flags.get("acceptance")), True).build(
       ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=4096))
   assert stack.drafter.weights == "target" and isinstance(stack.drafter.cache, Retrieval)
-  assert stack.drafter.cache.budget == int(choice.best_stack.drafter.split(":")[1])
+  assert stack.drafter.cache.budget == choice.best_stack.drafter.budget
 
 
 def test_plain_decoding_is_chosen_when_no_stack_beats_it():
@@ -742,7 +754,7 @@ def test_break_even_is_where_a_middle_level_starts_to_pay():
     changed = json.loads(json.dumps(profile))
     changed["acceptance"]["target<-retrieval:256"].update(greedy=a, greedy_profile=[a] + [0.0] * 7)
     plan = auto.choose(changed, True).best_stack
-    return bool(plan.middles) and plan.middles[-1][0] == "retrieval:256"
+    return bool(plan.middles) and str(plan.middles[-1][0]) == "retrieval:256"
 
   assert tops_with(min(1.0, needed + 0.02)) and not tops_with(needed - 0.02)
   assert auto.break_even(dict(profile, costs={**profile["costs"], "retrieval:256": profile["costs"]["target"]}),
@@ -776,10 +788,10 @@ def test_an_eagle_drafts_acceptance_reads_its_verifiers_features(eagle_trio):
   prompt, continuation = [int(x) for x in np.arange(40) * 7 % 53], [int(x) for x in np.arange(20) * 5 % 53]
   sampling = SamplingParams.create(0.8)
   pairs = [("target", "eagle"), ("retrieval:256", "eagle")]
-  copy = profile.pair_acceptance(target, draft, pairs, prompt, continuation, sampling, eagles[0.0])
+  copy = profile.pair_acceptance(target, draft, typed(pairs), prompt, continuation, sampling, eagles[0.0])
   for pair in ("target<-eagle", "retrieval:256<-eagle"):   # 256 slots hold the whole context
     assert copy[pair]["alpha"] == pytest.approx(1.0, abs=1e-5) and copy[pair]["greedy"] == 1.0
-  got = profile.pair_acceptance(target, draft, pairs, prompt, continuation, sampling, eagles[2.0])
+  got = profile.pair_acceptance(target, draft, typed(pairs), prompt, continuation, sampling, eagles[2.0])
   sequence = jnp.asarray([prompt + continuation])
   t, p = sequence.shape[1], len(prompt)
   attend = causal_attend(jnp.zeros((1,), jnp.int32), t, t)
@@ -820,7 +832,7 @@ def test_an_eagle3_drafts_acceptance_reads_its_verifiers_tapped_layers():
   e = types.SimpleNamespace(config=drafter.config, params=weights.params, vocab=None, taps=TAPS)
   prompt, continuation = [int(x) for x in np.arange(40) * 7 % 53], [int(x) for x in np.arange(20) * 5 % 53]
   sampling = SamplingParams.create(0.8)
-  got = profile.pair_acceptance(target, None, [("target", "eagle"), ("retrieval:256", "eagle")], prompt,
+  got = profile.pair_acceptance(target, None, typed([("target", "eagle"), ("retrieval:256", "eagle")]), prompt,
                                 continuation, sampling, e)
   sequence = jnp.asarray([prompt + continuation])
   t, p = sequence.shape[1], len(prompt)

@@ -21,7 +21,7 @@ def documented_specs() -> list[str]:
   """Every concrete --levels spec in docs/methods.md: `--levels=...` and the backticked
   examples written in the grammar (placeholders in capitals left out)."""
   found = re.findall(r"--levels=(\S+)", DOCS) + re.findall(r"`([^`\s]+/[^`\s]+)`", DOCS)
-  return sorted({s for s in found if not re.search(r"[A-Z]{2,}|^sd/|\[", s)})
+  return sorted({s for s in found if not re.search(r"[A-Z]{2,}|^sd/|\[|\.py$", s)})
 
 
 def test_every_documented_spec_round_trips():
@@ -34,7 +34,7 @@ def test_every_documented_spec_round_trips():
 def test_a_spec_is_typed():
   triforce = spec.parse("drafts/d.gguf@streaming:16x234:reindex,iid/chain:1+retrieval:1024:64/6")
   assert triforce.drafter == spec.Level("drafts/d.gguf", Streaming(16, 234, reindex=True), "iid")
-  assert triforce.drafter.kind == "draft" and triforce.tree == "chain:1"
+  assert triforce.drafter.kind == "draft" and triforce.tree == spec.Chain(1)
   (middle, gamma), = triforce.middles
   assert (middle.kind, middle.retrieval, middle.budget, gamma) == ("retrieval", Retrieval(1024, reselect=64), 1024, 6)
   assert spec.parse_level("eagle:drafts/e").feature_draft == ("eagle", "drafts/e")
@@ -53,6 +53,38 @@ def test_a_spec_is_typed():
   assert str(NGramDrafter(3, min_ngram=2)) == "ngram:2-3" and str(SelfDrafter(4)) == "self:4"
   # the cache kind prints as the grammar writes it
   assert str(Streaming(16, 234)) == "streaming:16x234"
+
+
+def test_a_tree_is_typed_and_checked_before_building():
+  assert spec.parse_tree("chain:4") == spec.Chain(4) == spec.parse_tree("4")
+  assert (str(spec.parse_tree("4")), str(spec.Chain(4))) == ("4", "chain:4")   # printed as written
+  assert spec.parse_tree(" kary:3x1 ") == spec.Kary(3, 1)
+  assert spec.parse_tree("sequoia:64,8") == spec.Sequoia(64, 8)
+  assert spec.parse_tree("dynamic:32,6") == spec.Dynamic(32, 6)
+  assert spec.Chain(4).topology() == tree_lib.chain(4) and spec.Kary(2, 3).topology() == tree_lib.kary(2, 3)
+  assert spec.Dynamic(32, 6).topology() == tree_lib.DynamicTree(32, 6)
+  assert spec.Sequoia(8, 3).topology([0.6, 0.2]) == tree_lib.from_acceptance([0.6, 0.2], 8, 3)
+  with pytest.raises(ValueError, match="a sequoia tree is built from the draft's acceptance profile"):
+    spec.Sequoia(8, 3).topology()
+  for bad in ("chain", "chain:", "chain:0", "chain:-1", "chain:x", "kary:2", "kary:2x",
+              "kary:0x3", "kary:2,3", "sequoia:64", "sequoia:0,8", "dynamic:8x2",
+              "tree:4", "", "CHAIN:4", "0"):
+    with pytest.raises(ValueError, match="bad tree spec"):
+      spec.parse_tree(bad)
+  with pytest.raises(ValueError, match="'chain:x'"):
+    spec.parse_tree("chain:x")
+  with pytest.raises(ValueError, match="budget=21 nodes do not fit in the 20 candidates"):
+    spec.parse_tree("dynamic:21,2")  # width 4: 4 + 16 candidates
+  # The size is counted, never built (kary:10x10 would be 10^10 nodes).
+  with pytest.raises(ValueError, match="asks for 1022 nodes"):
+    spec.parse_tree("kary:2x9")
+  assert spec.parse_tree("kary:2x8").topology().size == 510
+  with pytest.raises(ValueError, match="asks for 600 nodes"):
+    spec.parse_tree("dynamic:10,600")
+  with pytest.raises(ValueError, match="asks for 11111111110 nodes"):
+    spec.Kary(10, 10)
+  with pytest.raises(ValueError, match="bad tree spec 'chain:0'"):
+    spec.parse("ngram:3/chain:0")
 
 
 @pytest.mark.parametrize("method", ["sd/ngram/4", "tree/self:8/kary:2x2", "retrieval/6", "triforce/drafts/d.gguf",

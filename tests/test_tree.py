@@ -11,8 +11,7 @@ import pytest
 
 from hitree_jax.decode.drafters import tree_attend_mask
 from hitree_jax.tree import dynamic as dynamic_tree
-from hitree_jax.tree.shapes import (DynamicTree, TokenTree, chain, expected_accepted, from_acceptance, kary,
-                                    parse_tree_spec)
+from hitree_jax.tree.shapes import (DynamicTree, TokenTree, chain, expected_accepted, from_acceptance, kary)
 
 
 def random_parents(rng, n):
@@ -304,23 +303,6 @@ def test_from_acceptance_large_budget():
   assert score >= expected_accepted(kary(2, 6), acceptance)  # 126 nodes
   smaller = from_acceptance(acceptance, budget=64, max_depth=10)
   assert score >= expected_accepted(smaller, acceptance)
-
-
-def test_parse_tree_spec():
-  assert parse_tree_spec("chain:4") == chain(4)
-  assert parse_tree_spec("kary:2x3") == kary(2, 3)
-  assert parse_tree_spec(" kary:3x1 ") == kary(3, 1)
-  assert parse_tree_spec("sequoia:64,8") == ("sequoia", 64, 8)
-  assert parse_tree_spec("dynamic:32,6") == DynamicTree(32, 6)
-  for bad in ("chain", "chain:", "chain:0", "chain:-1", "chain:x", "kary:2", "kary:2x",
-              "kary:0x3", "kary:2,3", "sequoia:64", "sequoia:0,8", "dynamic:8x2",
-              "tree:4", "", "CHAIN:4"):
-    with pytest.raises(ValueError, match="bad tree spec"):
-      parse_tree_spec(bad)
-  with pytest.raises(ValueError, match="'chain:x'"):
-    parse_tree_spec("chain:x")
-  with pytest.raises(ValueError, match="budget=21 nodes do not fit in the 20 candidates"):
-    parse_tree_spec("dynamic:21,2")  # width 4: 4 + 16 candidates
 
 
 # --- dynamic (EAGLE-2) trees, chosen at run time ---

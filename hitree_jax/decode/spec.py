@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import Sequence
+
 from hitree_jax.cache.kinds import Full, Retrieval, Streaming
 from hitree_jax.errors import UsageError
+from hitree_jax.tree import shapes
 
 DRAW_MODES = ("iid", "without_replacement", "deterministic")   # how a drafter draws children (verify.py)
 FEATURE_DRAFTS = ("eagle", "eagle3", "medusa", "dflash")  # drafts on the target's features, read by heads/saved.py
@@ -64,6 +67,124 @@ class FeatureDraft:
 
   def __str__(self) -> str:
     return f"{self.kind}:{self.path}" if self.path else self.kind
+
+
+# ---- the bottom level's tree (TREE) ----
+
+TREE_FORMS = "N, chain:N, kary:KxD, sequoia:BUDGET,DEPTH or dynamic:BUDGET,DEPTH (positive integers)"
+
+
+def _check_tree(tree, *sizes: int) -> None:
+  """Positive sizes, and at most shapes.MAX_TREE_NODES nodes (counted without building)."""
+  if min(sizes) < 1:
+    raise UsageError(f"bad tree spec {str(tree)!r}: sizes must be positive; expected {TREE_FORMS}")
+  if tree.nodes > shapes.MAX_TREE_NODES:
+    raise UsageError(f"tree spec {str(tree)!r} asks for {tree.nodes} nodes; a round verifies at most "
+                     f"{shapes.MAX_TREE_NODES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+  """`length` tokens in a line, sd's tree; written chain:N, or a bare N (`bare`, kept only to
+  print it back as written)."""
+  length: int
+  bare: bool = dataclasses.field(default=False, compare=False)
+
+  def __post_init__(self):
+    _check_tree(self, self.length)
+
+  @property
+  def nodes(self) -> int:
+    return self.length
+
+  def topology(self, acceptance: Sequence[float] | None = None) -> shapes.TokenTree:
+    return shapes.chain(self.length)
+
+  def __str__(self) -> str:
+    return str(self.length) if self.bare else f"chain:{self.length}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Kary:
+  """Every node has `branching` children, `depth` levels deep."""
+  branching: int
+  depth: int
+
+  def __post_init__(self):
+    _check_tree(self, self.branching, self.depth)
+
+  @property
+  def nodes(self) -> int:   # kary:10x10 is 10^10: counted, never built
+    k, depth = self.branching, self.depth
+    return depth if k == 1 else (k ** (depth + 1) - k) // (k - 1)
+
+  def topology(self, acceptance: Sequence[float] | None = None) -> shapes.TokenTree:
+    return shapes.kary(self.branching, self.depth)
+
+  def __str__(self) -> str:
+    return f"kary:{self.branching}x{self.depth}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequoia:
+  """Sequoia's tree of `budget` nodes at most `depth` deep, built from the drafter's per-rank
+  acceptance (tree.shapes.from_acceptance)."""
+  budget: int
+  depth: int
+
+  def __post_init__(self):
+    _check_tree(self, self.budget, self.depth)
+
+  @property
+  def nodes(self) -> int:
+    return max(self.budget, self.depth)
+
+  def topology(self, acceptance: Sequence[float] | None = None) -> shapes.TokenTree:
+    if acceptance is None:
+      raise UsageError(f"{str(self)!r}: a sequoia tree is built from the draft's acceptance profile; "
+                       "give it (--acceptance, or build the tree: tree.shapes.from_acceptance)")
+    return shapes.from_acceptance(acceptance, self.budget, self.depth)
+
+  def __str__(self) -> str:
+    return f"sequoia:{self.budget},{self.depth}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Dynamic:
+  """EAGLE-2's tree of `budget` nodes, chosen at run time per row (tree.shapes.DynamicTree)."""
+  budget: int
+  depth: int
+
+  def __post_init__(self):
+    _check_tree(self, self.budget, self.depth)
+    self.topology()   # the budget must fit the candidates the depth grows: an error naming both
+
+  @property
+  def nodes(self) -> int:
+    return max(self.budget, self.depth)
+
+  def topology(self, acceptance: Sequence[float] | None = None) -> shapes.DynamicTree:
+    return shapes.DynamicTree(self.budget, self.depth)
+
+  def __str__(self) -> str:
+    return f"dynamic:{self.budget},{self.depth}"
+
+
+TreeSpec = Chain | Kary | Sequoia | Dynamic
+
+
+def parse_tree(text: str) -> TreeSpec:
+  """TREE -> its typed value. Raises UsageError naming the text."""
+  text = text.strip() if isinstance(text, str) else ""
+  kind, colon, arg = text.partition(":")
+  first, separator, second = (arg.partition("x") if kind == "kary" else arg.partition(","))
+  if not colon and kind.isdigit():
+    return Chain(int(kind), bare=True)
+  if kind == "chain" and arg.isdigit():
+    return Chain(int(arg))
+  if kind in ("kary", "sequoia", "dynamic") and separator and first.isdigit() and second.isdigit():
+    return {"kary": Kary, "sequoia": Sequoia, "dynamic": Dynamic}[kind](int(first), int(second))
+  raise UsageError(f"bad tree spec {text!r}: expected {TREE_FORMS}")
 
 
 # Who runs a level. A retrieval level is the target over its retrieval cache, so its kind is the
@@ -146,13 +267,8 @@ class Level:
 class Levels:
   """A stack below the target: the drafter and its tree, then each middle level and its gamma."""
   drafter: Level
-  tree: str
+  tree: TreeSpec
   middles: tuple[tuple[Level, int], ...] = ()
-
-  @property
-  def tree_spec(self) -> str:
-    """The bottom level's tree as tree.shapes.parse_tree_spec reads it (a bare N is chain:N)."""
-    return f"chain:{self.tree}" if self.tree.isdigit() else self.tree
 
   @property
   def levels(self) -> tuple[Level, ...]:
@@ -205,4 +321,4 @@ def parse(text: str) -> Levels:
     if level.kind in ("ngram", "self", *FEATURE_DRAFTS):
       raise UsageError(f"level {piece!r}: {level.name} only proposes (it must be the bottom level)")
     middles.append((level, int(gamma)))
-  return Levels(parse_level(who), tree, tuple(middles))
+  return Levels(parse_level(who), parse_tree(tree), tuple(middles))

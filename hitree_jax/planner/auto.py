@@ -29,43 +29,63 @@ CONTEXTS = (128, 512, 1024, 2048, 4096, 7680)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
+TARGET, EAGLE, Level, level_named = profile_lib.TARGET, profile_lib.EAGLE, profile_lib.Level, profile_lib.level_named
+
+
 @dataclasses.dataclass(frozen=True)
 class Space:
-  """The stacks the planner chooses among. Level names as in profile.py and the --levels grammar
-  ('draft' is the --draft model, 'eagle' an EAGLE draft: `with_eagle`); middles cheapest first (a
-  level verifies only those before it). The target over a retrieval cache drafts too (TriForce's
-  two levels, `retrieval/6`), for a dearer level only: the target, or a larger budget."""
-  drafters: tuple[str, ...] = ("ngram:3", "self:8", "draft", "draft@streaming:16x234", "retrieval:256",
-                               "retrieval:512", "retrieval:1024")
-  middles: tuple[str, ...] = ("draft@streaming:16x234", "draft", "retrieval:256", "retrieval:512",
-                              "retrieval:1024")
+  """The stacks the planner chooses among: typed levels (spec.Level; text given is parsed once,
+  here), named in profiles as the --levels grammar writes them ('draft' is the --draft model,
+  EAGLE an EAGLE draft: `with_eagle`); middles cheapest first (a level verifies only those before
+  it). The target over a retrieval cache drafts too (TriForce's two levels, `retrieval/6`), for a
+  dearer level only: the target, or a larger budget."""
+  drafters: tuple[spec.Level, ...] = ("ngram:3", "self:8", "draft", "draft@streaming:16x234", "retrieval:256",
+                                      "retrieval:512", "retrieval:1024")
+  middles: tuple[spec.Level, ...] = ("draft@streaming:16x234", "draft", "retrieval:256", "retrieval:512",
+                                     "retrieval:1024")
   chains: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
-  trees: tuple[str, ...] = ("kary:2x2", "kary:2x3", "kary:3x2", "sequoia:8,4", "sequoia:16,5")
+  trees: tuple[spec.TreeSpec, ...] = ("kary:2x2", "kary:2x3", "kary:3x2", "sequoia:8,4", "sequoia:16,5")
   gammas: tuple[int, ...] = (2, 3, 4, 6, 8, 12)
   widths: tuple[int, ...] = (1, 2, 4, 8, 16)
 
+  def __post_init__(self):
+    typed = lambda parse, values: tuple(parse(v) if isinstance(v, str) else v for v in values)
+    object.__setattr__(self, "drafters", typed(spec.parse_level, self.drafters))
+    object.__setattr__(self, "middles", typed(spec.parse_level, self.middles))
+    object.__setattr__(self, "trees", typed(spec.parse_tree, self.trees))
+
   def for_context(self, context: int) -> "Space":
     """Without the retrieval budgets that would hold the whole context (the target itself)."""
-    keep = lambda names: tuple(n for n in names if not (_is_retrieval(n) and _budget(n) >= context))
+    keep = lambda levels: tuple(level for level in levels if not (level.budget or 0) >= context)
     return dataclasses.replace(self, drafters=keep(self.drafters), middles=keep(self.middles))
 
   def with_eagle(self) -> "Space":
     """With an EAGLE draft among the drafters."""
-    return self if "eagle" in self.drafters else dataclasses.replace(self, drafters=(*self.drafters, "eagle"))
+    return self if EAGLE in self.drafters else dataclasses.replace(self, drafters=(*self.drafters, EAGLE))
 
-  def levels(self) -> list[str]:
-    return list(dict.fromkeys([*self.drafters, *self.middles, "target"]))
+  def measured(self, context: int, eagle=None) -> "Space":
+    """The space a profile at `context` tokens measures: an EAGLE draft (profile.load_eagle's)
+    joins it."""
+    space = self.for_context(context)
+    return space if eagle is None else space.with_eagle()
 
-  def pairs(self) -> list[tuple[str, str]]:
+  def levels(self) -> list[Level]:
+    return list(dict.fromkeys([*self.drafters, *self.middles, TARGET]))
+
+  def model_levels(self) -> list[Level]:
+    """The levels that run a model, whose forwards a profile times (an n-gram runs none)."""
+    return [level for level in self.levels() if level == TARGET or level.kind != "ngram"]
+
+  def pairs(self) -> list[tuple[Level, spec.Level]]:
     """(verifier, proposer): each middle and the target over each drafter and each middle before
     it (the space lists middles cheapest first); an EAGLE draft only under a level that runs the
     target's weights (the target, or it over a retrieval cache), whose features it reads; a
     retrieval level only under a level after it (it is as dear as the target's weights)."""
     out = []
-    for i, verifier in enumerate([*self.middles, "target"]):
+    for i, verifier in enumerate([*self.middles, TARGET]):
       below = self.middles[:i]
       for proposer in dict.fromkeys([*self.drafters, *below]):
-        if proposer == "eagle" and not _runs_the_targets_weights(verifier):
+        if proposer == EAGLE and not _runs_the_targets_weights(verifier):
           continue
         if _is_retrieval(proposer) and proposer not in below:
           continue
@@ -74,20 +94,12 @@ class Space:
     return out
 
 
-def _runs_the_targets_weights(level: str) -> bool:
-  return level == "target" or _is_retrieval(level)
+def _runs_the_targets_weights(level: Level) -> bool:
+  return level == TARGET or _is_retrieval(level)
 
 
-def _is_retrieval(level: str) -> bool:
-  return level != "target" and spec.parse_level(level).kind == "retrieval"
-
-
-def _budget(name: str) -> int:
-  return spec.parse_level(name).budget
-
-
-def _model_levels(names: Sequence[str]) -> list[str]:
-  return [n for n in names if n == "target" or spec.parse_level(n).kind != "ngram"]
+def _is_retrieval(level: Level) -> bool:
+  return level != TARGET and level.retrieval is not None
 
 
 CHAT = "chat"   # a profile's text: instructions in the chat template instead of a book's passages
@@ -108,7 +120,7 @@ def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequ
   eagle: profile.load_eagle's EAGLE draft, measured as the level 'eagle' (the space gets it).
   The overheads are fitted to the draft model's stacks; an EAGLE forward is charged the draft
   model's per-forward overhead."""
-  space = _space_of(len(prompts[0]), eagle, space)
+  space = space.measured(len(prompts[0]), eagle)
   per_passage = [profile_lib.pair_acceptance(target, draft, space.pairs(), p, c, sampling, eagle)
                  for p, c in zip(prompts, continuations)]
   return {"context": len(prompts[0]), "passages": len(prompts),
@@ -122,20 +134,14 @@ def measure_costs(target, draft, prompt: Sequence[int], sampling, space: Space =
   forward of all rows, overheads {field: s} of a round of all rows, ar_seconds (a step of all
   rows: a row's seconds per token). A row's acceptance is the same at any batch (each row
   accepts its own tokens), so a batch's profile takes it from batch 1's (`profiled`)."""
-  space = _space_of(len(prompt), eagle, space)
-  budgets = [_budget(m) for m in space.middles if _is_retrieval(m)]
-  costs = profile_lib.level_costs(target, draft, _model_levels(space.levels()), prompt, space.widths, repeats,
-                                  eagle, rows)
+  space = space.measured(len(prompt), eagle)
+  budgets = [m.budget for m in space.middles if _is_retrieval(m)]
+  costs = profile_lib.level_costs(target, draft, space.model_levels(), prompt, space.widths, repeats, eagle, rows)
   new_tokens = max(GENERATED // rows, 32)   # a batch's rows average its timings' noise too
   return {"costs": costs,
           "overheads": profile_lib.round_overheads(target, draft, prompt, sampling, budget=min(budgets, default=256),
                                                    max_new_tokens=new_tokens, costs=costs, rows=rows),
           "ar_seconds": profile_lib.ar_seconds(target, prompt, new_tokens, rows)}
-
-
-def _space_of(context: int, eagle, space: Space) -> Space:
-  space = space.for_context(context)
-  return space if eagle is None else space.with_eagle()
 
 
 def _mean(records: Sequence[dict]) -> dict:
@@ -145,22 +151,22 @@ def _mean(records: Sequence[dict]) -> dict:
               else mean([r[k] for r in records])) for k in records[0]}
 
 
-def _tree(label: str, profile: Sequence[float]) -> shapes.TokenTree:
-  spec = shapes.parse_tree_spec(label)
-  return shapes.from_acceptance(profile, *spec[1:]) if isinstance(spec, tuple) else spec
+def _tree(tree: spec.TreeSpec, profile: Sequence[float] | None) -> shapes.TokenTree:
+  """A tree of the space: Sequoia's is built for the drafter's profile against the target."""
+  return tree.topology(profile if isinstance(tree, spec.Sequoia) else None)
 
 
 def candidates(profile: dict, greedy: bool, space: Space = Space()) -> optimize.Candidates:
   """optimize.Candidates from a profile (as stored: JSON keys are strings); an EAGLE draft it
   measured joins the space's drafters."""
   space = space.for_context(profile["context"])
-  if "eagle" in profile["costs"]:
+  if str(EAGLE) in profile["costs"]:
     space = space.with_eagle()
-  curve = {name: latency.affine({int(w): s for w, s in points.items()})
+  curve = {level_named(name): latency.affine({int(w): s for w, s in points.items()})
            for name, points in profile["costs"].items()}
   per_rank, per_token, deeper, offers = {}, {}, {}, {}
   for pair, record in profile["acceptance"].items():
-    verifier, proposer = pair.split("<-")
+    verifier, proposer = map(level_named, pair.split("<-"))
     offer = record.get("offered", 1.0)   # an n-gram's (profile.py), and the law of how much it offers
     offers[verifier, proposer] = tuple(record["offered_counts"]) if "offered_counts" in record else offer
     per_rank[verifier, proposer] = [r / max(offer, 1e-9) for r in record["greedy_profile" if greedy else "profile"]]
@@ -168,15 +174,15 @@ def candidates(profile: dict, greedy: bool, space: Space = Space()) -> optimize.
     if "deeper" in record:  # an EAGLE draft's (profile.pair_acceptance)
       deeper[verifier, proposer] = record["greedy_deeper" if greedy else "deeper"]
   drafters = []
-  for name in space.drafters:
-    reference = per_rank.get(("target", name))
-    labels = [f"chain:{n}" for n in space.chains]
-    if not name.startswith("ngram") and reference is not None and reference[0] > 0:
-      labels += list(space.trees)
-    trees = tuple((label, _tree(label, reference)) for label in labels)
-    drafters.append(optimize.Drafter(name, trees, curve.get(name)))
+  for level in space.drafters:
+    reference = per_rank.get((TARGET, level))
+    shapes_of = [spec.Chain(n) for n in space.chains]
+    if level.kind != "ngram" and reference is not None and reference[0] > 0:
+      shapes_of += list(space.trees)
+    trees = tuple((tree, _tree(tree, reference)) for tree in shapes_of)
+    drafters.append(optimize.Drafter(level, trees, curve.get(level)))
   middles = tuple((m, curve[m]) for m in space.middles)
-  return optimize.Candidates(tuple(drafters), middles, curve["target"], space.gammas, per_rank,
+  return optimize.Candidates(tuple(drafters), middles, curve[TARGET], space.gammas, per_rank,
                              latency.Overheads(**profile["overheads"]), per_token, deeper, offers)
 
 
@@ -197,7 +203,7 @@ class Choice:
     if self.levels is None:
       return {"method": "ar"}
     levels = self.levels
-    if levels.drafter.feature_draft == ("eagle", ""):   # the profile's EAGLE draft, named by its path
+    if levels.drafter == EAGLE:   # the profile's EAGLE draft, named by its path
       if eagle is None:
         raise UsageError(f"{str(levels)!r} drafts with an EAGLE draft: give its path")
       drafter = spec.Level.of(spec.FeatureDraft("eagle", eagle), levels.drafter.cache, levels.drafter.mode)
@@ -210,8 +216,7 @@ class Choice:
 
 def levels_of(plan: optimize.Plan) -> spec.Levels:
   """A plan's stack as levels, in the profile's names ('draft', 'eagle', 'retrieval:256', ...)."""
-  return spec.Levels(spec.parse_level(plan.drafter), plan.tree,
-                     tuple((spec.parse_level(name), gamma) for name, gamma in plan.middles))
+  return spec.Levels(plan.drafter, plan.tree, plan.middles)
 
 
 MIN_GAIN = 0.10  # a stack must be predicted this much faster than `ar` to be chosen over it
@@ -228,28 +233,29 @@ def choose(profile: dict, greedy: bool, space: Space = Space(), min_gain: float 
   if stack_speed < (1.0 + min_gain) * ar_speed:
     return Choice(plan, None, None, ar_speed, ar_speed)
   # A Sequoia tree is built from the drafter's profile against the target (`candidates`).
-  acceptance = tuple(c.profile("target", plan.drafter)) if plan.tree.startswith("sequoia") else None
+  acceptance = tuple(c.profile(TARGET, plan.drafter)) if isinstance(plan.tree, spec.Sequoia) else None
   return Choice(plan, levels_of(plan), acceptance, stack_speed, ar_speed)
 
 
 def predict(profile: dict, greedy: bool, levels: spec.Levels | str, tree: shapes.TokenTree | None = None,
             space: Space = Space()) -> latency.Prediction:
   """The model's prediction for a stack (spec.Levels, or a --levels spec) in the profile's names
-  ('draft' for the draft model); tree: the bottom level's, when its label is not one of the space's."""
+  ('draft' for the draft model); tree: the bottom level's, when it is not one of the space's."""
   c = candidates(profile, greedy, space)
   parsed = spec.parse(levels) if isinstance(levels, str) else levels
   levels = str(parsed)
-  name, label = str(parsed.drafter), parsed.tree
-  drafter = next((d for d in c.drafters if d.name == name), None)
+  names = lambda values: [str(value) for value in values]
+  drafter = next((d for d in c.drafters if d.name == parsed.drafter), None)
   if drafter is None:
-    raise UsageError(f"{levels!r}: the profile has no drafter {name!r} (it has {[d.name for d in c.drafters]})")
-  tree = tree if tree is not None else dict(drafter.trees).get(label)
+    raise UsageError(f"{levels!r}: the profile has no drafter {str(parsed.drafter)!r} (it has "
+                     f"{names(d.name for d in c.drafters)})")
+  tree = tree if tree is not None else dict(drafter.trees).get(parsed.tree)
   if tree is None:
-    tree = _tree(label, c.profile("target", name))
-  middles = tuple((str(level), gamma) for level, gamma in parsed.middles)
+    tree = _tree(parsed.tree, c.profile(TARGET, parsed.drafter))
+  middles = parsed.middles
   if any(m not in dict(c.middles) for m, _ in middles):
-    raise UsageError(f"{levels!r}: the profile has no middle level among {[m for m, _ in middles]} "
-                     f"(it has {[m for m, _ in c.middles]})")
+    raise UsageError(f"{levels!r}: the profile has no middle level among {names(m for m, _ in middles)} "
+                     f"(it has {names(m for m, _ in c.middles)})")
   model = optimize.stack_model(c, drafter, tree, middles)
   if model is None:
     raise UsageError(f"{levels!r}: the profile has no acceptance for a pair of its levels")
@@ -262,9 +268,9 @@ def in_profile_names(levels: spec.Levels | str, draft_path: str | None, eagle_pa
   from hitree_jax.loading import resolve
   def renamed(level: spec.Level) -> spec.Level:
     if draft_path is not None and _resolves_to(level.name, draft_path, resolve):
-      return dataclasses.replace(level, name="draft")
+      return spec.Level.of(spec.DraftModel(), level.cache, level.mode)
     if eagle_path is not None and level.kind == "eagle" and _same_path(level.feature_draft[1], eagle_path):
-      return dataclasses.replace(level, name="eagle")
+      return dataclasses.replace(EAGLE, cache=level.cache, mode=level.mode)
     return level
 
   parsed = spec.parse(levels) if isinstance(levels, str) else levels
@@ -454,17 +460,20 @@ def plan_for(model: str, draft: str, prompt_length: int, sampling, directory=Non
   return choose(profile, float(sampling.temperature) == 0, min_gain=min_gain), profile, path
 
 
-def break_even(profile: dict, greedy: bool, middle: str, space: Space = Space(), steps: int = 20) -> float | None:
+def break_even(profile: dict, greedy: bool, middle: spec.Level | str, space: Space = Space(),
+               steps: int = 20) -> float | None:
   """HSD's question, with this profile's costs: the lowest acceptance, by the target, of `middle`'s
-  tokens at which a stack with `middle` under the target beats every stack without it (bisection
-  over that acceptance, everything else as measured); None if it does not even at 1.0."""
+  tokens at which a stack with `middle` (a level, or its name) under the target beats every stack
+  without it (bisection over that acceptance, everything else as measured); None if it does not
+  even at 1.0."""
+  middle = spec.parse_level(middle) if isinstance(middle, str) else middle
   c = candidates(profile, greedy, space)
   without = dataclasses.replace(c, middles=tuple(m for m in c.middles if m[0] != middle))
   best_without = optimize.optimize(without).seconds_per_token
 
   def pays(a: float) -> bool:
-    ranks = {k: ([a] + [0.0] * 7 if k == ("target", middle) else v) for k, v in c.acceptance.items()}
-    per_token = {k: (a if k == ("target", middle) else v) for k, v in c.buffer_acceptance.items()}
+    ranks = {k: ([a] + [0.0] * 7 if k == (TARGET, middle) else v) for k, v in c.acceptance.items()}
+    per_token = {k: (a if k == (TARGET, middle) else v) for k, v in c.buffer_acceptance.items()}
     tops = tuple(m for m in c.middles if m[0] != middle) + tuple(m for m in c.middles if m[0] == middle)
     plan = optimize.optimize(dataclasses.replace(c, acceptance=ranks, buffer_acceptance=per_token, middles=tops))
     return bool(plan.middles) and plan.middles[-1][0] == middle and plan.seconds_per_token < best_without

@@ -69,7 +69,7 @@ def _record(path, pair: str, value) -> dict:
 def levels_of(acceptance: dict) -> list[str]:
   """The level names an acceptance file's pairs mention, the target included."""
   names = {name for pair in acceptance for name in pair.split("<-")}
-  return sorted(names | {"target"})
+  return sorted(names | {auto.TARGET})
 
 
 def space_for(acceptance: dict, chains=(1, 2, 3, 4, 6, 8), gammas=(2, 3, 4, 6, 8, 12)) -> auto.Space:
@@ -79,7 +79,7 @@ def space_for(acceptance: dict, chains=(1, 2, 3, 4, 6, 8), gammas=(2, 3, 4, 6, 8
   verifiers = {pair.split("<-")[0] for pair in acceptance}
   proposers = {pair.split("<-")[1] for pair in acceptance}
   ranked = any(len(r["greedy_profile"]) > 1 for r in acceptance.values())
-  middles = tuple(sorted((verifiers & proposers) - {"target"}, key=_cheapness))
+  middles = tuple(sorted((verifiers & proposers) - {auto.TARGET}, key=_cheapness))
   return auto.Space(drafters=tuple(sorted(proposers, key=_cheapness)), middles=middles, chains=chains,
                     trees=auto.Space.trees if ranked else (), gammas=gammas)
 

@@ -34,44 +34,50 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from hitree_jax.decode import spec
 from hitree_jax.planner import latency
 from hitree_jax.tree.shapes import TokenTree
+
+# The levels are spec.Level values (the planner's: auto.Space), and the target on top is TARGET.
+# Nothing here reads them: any hashable names serve (the tests' are text).
+TARGET = "target"
+Name = spec.Level | str
 
 
 @dataclasses.dataclass(frozen=True)
 class Drafter:
-  name: str
-  trees: tuple[tuple[str, TokenTree], ...]   # (label, tree) it may propose
+  name: Name
+  trees: tuple[tuple[spec.TreeSpec, TokenTree], ...]   # (its spec, the tree) it may propose
   cost: latency.Cost | None = None          # its forward's cost curve; None: free (n-gram)
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidates:
   drafters: tuple[Drafter, ...]
-  middles: tuple[tuple[str, latency.Cost], ...]   # cheapest first
+  middles: tuple[tuple[Name, latency.Cost], ...]   # cheapest first
   target: latency.Cost
   gammas: tuple[int, ...]
-  acceptance: Mapping[tuple[str, str], Sequence[float]]  # (verifier, proposer) -> per-rank profile
+  acceptance: Mapping[tuple[Name, Name], Sequence[float]]  # (verifier, proposer) -> per-rank profile
   overheads: latency.Overheads = latency.Overheads()
   # (verifier, middle level) -> per-token acceptance of the middle level's buffer (default: the
   # per-rank profile's rank 0); under sampling a buffer holds samples, accepted at rate alpha.
-  buffer_acceptance: Mapping[tuple[str, str], float] | None = None
+  buffer_acceptance: Mapping[tuple[Name, Name], float] | None = None
   # (verifier, drafter) -> latency.accepted_law's `deeper` (default 1: positions alike).
-  deeper: Mapping[tuple[str, str], float] | None = None
+  deeper: Mapping[tuple[Name, Name], float] | None = None
   # (verifier, drafter) -> how often the drafter offers its tree, or the law of how much of its
   # chain (latency.first_round; default 1), the profile then being its acceptance when it does.
-  offers: Mapping[tuple[str, str], float | tuple[float, ...]] | None = None
+  offers: Mapping[tuple[Name, Name], float | tuple[float, ...]] | None = None
 
-  def profile(self, verifier: str, proposer: str):
+  def profile(self, verifier: Name, proposer: Name):
     return self.acceptance.get((verifier, proposer))
 
-  def deeper_of(self, verifier: str, proposer: str) -> float:
+  def deeper_of(self, verifier: Name, proposer: Name) -> float:
     return 1.0 if self.deeper is None else self.deeper.get((verifier, proposer), 1.0)
 
-  def offer_of(self, verifier: str, proposer: str) -> float | tuple[float, ...]:
+  def offer_of(self, verifier: Name, proposer: Name) -> float | tuple[float, ...]:
     return 1.0 if self.offers is None else self.offers.get((verifier, proposer), 1.0)
 
-  def of_buffer(self, verifier: str, proposer: str) -> float | None:
+  def of_buffer(self, verifier: Name, proposer: Name) -> float | None:
     if self.buffer_acceptance is not None:
       return self.buffer_acceptance.get((verifier, proposer))
     profile = self.profile(verifier, proposer)
@@ -81,21 +87,21 @@ class Candidates:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """A stack, bottom-up: the drafter and its tree, then (middle level, gamma) pairs."""
-  drafter: str
-  tree: str
-  middles: tuple[tuple[str, int], ...]
+  drafter: Name
+  tree: spec.TreeSpec
+  middles: tuple[tuple[Name, int], ...]
   seconds_per_token: float            # the search objective (fixed buffers)
   exact: latency.Prediction | None = None
 
   def describe(self) -> str:
-    return "/".join([f"{self.drafter}:{self.tree}", *(f"{m}:{g}" for m, g in self.middles), "target"])
+    return "/".join([f"{self.drafter}:{self.tree}", *(f"{m}:{g}" for m, g in self.middles), TARGET])
 
 
 def stack_model(c: Candidates, drafter: Drafter, tree: TokenTree,
-                middles: Sequence[tuple[str, int]]) -> latency.StackModel | None:
+                middles: Sequence[tuple[Name, int]]) -> latency.StackModel | None:
   """latency.StackModel of a stack, or None when a pair on it has no acceptance profile."""
-  names = [drafter.name, *(m for m, _ in middles), "target"]
-  cost_of = dict(c.middles) | {"target": c.target}
+  names = [drafter.name, *(m for m, _ in middles), TARGET]
+  cost_of = dict(c.middles) | {TARGET: c.target}
   acceptance = [c.profile(names[1], names[0]), *(c.of_buffer(v, p) for p, v in zip(names[1:], names[2:]))]
   if any(a is None for a in acceptance):
     return None
@@ -112,7 +118,7 @@ def brute_force(c: Candidates, max_middles: int | None = None, fixed_buffers: bo
   best = None
   limit = len(c.middles) if max_middles is None else max_middles
   for drafter in c.drafters:
-    for label, tree in drafter.trees:
+    for shape, tree in drafter.trees:
       for n in range(limit + 1):
         for chosen in itertools.combinations([m for m, _ in c.middles], n):
           for gammas in itertools.product(c.gammas, repeat=n):
@@ -122,20 +128,20 @@ def brute_force(c: Candidates, max_middles: int | None = None, fixed_buffers: bo
               continue
             seconds = latency.predict(model, fixed_buffers).seconds_per_token
             if best is None or seconds < best.seconds_per_token:
-              best = Plan(drafter.name, label, middles, seconds)
+              best = Plan(drafter.name, shape, middles, seconds)
   return best
 
 
 def optimize(c: Candidates) -> Plan:
   """The shortest path of the module docstring; the winner scored with the exact model too."""
   # States a level may verify: (proposer name, its tree (a drafter) or None (a buffer), the
-  # proposal's length, the seconds to make it, the path: (drafter, tree label, middles)).
+  # proposal's length, the seconds to make it, the path: (drafter, its tree's spec, middles)).
   over = c.overheads
   lower = []
   for d in c.drafters:
-    for label, tree in d.trees:
+    for shape, tree in d.trees:
       seconds = latency.tree_draft_seconds(tree, d.cost) + (over.propose(tree) if d.cost else 0.0)
-      lower.append((d.name, tree, tree.size, seconds, (d.name, label, ())))
+      lower.append((d.name, tree, tree.size, seconds, (d.name, shape, ())))
 
   def verify(verifier, cost, state):
     """(the law of the yield, the seconds) of `verifier`'s round over `state`'s proposal, or None."""
@@ -159,19 +165,19 @@ def optimize(c: Candidates) -> Plan:
         law, seconds = checked
         options.append((latency.fill(gamma, law).rounds * (seconds + state[3]), state[4]))
       if options:
-        seconds, (dname, label, middles) = min(options, key=lambda o: o[0])
-        found.append((name, None, gamma, seconds, (dname, label, middles + ((name, gamma),))))
+        seconds, (dname, shape, middles) = min(options, key=lambda o: o[0])
+        found.append((name, None, gamma, seconds, (dname, shape, middles + ((name, gamma),))))
     lower.extend(found)  # levels above may verify this one; it verifies only those before it
 
   options = []
   for state in lower:
-    checked = verify("target", c.target, state)
+    checked = verify(TARGET, c.target, state)
     if checked is None:
       continue
     law, seconds = checked
     options.append(((seconds + state[3]) / latency.expected(law, float), state[4]))
-  seconds, (dname, label, middles) = min(options, key=lambda o: o[0])
+  seconds, (dname, shape, middles) = min(options, key=lambda o: o[0])
   drafter = next(d for d in c.drafters if d.name == dname)
-  tree = dict(drafter.trees)[label]
+  tree = dict(drafter.trees)[shape]
   exact = latency.predict(stack_model(c, drafter, tree, middles))
-  return Plan(dname, label, middles, seconds, exact)
+  return Plan(dname, shape, middles, seconds, exact)

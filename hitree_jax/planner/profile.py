@@ -45,14 +45,29 @@ from hitree_jax.decode import engine, long_caches, spec
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.programs import Programs, ahead_of_time
 from hitree_jax.decode.sampling import probabilities
-from hitree_jax.cache.kinds import Streaming
+from hitree_jax.cache.kinds import Retrieval, Streaming
 from hitree_jax.errors import UsageError
 from hitree_jax.heads import eagle as eagle_lib
 from hitree_jax.model.llama import forward
 from hitree_jax.model.vocab import spread_probs
+from hitree_jax.planner import optimize
+from hitree_jax.planner.optimize import TARGET
 from hitree_jax.roofline import RECENT_SLOTS, forward_inputs
 from hitree_jax.train.metrics import PROFILE_RANKS
 
+# A profile's levels are the --levels grammar's (spec.Level) and the target above them all; its
+# JSON names each by its text, str(level).
+Level = optimize.Name   # spec.Level, or TARGET
+EAGLE = spec.Level.of(spec.FeatureDraft("eagle"))   # load_eagle's draft, whatever its path
+
+
+def level_named(name: str) -> Level:
+  """A level from its name in a profile's JSON."""
+  return TARGET if name == TARGET else spec.parse_level(name)
+
+
+def _is_ngram(level: Level) -> bool:
+  return level != TARGET and level.kind == "ngram"
 
 
 FORWARDS_PER_CALL = 8  # a timed call runs this many forwards in one program
@@ -150,19 +165,19 @@ class _Levels:
     with its taps, [1, (k+1)E])."""
     return self.prompt_hidden[:, len(self.prompt) - 1]
 
-  def timed(self, name: str) -> tuple[Callable, Callable[[int], tuple]]:
+  def timed(self, level: Level) -> tuple[Callable, Callable[[int], tuple]]:
     """(a program of FORWARDS_PER_CALL forwards of the level, width -> its arguments)."""
-    if name == "eagle":
+    if level == EAGLE:
       e, long = self.eagle, self.eagle_long()
       embedding = self.target.params["embed_tokens"]["embedding"]
       return (_timed_eagle_forward(e.config, e.vocab is not None),
               lambda w: (e.params, embedding, jnp.zeros((self.rows, w), jnp.int32), long))
-    config, params, long, _ = self[name]
+    config, params, long, _ = self[level]
     return timed_forward(config), lambda w: (params, jnp.zeros((self.rows, w), jnp.int32), long)
 
-  def draft_full(self, name: str):
+  def draft_full(self, level: Level):
     if self.draft is None:
-      raise UsageError(f"level {name!r} needs a draft model")
+      raise UsageError(f"level {str(level)!r} needs a draft model")
     if self._draft_full is None:
       d = self.draft
       ids = self.prompt if d.vocab is None else d.vocab.to_draft(self.prompt).tolist()
@@ -171,11 +186,10 @@ class _Levels:
                                                 self.programs)
     return self._draft_full
 
-  def __getitem__(self, name: str):
+  def __getitem__(self, level: Level):
     t = self.target
-    if name == "target":
+    if level == TARGET:
       return t.config, t.params, self.full, None
-    level = spec.parse_level(name)
     if level.kind == "retrieval" and not level.retrieval.reselect:
       last = jnp.full((self.rows,), self.prompt[-1], jnp.int32)
       selected = long_caches.select_retrieval(t.params, t.config, self.full, last, level.budget,
@@ -185,16 +199,16 @@ class _Levels:
       k = level.source.layers
       return (t.config.replace(num_layers=k), *_first_layers(t.params, self.full, k), None)
     streaming = isinstance(level.cache, Streaming) and not level.cache.reindex
-    if level.name == "draft" and level.mode == "deterministic" and (level.cache is None or streaming):
-      full = self.draft_full(name)
+    if level.source == spec.DraftModel() and level.mode == "deterministic" and (level.cache is None or streaming):
+      full = self.draft_full(level)
       cache = level.cache
       long = full if cache is None else long_caches.streaming_cache(full, cache.sinks, cache.window, None)
       return self.draft.config, self.draft.params, long, self.draft.vocab
-    raise UsageError(f"unknown level {name!r}: expected target, retrieval:B, self:K, draft, "
+    raise UsageError(f"unknown level {str(level)!r}: expected target, retrieval:B, self:K, draft, "
                      "draft@streaming:SxW or eagle")
 
 
-def level_costs(target, draft, names: Sequence[str], prompt: Sequence[int], widths: Sequence[int],
+def level_costs(target, draft, levels: Sequence[Level], prompt: Sequence[int], widths: Sequence[int],
                 repeats: int = 10, eagle=None, rows: int = 1) -> dict:
   """{level name: {width: seconds}} at the context of `prompt` (token ids of the target), the
   median of `repeats` timings (fewer, at least MIN_REPEATS, past LEVEL_SECONDS), the widths of a
@@ -204,10 +218,10 @@ def level_costs(target, draft, names: Sequence[str], prompt: Sequence[int], widt
   load_eagle's, for the level 'eagle'; rows: the batch a forward runs (its w tokens in each of
   `rows` rows, over `rows` caches: measured, since a batch's forward is not `rows` times one
   row's, nor one row's)."""
-  levels = _Levels(target, draft, prompt, 0, eagle, rows)
+  cached = _Levels(target, draft, prompt, 0, eagle, rows)
   out = {}
-  for name in names:
-    run, args_of = levels.timed(name)
+  for level in levels:
+    run, args_of = cached.timed(level)
     calls = {w: args_of(w) for w in widths}
     for args in calls.values():
       jax.block_until_ready(run(*args))                      # compiles and warms up
@@ -219,7 +233,7 @@ def level_costs(target, draft, names: Sequence[str], prompt: Sequence[int], widt
         start = time.perf_counter()
         jax.block_until_ready(run(*args))
         times[w].append(time.perf_counter() - start)
-    out[name] = {w: statistics.median(t) / FORWARDS_PER_CALL for w, t in times.items()}
+    out[str(level)] = {w: statistics.median(t) / FORWARDS_PER_CALL for w, t in times.items()}
   return out
 
 
@@ -250,18 +264,21 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
 
   t, d = target, draft
   weights = DraftWeights.create(d.params, d.vocab)
-  retrieval, streaming = f"retrieval:{budget}", "draft@streaming:16x234"
-  specs = ["draft/chain:1", "draft/chain:4", "draft/kary:2x2", f"{streaming}/chain:1+{retrieval}/6",
-           "ngram:3/chain:2+draft/3", "ngram:3/chain:4"]
-  measured = [([*map(str, levels.levels), "target"], stacks.build(levels, t.config, d.config, d.vocab))
-              for levels in map(spec.parse, specs)]
+  model, ngram = spec.Level.of(spec.DraftModel()), spec.Level.of(spec.NGram(3))
+  streaming, retrieval = spec.Level.of(spec.DraftModel(), Streaming(16, 234)), spec.Level.of(Retrieval(budget))
+  references = [spec.Levels(model, spec.Chain(1)), spec.Levels(model, spec.Chain(4)),
+                spec.Levels(model, spec.Kary(2, 2)), spec.Levels(streaming, spec.Chain(1), ((retrieval, 6),)),
+                spec.Levels(ngram, spec.Chain(2), ((model, 3),)), spec.Levels(ngram, spec.Chain(4))]
+  measured = [([*levels.levels, TARGET], stacks.build(levels, t.config, d.config, d.vocab))
+              for levels in references]
   costs = dict(costs or {})
-  missing = [n for n in ("target", retrieval, "draft", streaming) if n not in costs]
+  missing = [level for level in (TARGET, retrieval, model, streaming) if str(level) not in costs]
   if missing:
     costs.update(level_costs(t, d, missing, prompt, [1, 2, 4, 8], rows=rows))
-  curve = {name: affine(points) for name, points in costs.items()}
+  curve = {name: affine(points) for name, points in costs.items()}   # by the levels' names
   programs, equations, rest = Programs(), [], []
-  for names, stack in measured:
+  for levels, stack in measured:
+    names = list(map(str, levels))
     runs = [engine.generate(t.params, t.config, [list(prompt)] * rows, max_new_tokens=max_new_tokens, stack=stack,
                             sampling=sampling, stop_at_eos=False, draft=weights, programs=programs)
             for _ in range(2)]
@@ -270,7 +287,7 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
     seconds = run.decode_s - proposals * tree_draft_seconds(stack.tree, curve.get(names[0]))
     is_tree = stack.tree.max_branching > 1
     equation = [proposals * stack.tree.max_depth * (names[0] in curve), 0.0, proposals * is_tree]
-    offers = names[0].startswith("ngram")   # its verifier runs the narrowest width holding the offer
+    offers = _is_ngram(levels[0])   # its verifier runs the narrowest width holding the offer
     for level in run.levels:  # level 1 verifies the whole tree; above, the buffers' mean length (a row's)
       whole = level["level"] == 1 and not offers
       width = stack.tree.size + 1 if whole else level["proposed"] / level["forwards"] / rows + 1
@@ -389,21 +406,19 @@ def ngram_offers(history: Sequence[int], start: int, max_ngram: int, min_ngram: 
                      for end, best, n in _ngram_matches(history, start, max_ngram, min_ngram)], np.int32)
 
 
-def _ngram_probs(name: str, prompt, continuation, vocab_size: int):
+def _ngram_probs(lookup: spec.NGram, prompt, continuation, vocab_size: int):
   """An n-gram level as a proposer: a one-hot q on its proposal, which is its only rank (none
   where it offers nothing). Row k is its proposal after continuation[k], as a model level's row
   k is (_continuation_probs)."""
-  lookup = spec.parse_level(name).source
   tokens = ngram_proposals(list(prompt) + list(continuation), len(prompt) + 1, lookup.longest, lookup.shortest)
   ranked = np.full((len(tokens), PROFILE_RANKS), -1, np.int32)
   ranked[:, 0] = tokens
   return jax.nn.one_hot(tokens, vocab_size), jnp.asarray(ranked)
 
 
-def _offered_counts(name: str, prompt, continuation) -> list[float]:
+def _offered_counts(lookup: spec.NGram, prompt, continuation) -> list[float]:
   """An n-gram level's law of how many tokens it offers at a position (ngram_offers; index m:
   the share offering m, the last index m or more), for latency.first_round."""
-  lookup = spec.parse_level(name).source
   counts = ngram_offers(list(prompt) + list(continuation), len(prompt) + 1, lookup.longest, lookup.shortest)
   return (np.bincount(np.minimum(counts, MAX_OFFERED), minlength=MAX_OFFERED + 1) / len(counts)).tolist()
 
@@ -411,7 +426,7 @@ def _offered_counts(name: str, prompt, continuation) -> list[float]:
 MAX_OFFERED = 32   # offered counts beyond it are recorded as it (no chain the planner tries is longer)
 
 
-def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Sequence[int],
+def pair_acceptance(target, draft, pairs: Sequence[tuple[Level, Level]], prompt: Sequence[int],
                     continuation: Sequence[int], sampling, eagle=None) -> dict:
   """{"verifier<-proposer": acceptance} over a continuation of `prompt` (the target's own, as a
   stack meets it), each level over its own caches of the prompt. Per pair: `alpha`, the expected
@@ -429,20 +444,20 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Seq
   levels = _Levels(target, draft, prompt, len(continuation), eagle)
   vocab_size = target.config.vocab_size
   dists, features, offered_counts = {}, {}, {}
-  for name in {n for pair in pairs for n in pair} - {"eagle"}:
-    if spec.parse_level(name).kind == "ngram":
-      dists[name] = _ngram_probs(name, prompt, continuation, vocab_size)
-      offered_counts[name] = _offered_counts(name, prompt, continuation)   # once, whatever verifies it
+  for level in {n for pair in pairs for n in pair} - {EAGLE}:
+    if _is_ngram(level):
+      dists[level] = _ngram_probs(level.source, prompt, continuation, vocab_size)
+      offered_counts[level] = _offered_counts(level.source, prompt, continuation)   # once, whatever verifies it
     else:
-      config = levels[name][0]
+      config = levels[level][0]
       taps = levels.taps if config.num_layers == target.config.num_layers else ()  # what EAGLE may read
-      *dists[name], features[name] = _continuation_probs(*levels[name], list(continuation), vocab_size,
-                                                         sampling, taps)
+      *dists[level], features[level] = _continuation_probs(*levels[level], list(continuation), vocab_size,
+                                                           sampling, taps)
   out = {}
   for verifier, proposer in pairs:
     p, _ = dists[verifier]
     deep = None
-    if proposer == "eagle":
+    if proposer == EAGLE:
       q, ranked, deep = _eagle_continuation_probs(levels, features[verifier], list(continuation),
                                                   vocab_size, sampling)
     else:
@@ -462,7 +477,7 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[str, str]], prompt: Seq
         "greedy_next": float(jnp.sum(hits[:-1, 0] & hits[1:, 0]) / max(int(jnp.sum(hits[:-1, 0])), 1))}
     if deep is not None:
       out[f"{verifier}<-{proposer}"].update(_deeper(p, accept, hits[:, 0], deep))
-    if spec.parse_level(proposer).kind == "ngram":   # the rates above count its silent positions as misses
+    if _is_ngram(proposer):   # the rates above count its silent positions as misses
       out[f"{verifier}<-{proposer}"]["offered"] = float(valid[:, 0].mean())
       out[f"{verifier}<-{proposer}"]["offered_counts"] = offered_counts[proposer]
   return out

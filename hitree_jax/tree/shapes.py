@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
-from typing import Sequence, Union
+from typing import Sequence
 
 import numpy as np
 
@@ -307,50 +306,4 @@ def from_acceptance(acceptance: Sequence[float], budget: int, max_depth: int) ->
   return _from_nested(build(budget, max_depth))
 
 
-TreeSpec = Union[TokenTree, DynamicTree, tuple[str, int, int]]
-
-
 MAX_TREE_NODES = 512  # one round verifies every node: [B, N+1, V] probabilities, N+1 tokens' forward
-
-
-def _tree_nodes(kind: str, numbers: tuple[int, ...]) -> int:
-  """Nodes a spec asks for (at least its depth), computed without building anything
-  (kary:10x10 is 10^10)."""
-  if kind == "kary":
-    k, depth = numbers
-    return depth if k == 1 else (k ** (depth + 1) - k) // (k - 1)
-  return max(numbers)
-
-
-def parse_tree_spec(spec: str) -> TreeSpec:
-  """Command-line tree spec -> a TokenTree, a DynamicTree, or ("sequoia", budget, depth).
-
-  "chain:N" and "kary:KxD" (e.g. kary:2x3) are static topologies and return
-  a TokenTree; "dynamic:BUDGET,DEPTH" returns a DynamicTree (chosen per round
-  at run time). "sequoia:BUDGET,DEPTH" needs measured acceptance rates (built
-  elsewhere, with `from_acceptance`), so it returns the tuple. Anything else
-  raises a ValueError naming the spec.
-  """
-  forms = '"chain:N", "kary:KxD", "sequoia:BUDGET,DEPTH" or "dynamic:BUDGET,DEPTH" (positive integers)'
-  text = spec.strip() if isinstance(spec, str) else ""
-  patterns = {"chain": r"chain:(\d+)", "kary": r"kary:(\d+)x(\d+)",
-              "sequoia": r"sequoia:(\d+),(\d+)", "dynamic": r"dynamic:(\d+),(\d+)"}
-  for kind, pattern in patterns.items():
-    match = re.fullmatch(pattern, text)
-    if match is None:
-      continue
-    numbers = tuple(int(x) for x in match.groups())
-    if min(numbers) < 1:
-      raise UsageError(f"bad tree spec {spec!r}: sizes must be positive; expected {forms}")
-    nodes = _tree_nodes(kind, numbers)
-    if nodes > MAX_TREE_NODES:
-      raise UsageError(f"tree spec {spec!r} asks for {nodes} nodes; a round verifies at most "
-                       f"{MAX_TREE_NODES}")
-    if kind == "chain":
-      return chain(*numbers)
-    if kind == "kary":
-      return kary(*numbers)
-    if kind == "dynamic":
-      return DynamicTree(*numbers)
-    return (kind, *numbers)
-  raise UsageError(f"bad tree spec {spec!r}: expected {forms}")

@@ -9,8 +9,8 @@ from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.planner import auto, profile as pl
 
 def calibrated(target, draft, prompt, sampling, space=auto.Space(), repeats=10, eagle=None, rows=1):
-  space = auto._space_of(len(prompt), eagle, space)
-  costs = pl.level_costs(target, draft, auto._model_levels(space.levels()), prompt, space.widths, repeats, eagle, rows)
+  space = space.measured(len(prompt), eagle)
+  costs = pl.level_costs(target, draft, space.model_levels(), prompt, space.widths, repeats, eagle, rows)
   ar = pl.ar_seconds(target, prompt, 96, rows)
   factor = ar / costs["target"][1]
   print("factor", factor, flush=True)
