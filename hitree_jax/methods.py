@@ -85,7 +85,7 @@ class Method:
   draft_mode: str = "deterministic"
   stack: object = None           # the stack.Stack, once built
   draft: object = None           # its DraftWeights once loaded
-  heads: str | None = None       # a draft on the target's features: eagle:PATH or medusa:PATH
+  heads: spec_lib.FeatureDraft | None = None   # a draft on the target's features (eagle:PATH, ...)
   step_aside: object = None      # a step_aside.StepAside: rows run plain rounds while drafts don't pay
 
   def build(self, target_config, draft_config=None, vocab=None):
@@ -101,8 +101,8 @@ class Method:
     vocabulary, tokenizer, tree and levels. Returns the draft's config, or None."""
     if self.heads is not None:
       from hitree_jax.heads import saved
-      kind, path = spec_lib.parse_level(self.heads).feature_draft
-      saved.check_target(saved.read_meta(path, kind), target_config, path)
+      path = self.heads.path
+      saved.check_target(saved.read_meta(path, self.heads.kind), target_config, path)
     if self.draft_path is None:
       self.build(target_config)
       return None
@@ -126,8 +126,7 @@ class Method:
     from hitree_jax.decode.drafters import DraftWeights
     if self.heads is not None:
       from hitree_jax.heads import saved
-      kind, path = spec_lib.parse_level(self.heads).feature_draft
-      _, params, vocab = saved.load(path, target_params, target_config, kind)
+      _, params, vocab = saved.load(self.heads.path, target_params, target_config, self.heads.kind)
       return dataclasses.replace(self, stack=self.build(target_config),
                                  draft=DraftWeights.create(params, vocab))
     if self.draft_path is None:
@@ -155,9 +154,10 @@ HIERARCHY_DEFAULTS = {"triforce": dict(gamma1=1, gamma2=6), "hitree": dict(tree=
 def with_heads_kind(draft: str) -> str:
   """`draft`, or KIND:`draft` where it names a folder of trained heads (its heads.json says the
   kind) by path or shipped name: --draft=smollm2-eagle reads as eagle:smollm2-eagle."""
-  name, comma, mode = draft.partition(",")
-  kind = shipped.heads_kind(name) if spec_lib.parse_level(name).kind == "draft" else None
-  return draft if kind is None else f"{kind}:{name}{comma}{mode}"
+  level = spec_lib.parse_level(draft)
+  kind = shipped.heads_kind(level.name) if level.kind == "draft" else None
+  return draft if kind is None else str(spec_lib.Level.of(spec_lib.FeatureDraft(kind, level.name), level.cache,
+                                                          level.mode))
 
 
 def _split_draft_and_shape(rest: str) -> tuple[str, str | None]:
@@ -279,11 +279,10 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
     parsed = _levels_of(name, rest, knobs)
   shape, mode = parsed.tree, parsed.drafter.mode
   model_named = [level.name for level in parsed.levels if level.kind == "draft"]
-  heads = parsed.drafter.name if parsed.drafter.feature_draft is not None else None
+  heads = parsed.drafter.source if isinstance(parsed.drafter.source, spec_lib.FeatureDraft) else None
   if heads is not None:
     from hitree_jax.heads.saved import read_meta
-    kind, path = parsed.drafter.feature_draft
-    read_meta(path, kind)  # FileNotFoundError naming it, before any load
+    read_meta(heads.path, heads.kind)  # FileNotFoundError naming it, before any load
   for n in model_named:
     if n != "draft" and "/" not in n and "." not in n and not shipped.find(n).exists():  # a misspelt drafter
       raise UsageError(f"unknown drafter {n!r}: expected ngram[:N | :MIN-MAX], self:K, retrieval:BUDGET, "

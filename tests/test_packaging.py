@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from hitree_jax import methods, shipped
+from hitree_jax.decode import spec
 
 from tests.helpers import REPO
 BIN = pathlib.Path(sys.executable).parent
@@ -34,12 +35,13 @@ def test_shipped_files_are_found_from_anywhere(tmp_path, monkeypatch):
   assert shipped.find("methods", "configs", ("", ".py")) == REPO / "configs" / "methods.py"
   assert methods.method("sd", draft="smollm2-draft").draft_path == str(REPO / "drafts" / "smollm2-draft.gguf")
   # a folder of trained heads by name reads as its kind: eagle:smollm2-eagle, medusa:smollm2-medusa
-  assert methods.method("sd", draft="smollm2-eagle").heads == "eagle:smollm2-eagle"
-  assert methods.method("tree", draft="smollm2-medusa,iid", tree="kary:2x2").heads == "medusa:smollm2-medusa"
+  assert str(methods.method("sd", draft="smollm2-eagle").heads) == "eagle:smollm2-eagle"
+  assert methods.method("tree", draft="smollm2-medusa,iid", tree="kary:2x2").heads == spec.FeatureDraft(
+      "medusa", "smollm2-medusa")
   assert str(methods.method("sd/smollm2-eagle/2").levels) == "eagle:smollm2-eagle/chain:2"
   # the chat versions (trained on the target's answers to instructions) ship beside them
-  assert methods.method("sd", draft="smollm2-eagle-chat").heads == "eagle:smollm2-eagle-chat"
-  assert methods.method("sd", draft="smollm2-medusa-chat").heads == "medusa:smollm2-medusa-chat"
+  assert str(methods.method("sd", draft="smollm2-eagle-chat").heads) == "eagle:smollm2-eagle-chat"
+  assert str(methods.method("sd", draft="smollm2-medusa-chat").heads) == "medusa:smollm2-medusa-chat"
   assert methods.method("sd", draft="smollm2-draft-chat").draft_path == str(REPO / "drafts" / "smollm2-draft-chat.gguf")
   (tmp_path / "smollm2-draft").write_text("mine")   # a file where it is given wins
   assert shipped.find("smollm2-draft") == pathlib.Path("smollm2-draft")

@@ -386,7 +386,7 @@ def test_an_eagle_draft_is_planned_only_under_the_targets_weights_and_runs_as_fl
   assert flags["levels"].startswith("eagle:drafts/smollm2-eagle/")
   method = parse_method("hsd", Knobs(draft=flags["draft"], levels=flags["levels"],
                                      acceptance=flags.get("acceptance")), True)
-  assert method.heads == "eagle:drafts/smollm2-eagle"
+  assert str(method.heads) == "eagle:drafts/smollm2-eagle"
   named = auto.in_profile_names(method.levels, "drafts/smollm2-draft.gguf", "drafts/smollm2-eagle")
   assert named == choice.levels
   assert auto.predict(profile, True, named).seconds_per_token == pytest.approx(
