@@ -91,9 +91,6 @@ class Method:
   def build(self, target_config, draft_config=None, vocab=None):
     """The Stack for this target (and draft model config / vocabulary, if the stack has one)."""
     from hitree_jax import stacks
-    from hitree_jax.decode.stack import Stack
-    if self.levels is None:
-      return Stack()
     return stacks.build(self.levels, target_config, draft_config, vocab, self.tree, self.step_aside)
 
   def check_draft(self, target_config, target_tokenizer):
@@ -138,15 +135,14 @@ class Method:
 
   def generate(self, params, config, prompts, **kwargs):
     """engine.generate with this stack; kwargs: max_new_tokens, sampling, seed, programs, ..."""
+    from hitree_jax import stacks
     from hitree_jax.decode import engine
-    from hitree_jax.decode.stack import Stack
-    stack = Stack() if self.name == "ar" else self.stack
+    stack = stacks.PLAIN if self.name == "ar" else self.stack
     if stack is None:
       raise UsageError(f"call load_draft() before generating with {self.label}")
     return engine.generate(params, config, prompts, stack=stack, draft=self.draft, **kwargs)
 
 
-DRAW_MODES = spec_lib.DRAW_MODES
 TREE_KINDS = ("chain", "kary", "sequoia", "dynamic")
 HIERARCHY_DEFAULTS = {"triforce": dict(gamma1=1, gamma2=6), "hitree": dict(tree="kary:2x4", gamma2=12)}
 

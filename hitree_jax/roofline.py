@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from hitree_jax import hbm_traffic, memory_plan, sharding
-from hitree_jax.decode import retrieve
+from hitree_jax.cache.kinds import Retrieval, Streaming
+from hitree_jax.decode import retrieve, spec
 from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.cache.streaming import StreamingCache
 from hitree_jax.decode.drafters import round_attend
@@ -186,7 +187,7 @@ class Levels:
                                                                   budget, chunk, tail), self.params, full)
     long = memory_plan.abstract(shape, sharding.cache_axes(shape, heads=True, slots=False), self.mesh)
     ideal = weights_read(self.params, self.target) + kv_bytes(long)
-    return self._cost(f"retrieval:{budget}", widths, _forward(self.target), lambda t: (self.params, t, long), ideal)
+    return self._cost(str(Retrieval(budget)), widths, _forward(self.target), lambda t: (self.params, t, long), ideal)
 
   def draft_streaming(self, context: int, sinks: int, window: int, widths) -> list[ForwardCost]:
     """The draft over a StreamingLLM cache of `sinks` + `window` slots of a `context`-slot prompt."""
@@ -194,7 +195,7 @@ class Levels:
     shape = jax.eval_shape(lambda f: StreamingCache.from_prefill(f, sinks, window), full)
     long = memory_plan.abstract(shape, sharding.cache_axes(shape, heads=False, slots=False), self.mesh)
     ideal = weights_read(self.draft_params, self.draft) + kv_bytes(long)
-    return self._cost(f"draft@streaming:{sinks}x{window}", widths, _forward(self.draft),
+    return self._cost(str(spec.Level.of(spec.DraftModel(), Streaming(sinks, window))), widths, _forward(self.draft),
                       lambda t: (self.draft_params, t, long), ideal)
 
   def eagle(self, context: int, widths) -> list[ForwardCost]:

@@ -51,11 +51,16 @@ def verifier(level: spec.Level, gamma: int) -> Verifier:
   return Verifier("draft", level.cache or Full(), gamma)
 
 
-def build(levels: spec.Levels | str, target: ModelConfig, draft: ModelConfig | None = None,
+PLAIN = Stack()   # plain decoding (`ar`): the target alone
+
+
+def build(levels: spec.Levels | str | None, target: ModelConfig, draft: ModelConfig | None = None,
           draft_vocab=None, tree: tree_lib.TokenTree | None = None, step_aside=None) -> Stack:
-  """The Stack of `levels` (a spec or its text) for this target, checked against it from
-  configs (before any weights load). tree: the bottom level's, where its spec alone does not
+  """The Stack of `levels` (a spec or its text; None: PLAIN) for this target, checked against it
+  from configs (before any weights load). tree: the bottom level's, where its spec alone does not
   give it (a sequoia tree is built from the draft's acceptance profile: methods.py)."""
+  if levels is None:
+    return PLAIN
   if isinstance(levels, str):
     levels = spec.parse(levels)
   if tree is None:

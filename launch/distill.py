@@ -314,14 +314,14 @@ def evaluate_heads(teacher, tokenizer, spec: str, windows: np.ndarray | None = N
   from hitree_jax.decode import engine
   from hitree_jax.decode.drafters import DraftWeights
   from hitree_jax.decode.sampling import SamplingParams
-  from hitree_jax.decode.spec import Levels, parse_level
+  from hitree_jax.decode.spec import Chain, Levels, parse_level
   from hitree_jax.heads import saved
   from hitree_jax.train import corpus, metrics
 
   level = parse_level(spec)
   heads = level.source   # a spec.FeatureDraft
   _, params, vocab = saved.load(heads.path, teacher.params, teacher.config, heads.kind)
-  stack = stacks.build(Levels(level, "chain:1"), teacher.config)   # a one-token chain: its cost
+  stack = stacks.build(Levels(level, Chain(1)), teacher.config)   # a one-token chain: its cost
   drafter = stack.drafter
   sampling = SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
   if windows is None:

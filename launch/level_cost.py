@@ -69,6 +69,19 @@ FLAGS = flags.FLAGS
 HEADROOM = 0.92   # of a device's memory that the arrays may take: the rest is for temporaries
 
 
+def retrieval_name(cfg) -> str:
+  """TriForce's middle level as profiles name it: the target over a retrieval cache."""
+  from hitree_jax.cache.kinds import Retrieval
+  return str(Retrieval(cfg.budget))
+
+
+def streaming_name(cfg) -> str:
+  """TriForce's drafter as profiles name it: the draft over a StreamingLLM cache."""
+  from hitree_jax.cache.kinds import Streaming
+  from hitree_jax.decode import spec
+  return str(spec.Level.of(spec.DraftModel(), Streaming(cfg.sinks, cfg.window)))
+
+
 def noise(shape, dtype, seed: int, scale: float = 1.0):
   """Numbers in [-scale, scale) from a multiplicative hash of each element's index: one fusion per
   array, which the GPU compiler builds at once. XLA's random generators took the H200's compiler
@@ -241,14 +254,14 @@ def context_row(cfg, target: Arrays, draft: Arrays, params, draft_params, contex
   del select, full   # the partial holds the full cache too
   gc.collect()
   row["retrieval_ms"] = forward_ms(timed_forward(target.config), params, retrieval, widths)
-  _progress(context, f"retrieval:{cfg.budget}", row["retrieval_ms"])
+  _progress(context, retrieval_name(cfg), row["retrieval_ms"])
   del retrieval
   draft_full = draft.cache(context, seed=context + 1)
   streaming = jax.block_until_ready(long_caches.streaming_cache(draft_full, cfg.sinks, cfg.window, None))
   del draft_full
   gc.collect()
   row["draft_ms"] = forward_ms(timed_forward(draft.config), draft_params, streaming, widths)
-  _progress(context, f"draft@streaming:{cfg.sinks}x{cfg.window}", row["draft_ms"])
+  _progress(context, streaming_name(cfg), row["draft_ms"])
   row["retrieval_over_baseline"] = {w: row["retrieval_ms"][w] / baseline[w] for w in widths}
   if bandwidth:
     row["floor_ms"] = 1e3 * (floor_bytes + full_bytes) / (bandwidth * 1e9)
@@ -369,9 +382,9 @@ def on_paper(cfg, contexts: list[int], widths: list[int]) -> dict:
   as_dicts = lambda costs: [dict(dataclasses.asdict(c), seconds=c.seconds, over_ideal=c.over_ideal,
                                  bound=c.bound) for c in costs]
   rows = [{"level": "target", "context": c, "costs": as_dicts(levels.target_full(c, widths))} for c in contexts]
-  rows.append({"level": f"retrieval:{cfg.budget}", "context": contexts[0],
+  rows.append({"level": retrieval_name(cfg), "context": contexts[0],
                "costs": as_dicts(levels.retrieval(contexts[0], cfg.budget, 8, tail, widths))})
-  rows.append({"level": f"draft@streaming:{cfg.sinks}x{cfg.window}", "context": contexts[0],
+  rows.append({"level": streaming_name(cfg), "context": contexts[0],
                "costs": as_dicts(levels.draft_streaming(contexts[0], cfg.sinks, cfg.window, widths))})
   rows += [{"level": "eagle", "context": c, "costs": as_dicts(levels.eagle(c, widths))} for c in contexts]
   return {"source": ROOFLINE, "compiler": "tpu", "topology": FLAGS.topology, "device_kind": chip.kind,

@@ -70,6 +70,35 @@ def _free_compiled_programs():
   gc.collect()
 
 
+
+# The distillation tests' tiny teacher (tests/test_distill.py, tests/test_heads_training.py): its
+# params and the data labelled with it, once per module that asks.
+
+@pytest.fixture(scope="module")
+def teacher_params():
+  """Random params of tests/helpers.py's TEACHER."""
+  from hitree_jax.model.llama import init_params
+  from tests.helpers import TEACHER
+  params = init_params(TEACHER, jax.random.key(0))
+  return jax.tree.map(lambda x: x * 3.0 if x.ndim == 2 else x, params)  # peaked predictions
+
+
+@pytest.fixture(scope="module")
+def distill_data(teacher_params):
+  """Windows of a noisy periodic token stream (learnable), labelled with the teacher's top-8:
+  (windows, ids, log_probs, vocab)."""
+  import numpy as np
+  from hitree_jax.model.vocab import ReducedVocab
+  from hitree_jax.train import distill, teacher
+  from tests.helpers import TEACHER
+  rng = np.random.default_rng(0)
+  stream = np.tile(rng.integers(3, 40, 13), 200)
+  stream = np.where(rng.random(stream.shape) < 0.1, rng.integers(0, 40, stream.shape), stream)
+  windows = distill.corpus.evenly_spaced_windows(stream.astype(np.int32), 24, 48)
+  ids, log_probs = teacher.teacher_topk(teacher_params, TEACHER, windows, k=8, batch=16)
+  vocab = ReducedVocab.most_frequent(np.bincount(stream, minlength=40), 30)
+  return windows, ids, log_probs, vocab
+
 # pytest-xdist (--dist loadfile --no-loadscope-reorder) hands out test files in collection order
 # (by default it would hand out the files with the most tests first, whatever their length), and a
 # long file handed out last runs alone at the end: run 11's suite ended on one worker for about

@@ -1,5 +1,6 @@
 """Helpers that several test modules share (imported from here, never from another test file)."""
 
+import functools
 import os
 import pathlib
 import subprocess
@@ -8,6 +9,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from hitree_jax.model.config import ModelConfig
+from hitree_jax.model.vocab import ReducedVocab
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -108,3 +112,102 @@ def get_config():
       target=dict(shape, num_layers=2), draft=dict(shape, num_layers=1), prompt_tokens=1500,
       max_new_tokens=32, batch=1, budget=256, sinks=4, window=60, gamma1=1, gamma2=4))
 """
+
+
+# --- The KV-cache tests' tiny model (tests/test_kv_cache.py, tests/test_cache_family.py) ---
+
+CACHE_CONFIG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_params(seed=0):
+  """Random params of CACHE_CONFIG in `init_params`' tree (built in numpy: eager Flax init costs
+  seconds).
+
+  Scaled so attention is sharp and logits depend visibly on context; norm weights are
+  perturbed away from 1.
+  """
+  from hitree_jax.model.llama import init_params
+  rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(functools.partial(init_params, CACHE_CONFIG), jax.random.key(seed))
+
+  def fill(path, leaf):
+    name = jax.tree_util.keystr(path)
+    x = rng.standard_normal(leaf.shape)
+    if "norm" in name:
+      x = 1.0 + 0.1 * x
+    elif "kernel" in name:
+      x = x / np.sqrt(leaf.shape[0]) * (2.0 if ("q_proj" in name or "k_proj" in name) else 1.0)
+    return jnp.asarray(x, leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
+# --- The distillation tests' tiny teacher (tests/test_distill.py, tests/test_heads_training.py;
+# its params and labelled data are conftest's teacher_params and distill_data fixtures) ---
+
+TEACHER = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
+# --- The EAGLE tests' tiny target and drafts (tests/test_heads.py, tests/test_planner.py) ---
+
+# One layer: an EAGLE layer that copies it reproduces the target exactly.
+HEADS_CONFIG = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                           num_kv_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=None)
+# EAGLE-3: a 3-layer target whose first two layers an EAGLE-3 draft taps, beside its final states.
+TAPPED = HEADS_CONFIG.replace(num_layers=3)
+TAPS = (0, 1)
+
+
+def target_params(config, seed=0):
+  from hitree_jax.model.llama import init_params, with_decode_head
+  p = init_params(config, jax.random.key(seed))
+  p = jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, p)  # peaked: no greedy near-ties
+  return with_decode_head(p, config)
+
+
+def eagle_draft(target, config, feature_weight: float, vocab: ReducedVocab | None = None, mode="deterministic"):
+  """(drafter, weights): an EAGLE layer that is the 1-layer target's own layer, reading the
+  token's embedding plus feature_weight x a random map of the previous feature: with 0 it is
+  the target itself; otherwise it depends on the features it is handed."""
+  from hitree_jax.decode.drafters import DraftWeights
+  from hitree_jax.heads import eagle
+  from hitree_jax.heads.drafter import EagleDrafter
+  e = config.hidden_size
+  mix = feature_weight * jax.random.normal(jax.random.key(5), (e, e)) / np.sqrt(e)
+  params = {"fc": {"kernel": jnp.concatenate([jnp.eye(e), mix], axis=0)},
+            "layer": target["layers_0"], "norm": target["norm"],
+            "head": eagle.head_from_target(target, None if vocab is None else vocab.target_ids)}
+  size = config.vocab_size if vocab is None else vocab.size
+  drafter = EagleDrafter(eagle.layer_config(config, size), mode,
+                         None if vocab is None else vocab.target_vocab_size)
+  return drafter, DraftWeights.create(params, vocab)
+
+
+def eagle3_draft(target, config, taps, mode="deterministic"):
+  """(drafter, weights): eagle_draft's layer, reading the fusion of the target's taps and final
+  states through a random map, so that what it drafts depends on every tapped layer."""
+  import dataclasses
+  from hitree_jax.decode.drafters import DraftWeights
+  drafter, weights = eagle_draft(target, config, 1.0, mode=mode)
+  e, k = config.hidden_size, len(taps)
+  kernel = jax.random.normal(jax.random.key(7), ((k + 1) * e, e)) / np.sqrt(e)
+  params = dict(weights.params, fuse={"scale": jnp.ones((k, e)), "kernel": kernel})
+  return dataclasses.replace(drafter, taps=taps), DraftWeights.create(params)
+
+
+# --- The TPU compile tests' long-context model (tests/test_tpu_compile.py, tests/test_roofline.py) ---
+
+# Tiny, but its full cache is long (120,000 prompt tokens, 4 layers of 16 KV heads of 64: 2 GB).
+TARGET = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=16,
+                     num_kv_heads=16, head_dim=64, max_position_embeddings=131072, dtype="bfloat16")
+DRAFT = TARGET.replace(num_layers=1, num_heads=2, num_kv_heads=1)
+
+
+def kv_bytes(config: ModelConfig, slots: int, heads_split: int = 1, slots_split: int = 1) -> int:
+  """Keys and values of a cache, by hand: layers x 2 x KV heads x head_dim x slots x bytes."""
+  return (config.num_layers * 2 * (config.num_kv_heads // heads_split) * config.head_dim
+          * (slots // slots_split) * 2)

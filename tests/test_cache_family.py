@@ -20,7 +20,7 @@ from hitree_jax.cache.retrieval import RetrievalCache
 from hitree_jax.cache.streaming import StreamingCache
 from hitree_jax.model import llama as llama_lib
 from hitree_jax.model.llama import forward
-from tests.test_kv_cache import CONFIG, tiny_params  # the same tiny model and weights
+from tests.helpers import CACHE_CONFIG as CONFIG, tiny_params  # test_kv_cache's tiny model and weights
 
 MAX_LEN = 64
 CHUNK = 8

@@ -8,41 +8,18 @@ import numpy as np
 import pytest
 
 from hitree_jax.decode.sampling import SamplingParams, probabilities
-from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import init_params
 from hitree_jax.model.vocab import OTHER, ReducedVocab
 from hitree_jax.train import distill, metrics, teacher
-
-TEACHER = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=3,
-                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+from tests.helpers import TEACHER  # its params and data: conftest's teacher_params and distill_data
 
 
-@pytest.fixture(scope="module")
-def teacher_params():
-  params = init_params(TEACHER, jax.random.key(0))
-  return jax.tree.map(lambda x: x * 3.0 if x.ndim == 2 else x, params)  # peaked predictions
-
-
-@pytest.fixture(scope="module")
-def data(teacher_params):
-  """Windows of a noisy periodic token stream (learnable), labelled with the teacher's top-8."""
-  rng = np.random.default_rng(0)
-  stream = np.tile(rng.integers(3, 40, 13), 200)
-  stream = np.where(rng.random(stream.shape) < 0.1, rng.integers(0, 40, stream.shape), stream)
-  windows = distill.corpus.evenly_spaced_windows(stream.astype(np.int32), 24, 48)
-  ids, log_probs = teacher.teacher_topk(teacher_params, TEACHER, windows, k=8, batch=16)
-  vocab = ReducedVocab.most_frequent(np.bincount(stream, minlength=40), 30)
-  return windows, ids, log_probs, vocab
-
-
-def student_data(data):
-  windows, ids, log_probs, vocab = data
+def student_data(distill_data):
+  windows, ids, log_probs, vocab = distill_data
   return (vocab.to_draft(windows), *distill.sparse_targets(ids, log_probs, vocab))
 
 
-def test_teacher_topk_is_the_top_of_the_full_distribution(teacher_params, data):
-  windows, ids, log_probs, _ = data
+def test_teacher_topk_is_the_top_of_the_full_distribution(teacher_params, distill_data):
+  windows, ids, log_probs, _ = distill_data
   full = jax.nn.log_softmax(teacher.full_sequence_logits(teacher_params, TEACHER,
                                                          jnp.asarray(windows[:2])), axis=-1)
   np.testing.assert_allclose(log_probs[:2, :, 0], np.asarray(full).max(-1), atol=1e-5)
@@ -50,8 +27,8 @@ def test_teacher_topk_is_the_top_of_the_full_distribution(teacher_params, data):
   assert np.all(np.diff(log_probs, axis=-1) <= 0)
 
 
-def test_labelling_resumes_from_the_saved_chunks(tmp_path, teacher_params, data):
-  windows, ids, log_probs, _ = data
+def test_labelling_resumes_from_the_saved_chunks(tmp_path, teacher_params, distill_data):
+  windows, ids, log_probs, _ = distill_data
   path = tmp_path / "labels.npz"
   labels = distill.label_windows(path, windows, teacher_params, TEACHER, k=8, chunk=16)
   np.testing.assert_array_equal(labels["ids"], ids)
@@ -70,11 +47,11 @@ def test_labelling_resumes_from_the_saved_chunks(tmp_path, teacher_params, data)
     np.testing.assert_array_equal(saved["ids"], resumed["ids"])
 
 
-def test_a_token_draft_reuses_a_feature_drafts_labels(tmp_path, teacher_params, data):
+def test_a_token_draft_reuses_a_feature_drafts_labels(tmp_path, teacher_params, distill_data):
   """Labels made with the teacher's features hold a token draft's: prepare_labels without
   features takes them, features dropped, and asks nothing of the teacher (None here); without
   them it would label again."""
-  windows, ids, log_probs, _ = data
+  windows, ids, log_probs, _ = distill_data
   features = np.ones((*windows.shape, 32), np.float16)
   np.savez(tmp_path / f"labels_train_{len(windows)}x{windows.shape[1]}_top8_features.npz",
            tokens=windows, ids=ids, log_probs=log_probs, features=features)
@@ -86,10 +63,10 @@ def test_a_token_draft_reuses_a_feature_drafts_labels(tmp_path, teacher_params, 
     distill.prepare_labels(tmp_path, "train", None, None, window=windows.shape[1], n_windows=len(windows), k=4)
 
 
-def test_another_teachers_labels_are_never_taken(tmp_path, data):
+def test_another_teachers_labels_are_never_taken(tmp_path, distill_data):
   """Labels are named by what their teacher holds: those of another teacher in the same workdir
   are not read (the teacher is asked: None here), and the same teacher's are."""
-  windows, ids, log_probs, _ = data
+  windows, ids, log_probs, _ = distill_data
   np.savez(tmp_path / f"labels_aaaa_train_{len(windows)}x{windows.shape[1]}_top8.npz",
            tokens=windows, ids=ids, log_probs=log_probs)
   shape = dict(window=windows.shape[1], n_windows=len(windows), k=8)
@@ -144,8 +121,8 @@ def test_an_export_replaces_the_old_draft_whole_or_not_at_all(tmp_path, kind):
     assert names == ["eagle"] and (out / "weights").read_text() == "newernewer"
 
 
-def test_sparse_targets_drop_tokens_outside_the_subset(data):
-  windows, ids, log_probs, vocab = data
+def test_sparse_targets_drop_tokens_outside_the_subset(distill_data):
+  windows, ids, log_probs, vocab = distill_data
   draft_ids, probs = distill.sparse_targets(ids, log_probs, vocab)
   outside = vocab.to_draft(ids) == OTHER
   assert outside.any() and np.all(probs[outside] == 0)
@@ -167,10 +144,10 @@ def test_student_with_every_layer_and_token_is_the_teacher(teacher_params):
     distill.student_from_teacher(teacher_params, TEACHER, (0, 3), vocab)
 
 
-def test_training_lowers_the_loss(tmp_path, teacher_params, data):
-  vocab = data[3]
+def test_training_lowers_the_loss(tmp_path, teacher_params, distill_data):
+  vocab = distill_data[3]
   config, params = distill.student_from_teacher(teacher_params, TEACHER, (0,), vocab)
-  train = student_data(data)
+  train = student_data(distill_data)
   before = distill.evaluate_loss(params, distill.draft_objective(config), train, batch=8)[0]
   params, history = distill.train(tmp_path, config, params, train, None, steps=30, batch=8,
                                   lr=1e-2, warmup=3, seed=0, log_every=10)
@@ -183,9 +160,9 @@ def test_training_lowers_the_loss(tmp_path, teacher_params, data):
 
 
 @pytest.mark.slow
-def test_interrupted_training_resumes_to_the_same_weights(tmp_path, teacher_params, data):
-  config, params = distill.student_from_teacher(teacher_params, TEACHER, (0,), data[3])
-  train = student_data(data)
+def test_interrupted_training_resumes_to_the_same_weights(tmp_path, teacher_params, distill_data):
+  config, params = distill.student_from_teacher(teacher_params, TEACHER, (0,), distill_data[3])
+  train = student_data(distill_data)
   kwargs = dict(batch=8, lr=1e-2, warmup=2, seed=3, save_every=2, log_every=1)
   straight, _ = distill.train(tmp_path / "a", config, params, train, None, steps=6, **kwargs)
   distill.train(tmp_path / "b", config, params, train, None, steps=6, until=3, **kwargs)
@@ -197,17 +174,17 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, teacher_para
   assert max(jax.tree.leaves(moved)) > 1e-3  # training changed the weights at all
 
 
-def test_resuming_a_run_made_with_other_settings_is_refused(tmp_path, teacher_params, data):
-  config, params = distill.student_from_teacher(teacher_params, TEACHER, (0,), data[3])
+def test_resuming_a_run_made_with_other_settings_is_refused(tmp_path, teacher_params, distill_data):
+  config, params = distill.student_from_teacher(teacher_params, TEACHER, (0,), distill_data[3])
   kwargs = dict(batch=8, lr=1e-2, warmup=2, seed=3, until=0, settings={"train_windows": 16})
-  distill.train(tmp_path, config, params, student_data(data), None, steps=8, **kwargs)  # only labels:
-  assert not (tmp_path / distill.SETTINGS).exists()                                    # nothing kept
-  distill.train(tmp_path, config, params, student_data(data), None, steps=6, **dict(kwargs, until=1))
-  distill.train(tmp_path, config, params, student_data(data), None, steps=6, **kwargs)  # resumes
+  distill.train(tmp_path, config, params, student_data(distill_data), None, steps=8, **kwargs)  # only labels:
+  assert not (tmp_path / distill.SETTINGS).exists()                                            # nothing kept
+  distill.train(tmp_path, config, params, student_data(distill_data), None, steps=6, **dict(kwargs, until=1))
+  distill.train(tmp_path, config, params, student_data(distill_data), None, steps=6, **kwargs)  # resumes
   with pytest.raises(ValueError, match="steps: 6 there, 8 now"):
-    distill.train(tmp_path, config, params, student_data(data), None, steps=8, **kwargs)
+    distill.train(tmp_path, config, params, student_data(distill_data), None, steps=8, **kwargs)
   with pytest.raises(ValueError, match="train_windows: 16 there, 32 now"):
-    distill.train(tmp_path, config, params, student_data(data), None, steps=6,
+    distill.train(tmp_path, config, params, student_data(distill_data), None, steps=6,
                   **dict(kwargs, settings={"train_windows": 32}))
 
 
@@ -249,8 +226,8 @@ def test_position_metrics_match_brute_force():
 
 
 @pytest.mark.slow
-def test_evaluate_draft_matches_position_by_position_brute_force(teacher_params, data):
-  windows, _, _, vocab = data
+def test_evaluate_draft_matches_position_by_position_brute_force(teacher_params, distill_data):
+  windows, _, _, vocab = distill_data
   config, params = distill.student_from_teacher(teacher_params, TEACHER, (0, 2), vocab)
   model = lambda c, p: type("M", (), {"config": c, "params": p})
   sampling = SamplingParams.create(0.6, 0.9)

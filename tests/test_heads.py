@@ -1,8 +1,6 @@
 """The EAGLE feature draft on tiny random models: greedy equals ar, its rounds read the right
 features, sampling is exact, and a second generation compiles nothing."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,37 +15,13 @@ from hitree_jax.cache.kinds import Full, Retrieval
 from hitree_jax.decode.stack import Stack, Verifier
 from hitree_jax.heads import eagle, medusa
 from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter
-from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import hidden_states, init_params, with_decode_head
 from hitree_jax.model.vocab import ReducedVocab
 from hitree_jax.tree import shapes as tree_lib
+from tests.helpers import HEADS_CONFIG as CONFIG, TAPPED, TAPS, eagle3_draft, eagle_draft, target_params
 from tests.laws import N_SAMPLES, SMALL, chi_square_pvalue, exact_three_token_law
 
-# One layer: an EAGLE layer that copies it reproduces the target exactly.
-CONFIG = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
-                     num_kv_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=None)
 PROMPTS = [[3, 5, 7, 11, 13, 17, 19, 3, 5, 7], [2, 4], [8, 1, 9, 30, 2]]
-
-
-def target_params(config, seed=0):
-  p = init_params(config, jax.random.key(seed))
-  p = jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, p)  # peaked: no greedy near-ties
-  return with_decode_head(p, config)
-
-
-def eagle_draft(target, config, feature_weight: float, vocab: ReducedVocab | None = None, mode="deterministic"):
-  """(drafter, weights): an EAGLE layer that is the 1-layer target's own layer, reading the
-  token's embedding plus feature_weight x a random map of the previous feature: with 0 it is
-  the target itself; otherwise it depends on the features it is handed."""
-  e = config.hidden_size
-  mix = feature_weight * jax.random.normal(jax.random.key(5), (e, e)) / np.sqrt(e)
-  params = {"fc": {"kernel": jnp.concatenate([jnp.eye(e), mix], axis=0)},
-            "layer": target["layers_0"], "norm": target["norm"],
-            "head": eagle.head_from_target(target, None if vocab is None else vocab.target_ids)}
-  size = config.vocab_size if vocab is None else vocab.size
-  drafter = EagleDrafter(eagle.layer_config(config, size), mode,
-                         None if vocab is None else vocab.target_vocab_size)
-  return drafter, DraftWeights.create(params, vocab)
 
 
 @pytest.fixture(scope="module")
@@ -171,20 +145,6 @@ def assert_sampling_is_exact(make_draft, tree, sampling, num_layers: int = 1):
 
 
 # --- EAGLE-3: the target's tapped layers beside its final states ---
-
-TAPPED = CONFIG.replace(num_layers=3)
-TAPS = (0, 1)
-
-
-def eagle3_draft(target, config, taps, mode="deterministic"):
-  """(drafter, weights): eagle_draft's layer, reading the fusion of the target's taps and final
-  states through a random map, so that what it drafts depends on every tapped layer."""
-  drafter, weights = eagle_draft(target, config, 1.0, mode=mode)
-  e, k = config.hidden_size, len(taps)
-  kernel = jax.random.normal(jax.random.key(7), ((k + 1) * e, e)) / np.sqrt(e)
-  params = dict(weights.params, fuse={"scale": jnp.ones((k, e)), "kernel": kernel})
-  return dataclasses.replace(drafter, taps=taps), DraftWeights.create(params)
-
 
 @pytest.fixture(scope="module")
 def tapped():

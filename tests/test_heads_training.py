@@ -14,7 +14,7 @@ from hitree_jax.model.llama import with_decode_head
 from hitree_jax.heads import saved
 from hitree_jax.train import distill, heads
 from hitree_jax.tree import shapes as tree_lib
-from tests.test_distill import TEACHER, data, teacher_params  # noqa: F401 (fixtures)
+from tests.helpers import TEACHER  # test_distill's; its params and data: conftest's teacher_params and distill_data
 
 
 TAPS = (0, 1)  # an EAGLE-3 draft's: both of the teacher's layers before its last
@@ -31,14 +31,14 @@ def label(tmp_path_factory, params, windows_and_vocab, taps=()):
 
 
 @pytest.fixture(scope="module")
-def labelled(tmp_path_factory, teacher_params, data):  # noqa: F811
-  return label(tmp_path_factory, teacher_params, data)
+def labelled(tmp_path_factory, teacher_params, distill_data):
+  return label(tmp_path_factory, teacher_params, distill_data)
 
 
 @pytest.fixture(scope="module")
-def labelled_taps(tmp_path_factory, teacher_params, data):  # noqa: F811
+def labelled_taps(tmp_path_factory, teacher_params, distill_data):
   """The same windows, with the teacher's tapped layers' states before its final ones."""
-  return label(tmp_path_factory, teacher_params, data, TAPS)
+  return label(tmp_path_factory, teacher_params, distill_data, TAPS)
 
 
 def setup(kind, vocab):
@@ -51,7 +51,7 @@ def setup(kind, vocab):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
-def test_training_lowers_the_loss(tmp_path, teacher_params, request, kind):  # noqa: F811
+def test_training_lowers_the_loss(tmp_path, teacher_params, request, kind):
   train, vocab = request.getfixturevalue("labelled_taps" if kind == "eagle3" else "labelled")
   config, params, objective = setup(kind, vocab)
   frozen = saved.frozen_arrays(with_decode_head(teacher_params, TEACHER), vocab)
@@ -70,7 +70,7 @@ def test_training_lowers_the_loss(tmp_path, teacher_params, request, kind):  # n
       before, after, floor, agree_before, agree_after)
 
 
-def test_interrupted_training_resumes_to_the_same_weights(tmp_path, teacher_params, labelled):  # noqa: F811
+def test_interrupted_training_resumes_to_the_same_weights(tmp_path, teacher_params, labelled):
   train, vocab = labelled
   config, params, objective = setup("eagle", vocab)
   frozen = saved.frozen_arrays(with_decode_head(teacher_params, TEACHER), vocab)
@@ -85,7 +85,7 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, teacher_para
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
-def test_a_saved_draft_loads_into_a_stack_that_decodes_like_ar(tmp_path, teacher_params, labelled, kind):  # noqa: F811
+def test_a_saved_draft_loads_into_a_stack_that_decodes_like_ar(tmp_path, teacher_params, labelled, kind):
   _, vocab = labelled
   _, params, _ = setup(kind, vocab)
   params = jax.tree.map(lambda x: x + 0.01, params)  # not the initial values
@@ -120,10 +120,10 @@ def test_a_saved_draft_loads_into_a_stack_that_decodes_like_ar(tmp_path, teacher
 
 
 @pytest.mark.slow
-def test_own_text_is_the_teachers_continuation_of_book_windows(teacher_params, data):  # noqa: F811
+def test_own_text_is_the_teachers_continuation_of_book_windows(teacher_params, distill_data):
   from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.train import teacher
-  windows = data[0][:5]
+  windows = distill_data[0][:5]
   greedy = SamplingParams.create(0.0)
   own = teacher.own_continuations(teacher_params, TEACHER, windows, 16, greedy, batch=4)
   assert own.shape == windows.shape and np.array_equal(own[:, :16], windows[:, :16])

@@ -17,37 +17,13 @@ from hitree_jax.cache.full import KV_AXES, KVCache, causal_attend, dtypes_of, pu
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode.programs import Programs
 from hitree_jax.model import llama as model_lib
-from hitree_jax.model.config import ModelConfig
-from hitree_jax.model.llama import forward, init_params
+from hitree_jax.model.llama import forward
+from tests.helpers import CACHE_CONFIG as CONFIG, tiny_params  # shared with tests/test_cache_family.py
 
-CONFIG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
 ATOL = 1e-5
 MAX_LEN = 64  # cache slots in every test: one compiled program per call shape
 
 _forward = jax.jit(forward, static_argnums=1)
-
-
-@functools.lru_cache(maxsize=None)
-def tiny_params(seed=0):
-  """Random params in `init_params`' tree (built in numpy: eager Flax init costs seconds).
-
-  Scaled so attention is sharp and logits depend visibly on context; norm weights are
-  perturbed away from 1.
-  """
-  rng = np.random.default_rng(seed)
-  shapes = jax.eval_shape(functools.partial(init_params, CONFIG), jax.random.key(seed))
-
-  def fill(path, leaf):
-    name = jax.tree_util.keystr(path)
-    x = rng.standard_normal(leaf.shape)
-    if "norm" in name:
-      x = 1.0 + 0.1 * x
-    elif "kernel" in name:
-      x = x / np.sqrt(leaf.shape[0]) * (2.0 if ("q_proj" in name or "k_proj" in name) else 1.0)
-    return jnp.asarray(x, leaf.dtype)
-
-  return jax.tree_util.tree_map_with_path(fill, shapes)
 
 
 def random_tokens(seed, n):

@@ -765,13 +765,13 @@ def test_break_even_is_where_a_middle_level_starts_to_pay():
 def eagle_trio():
   """A one-layer tiny target (with its decode head), a random draft model, and EAGLE layers that
   copy the target's (feature_weight 0: the target itself) or also read the features (2.0)."""
-  from tests.test_heads import CONFIG, eagle_draft, target_params
-  params = target_params(CONFIG)
-  target = types.SimpleNamespace(config=CONFIG, params=params, vocab=None)
-  draft = types.SimpleNamespace(config=CONFIG, params=init_params(CONFIG, jax.random.key(7)), vocab=None)
+  from tests.helpers import HEADS_CONFIG, eagle_draft, target_params
+  params = target_params(HEADS_CONFIG)
+  target = types.SimpleNamespace(config=HEADS_CONFIG, params=params, vocab=None)
+  draft = types.SimpleNamespace(config=HEADS_CONFIG, params=init_params(HEADS_CONFIG, jax.random.key(7)), vocab=None)
   eagles = {}
   for weight in (0.0, 2.0):
-    drafter, weights = eagle_draft(params, CONFIG, weight)
+    drafter, weights = eagle_draft(params, HEADS_CONFIG, weight)
     eagles[weight] = types.SimpleNamespace(config=drafter.config, params=weights.params, vocab=None, taps=())
   return target, draft, eagles
 
@@ -825,7 +825,7 @@ def test_an_eagle3_drafts_acceptance_reads_its_verifiers_tapped_layers():
   from hitree_jax.decode.sampling import SamplingParams, probabilities
   from hitree_jax.heads import eagle
   from hitree_jax.model.llama import forward
-  from tests.test_heads import TAPPED, TAPS, eagle3_draft, target_params
+  from tests.helpers import TAPPED, TAPS, eagle3_draft, target_params
   params = target_params(TAPPED, seed=1)
   target = types.SimpleNamespace(config=TAPPED, params=params, vocab=None)
   drafter, weights = eagle3_draft(params, TAPPED, TAPS)

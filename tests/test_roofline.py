@@ -13,8 +13,7 @@ import sys
 import pytest
 
 from hitree_jax import hbm_traffic, roofline, sharding, topology
-from tests.helpers import REPO, TINY_SHAPES
-from tests.test_tpu_compile import DRAFT, TARGET, kv_bytes
+from tests.helpers import DRAFT, REPO, TARGET, TINY_SHAPES, kv_bytes  # test_tpu_compile's model
 
 CONTEXT = 16384
 WIDTHS = (1, 8)

@@ -61,6 +61,7 @@ def test_a_tree_is_typed_and_checked_before_building():
   assert spec.parse_tree(" kary:3x1 ") == spec.Kary(3, 1)
   assert spec.parse_tree("sequoia:64,8") == spec.Sequoia(64, 8)
   assert spec.parse_tree("dynamic:32,6") == spec.Dynamic(32, 6)
+  assert spec.Levels(spec.parse_level("draft"), "3").tree == spec.Chain(3)   # text is parsed, as a Level's name
   assert spec.Chain(4).topology() == tree_lib.chain(4) and spec.Kary(2, 3).topology() == tree_lib.kary(2, 3)
   assert spec.Dynamic(32, 6).topology() == tree_lib.DynamicTree(32, 6)
   assert spec.Sequoia(8, 3).topology([0.6, 0.2]) == tree_lib.from_acceptance([0.6, 0.2], 8, 3)

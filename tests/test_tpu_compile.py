@@ -25,12 +25,8 @@ from hitree_jax.heads import eagle
 from hitree_jax.heads.drafter import EagleDrafter, MedusaDrafter
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.tree import shapes as tree_lib
-from tests.helpers import TINY_SHAPES
+from tests.helpers import DRAFT, REPO, TARGET, TINY_SHAPES, kv_bytes  # the model: test_roofline's too
 
-from tests.helpers import REPO
-TARGET = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=16,
-                     num_kv_heads=16, head_dim=64, max_position_embeddings=131072, dtype="bfloat16")
-DRAFT = TARGET.replace(num_layers=1, num_heads=2, num_kv_heads=1)
 PROMPT, NEW = 120_000, 32
 RETRIEVAL = Retrieval(256, 8)
 STREAMING = Streaming(4, 60)
@@ -55,12 +51,6 @@ MESHES = ("model:1", "sequence:2,model:2")
 @pytest.fixture(scope="module")
 def devices():
   return topology.devices("v5e:2x2")
-
-
-def kv_bytes(config: ModelConfig, slots: int, heads_split: int = 1, slots_split: int = 1) -> int:
-  """Keys and values of a cache, by hand: layers x 2 x KV heads x head_dim x slots x bytes."""
-  return (config.num_layers * 2 * (config.num_kv_heads // heads_split) * config.head_dim
-          * (slots // slots_split) * 2)
 
 
 def weight_bytes(config: ModelConfig, split: int) -> int:

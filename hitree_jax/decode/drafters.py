@@ -86,7 +86,7 @@ class Drafter(abc.ABC):
   that keeps a cache, reads the target's features or needs weights of its own overrides them
   (as dataclass fields or properties)."""
 
-  mode = "deterministic"   # how children are drawn (spec.DRAW_MODES)
+  mode = "deterministic"   # how children are drawn (verify.DrawMode)
   cache = None             # the kind of its long cache (cache/kinds.py: Full, Streaming, Retrieval), or None
   cache_weights = None     # whose forward fills that cache: "draft", "target", or None (its own)
   reads_features = False   # reads the hidden states of the level above's verify forwards

@@ -22,10 +22,9 @@ import dataclasses
 from typing import Sequence
 
 from hitree_jax.cache.kinds import Full, Retrieval, Streaming
+from hitree_jax.decode.verify import DrawMode
 from hitree_jax.errors import UsageError
 from hitree_jax.tree import shapes
-
-DRAW_MODES = ("iid", "without_replacement", "deterministic")   # how a drafter draws children (verify.py)
 FEATURE_DRAFTS = ("eagle", "eagle3", "medusa", "dflash")  # drafts on the target's features, read by heads/saved.py
 
 
@@ -223,14 +222,16 @@ class Level:
   its kind's own) and, for the bottom level, how it draws children."""
   name: str
   cache: Full | Streaming | None = None
-  mode: str = "deterministic"
+  mode: DrawMode = DrawMode.DETERMINISTIC
   source: Source = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
     object.__setattr__(self, "source", parse_source(self.name))
+    object.__setattr__(self, "mode", DrawMode(self.mode))   # text given: its mode
 
   @classmethod
-  def of(cls, source: Source, cache: Full | Streaming | None = None, mode: str = "deterministic") -> Level:
+  def of(cls, source: Source, cache: Full | Streaming | None = None,
+         mode: DrawMode = DrawMode.DETERMINISTIC) -> Level:
     """A level from its typed source, named as the grammar writes it."""
     return cls(str(source), cache, mode)
 
@@ -260,15 +261,20 @@ class Level:
 
   def __str__(self) -> str:
     cache = "" if self.cache is None else f"@{self.cache}"
-    return f"{self.name}{cache}" + ("" if self.mode == "deterministic" else f",{self.mode}")
+    return f"{self.name}{cache}" + ("" if self.mode == DrawMode.DETERMINISTIC else f",{self.mode}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Levels:
-  """A stack below the target: the drafter and its tree, then each middle level and its gamma."""
+  """A stack below the target: the drafter and its tree (its text is parsed, as a Level's name
+  is), then each middle level and its gamma."""
   drafter: Level
   tree: TreeSpec
   middles: tuple[tuple[Level, int], ...] = ()
+
+  def __post_init__(self):
+    if isinstance(self.tree, str):
+      object.__setattr__(self, "tree", parse_tree(self.tree))
 
   @property
   def levels(self) -> tuple[Level, ...]:
@@ -280,10 +286,10 @@ class Levels:
 
 def parse_level(text: str) -> Level:
   """'NAME[@full|@streaming:SxW[:reindex]][,MODE]' -> Level. Raises ValueError naming the text."""
-  mode = "deterministic"
+  mode = DrawMode.DETERMINISTIC
   head, _, tail = text.rpartition(",")
-  if head and tail in DRAW_MODES:
-    text, mode = head, tail
+  if head and tail in tuple(DrawMode):
+    text, mode = head, DrawMode(tail)
   name, at, cache_text = text.rpartition("@")
   if not at:
     name, cache = text, None
@@ -316,7 +322,7 @@ def parse(text: str) -> Levels:
     if not name or not gamma.isdigit():
       raise UsageError(f"level {piece!r}: expected retrieval:BUDGET/GAMMA or draft[@streaming:SxW]/GAMMA")
     level = parse_level(name)
-    if level.mode != "deterministic":
+    if level.mode != DrawMode.DETERMINISTIC:
       raise UsageError(f"level {piece!r}: a middle level hands up its own samples; no draw mode")
     if level.kind in ("ngram", "self", *FEATURE_DRAFTS):
       raise UsageError(f"level {piece!r}: {level.name} only proposes (it must be the bottom level)")

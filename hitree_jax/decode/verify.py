@@ -19,16 +19,26 @@ the rule then follows the child equal to the argmax and emits the argmax.
 
 from __future__ import annotations
 
+import enum
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from hitree_jax.decode.sampling import draw
-from hitree_jax.decode.spec import DRAW_MODES
 from hitree_jax.errors import UsageError
 from hitree_jax.tree.shapes import TokenTree
 
-MODES = DRAW_MODES
+
+class DrawMode(enum.StrEnum):
+  """How a drafter draws a node's children, and so the q_x its children are verified with (the
+  module docstring). A str: equal to, and hashed as, its name in the --levels grammar."""
+  IID = "iid"
+  WITHOUT_REPLACEMENT = "without_replacement"
+  DETERMINISTIC = "deterministic"
+
+
+MODES = tuple(DrawMode)
 
 
 @flax.struct.dataclass
@@ -63,7 +73,7 @@ def verify(key: jax.Array, tree: TokenTree, draft_tokens: jax.Array, target_prob
     default: `tree.children`, the same for every row.
   """
   if mode not in MODES:
-    raise UsageError(f"mode={mode!r}: expected one of {MODES}")
+    raise UsageError(f"mode={str(mode)!r}: expected one of {', '.join(MODES)}")
   batch = draft_tokens.shape[0]
   rows = jnp.arange(batch)
   if children is None:

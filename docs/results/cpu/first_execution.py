@@ -9,10 +9,9 @@ import time
 
 import jax
 
-from hitree_jax import methods
+from hitree_jax import methods, stacks
 from hitree_jax.decode import engine
 from hitree_jax.decode.programs import Programs
-from hitree_jax.decode.stack import Stack
 from hitree_jax.loading import load_model
 from hitree_jax.tokenizer import chat_prompt, load_tokenizer
 from hitree_jax.train.instructions import OPEN_INSTRUCTIONS
@@ -25,7 +24,7 @@ def main(specs):
   print("| method | run | decode ms | minor page faults |\n|---|---|---|---|")
   for spec in specs:
     method = methods.parse_method(spec, methods.Knobs(), True).load_draft(model.config, model.params)
-    stack, programs = (Stack() if method.name == "ar" else method.stack), Programs()
+    stack, programs = (stacks.PLAIN if method.name == "ar" else method.stack), Programs()
     for run in range(3):
       ready, _ = engine.prefill(model.params, model.config, [ids], 128, stack, draft=method.draft,
                                 programs=programs)

@@ -15,11 +15,11 @@ sys.path.insert(0, os.getcwd())
 import jax, jax.numpy as jnp
 from absl import flags
 from launch import level_cost
+from hitree_jax import stacks
 from hitree_jax.cache.full import KVCache
 from hitree_jax.decode import loop
 from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.decode.sizes import StackSizes
-from hitree_jax.decode.stack import Stack
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.decode.timing import median_seconds
 from hitree_jax.planner.profile import FORWARDS_PER_CALL, timed_forward
@@ -64,7 +64,7 @@ def main(out, contexts):
   config = ModelConfig.from_dict(target)
   arrays = level_cost.Arrays(config, None, split=True)
   params = arrays.params()
-  sizes, weights = StackSizes(Stack(), config, None, None), loop.Weights(params, None)
+  sizes, weights = StackSizes(stacks.PLAIN, config, None, None), loop.Weights(params, None)
   record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "runs": []}
   for context in contexts:
     slots = context + LONG + 64
