@@ -1,6 +1,6 @@
 """SmolLM2-135M at its 8K context, for launch.level_cost and launch.plan_memory (shapes only: no weights).
 
-  python -m launch.level_cost --shapes=configs/smollm2_8k.py --contexts=2048,8064 --widths=1,4,8,16
+  python -m launch.level_cost --shapes=configs/smollm2_8k.py --prompt_tokens=2048,8064 --widths=1,4,8,16
 
 The target is SmolLM2-135M-Instruct's shape in bfloat16 (270 MB of weights, 15 KB of cache per
 token); the draft is the shipped distilled draft's (3 of its layers, drafts/smollm2-draft.gguf).

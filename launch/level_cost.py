@@ -1,7 +1,7 @@
 """What each level of a long-context hierarchy costs on the devices present, for a real-shaped target.
 
-  python -m launch.level_cost --shapes=configs/llama2_7b_128k.py --contexts=32768,65536,130560 --json
-  python -m launch.level_cost --shapes=configs/llama2_7b_128k.py --mesh=model:8 --contexts=130560
+  python -m launch.level_cost --shapes=configs/llama2_7b_128k.py --prompt_tokens=32768,65536,130560 --json
+  python -m launch.level_cost --shapes=configs/llama2_7b_128k.py --mesh=model:8 --prompt_tokens=130560
 
 The config is a shapes config (configs/llama*_128k.py, as for launch.plan_memory): the target,
 the draft, the retrieval budget and the StreamingLLM window. The weights and each context's
@@ -51,8 +51,8 @@ from . import common
 config_flags.DEFINE_config_file("shapes", None, "A shapes config: configs/llama2_7b_128k.py, "
                                 "configs/llama3_8b_128k.py (--shapes.budget=8192 overrides a field).")
 common.define_mesh_flags()
-flags.DEFINE_list("contexts", ["32768", "65536", "98304", "130560"], "Context lengths (cache slots "
-                  "filled), smallest first; each must exceed the retrieval budget.")
+flags.DEFINE_list("prompt_tokens", ["32768", "65536", "98304", "130560"], "Context lengths in tokens "
+                  "(cache slots filled), smallest first; each must exceed the retrieval budget.")
 flags.DEFINE_list("widths", ["1", "2", "4", "8"], "Tokens per forward.")
 flags.DEFINE_integer("repeats", 10, "Timed calls per forward (the median is reported).")
 flags.DEFINE_float("bandwidth_gb_s", None, "Memory bandwidth per device, GB/s (default: the "
@@ -302,17 +302,12 @@ def main(argv):
     raise UsageError(f"--shapes names levels ({cfg.levels}): launch.level_cost costs TriForce's levels "
                      "(a shapes config of a target, a draft model, budget, sinks and window, e.g. "
                      "configs/llama2_7b_128k.py); launch.plan_memory plans any stack's memory")
-  try:
-    contexts = [int(c) for c in FLAGS.contexts]
-    widths = [int(w) for w in FLAGS.widths]
-  except ValueError:
-    raise UsageError(f"--contexts={','.join(FLAGS.contexts)} and --widths={','.join(FLAGS.widths)} must be "
-                     "comma-separated integers") from None
+  contexts, widths = common.positive_ints("prompt_tokens"), common.positive_ints("widths")
   if min(contexts) <= cfg.budget:
-    raise UsageError(f"--contexts={','.join(FLAGS.contexts)}: each must exceed the retrieval budget "
+    raise UsageError(f"--prompt_tokens={','.join(FLAGS.prompt_tokens)}: each must exceed the retrieval budget "
                      f"({cfg.budget}), or there is nothing to retrieve from")
   if contexts != sorted(contexts) or min(widths) < 1 or FLAGS.repeats < 1:
-    raise UsageError("--contexts must be increasing, --widths and --repeats >= 1")
+    raise UsageError("--prompt_tokens must be increasing, --repeats >= 1")
   if FLAGS.bandwidth_gb_s is not None and not FLAGS.bandwidth_gb_s > 0:
     raise UsageError(f"--bandwidth_gb_s={FLAGS.bandwidth_gb_s} must be > 0")
   if FLAGS.topology is not None:
@@ -324,7 +319,7 @@ def main(argv):
 
   target_config, draft_config = memory_plan.shapes_models(cfg)
   if max(contexts) + max(widths) > target_config.max_position_embeddings:
-    raise UsageError(f"--contexts: {max(contexts)} + {max(widths)} tokens is past the target's "
+    raise UsageError(f"--prompt_tokens: {max(contexts)} + {max(widths)} tokens is past the target's "
                      f"{target_config.max_position_embeddings} positions")
   sharding.check(target_config, mesh, 1, max(contexts))
   device = jax.devices()[0]

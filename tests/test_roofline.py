@@ -106,7 +106,7 @@ def test_level_cost_and_plan_on_paper_for_a_v5e_slice(tmp_path):
   stacks from those costs and an acceptance file, and refuses a file without a source."""
   config = tmp_path / "tiny.py"
   config.write_text(TINY_SHAPES)
-  proc, record = run("launch.level_cost", f"--shapes={config}", "--topology=v5e:2x2", "--contexts=1024",
+  proc, record = run("launch.level_cost", f"--shapes={config}", "--topology=v5e:2x2", "--prompt_tokens=1024",
                      "--widths=1,4", "--json")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert record["source"] == "roofline from the TPU compiler's cost analysis, not measured"

@@ -297,7 +297,7 @@ def test_level_cost_times_every_level_against_the_floor_and_skips_what_does_not_
   weights, held_512, full_512 = tiny_shapes_bytes(512, model=4)
   env = with_devices(4)
   proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--shapes={config}", "--mesh=model:4",
-                         "--contexts=512,1024", "--widths=1,3", "--repeats=2", "--bandwidth_gb_s=10",
+                         "--prompt_tokens=512,1024", "--widths=1,3", "--repeats=2", "--bandwidth_gb_s=10",
                          "--memory_gib=0.00035", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -314,10 +314,10 @@ def test_level_cost_times_every_level_against_the_floor_and_skips_what_does_not_
   assert too_big["context"] == 1024 and "needs" in too_big["skipped"] and "target_ms" not in too_big
   assert "| 1024 | skipped: needs" in proc.stdout
   assert "context 512, target: 1 tok" in proc.stdout   # each level said as it is timed
-  proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--shapes={config}", "--contexts=256"],
+  proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--shapes={config}", "--prompt_tokens=256"],
                         cwd=REPO, capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and "must exceed the retrieval budget (256)" in proc.stderr
-  proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--shapes={config}", "--contexts=4090",
+  proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--shapes={config}", "--prompt_tokens=4090",
                          "--widths=1,8"], cwd=REPO, capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and "4090 + 8 tokens is past the target's 4096 positions" in proc.stderr
 

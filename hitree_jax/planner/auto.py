@@ -29,7 +29,9 @@ CONTEXTS = (128, 512, 1024, 2048, 4096, 7680)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
-TARGET, EAGLE, Level, level_named = profile_lib.TARGET, profile_lib.EAGLE, profile_lib.Level, profile_lib.level_named
+# A profile's levels: the target, EAGLE (its EAGLE draft, whatever the path), the grammar's others.
+TARGET, EAGLE = profile_lib.TARGET, profile_lib.EAGLE
+Level, level_named = profile_lib.Level, profile_lib.level_named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +58,7 @@ class Space:
 
   def for_context(self, context: int) -> "Space":
     """Without the retrieval budgets that would hold the whole context (the target itself)."""
-    keep = lambda levels: tuple(level for level in levels if not (level.budget or 0) >= context)
+    keep = lambda levels: tuple(level for level in levels if (level.budget or 0) < context)
     return dataclasses.replace(self, drafters=keep(self.drafters), middles=keep(self.middles))
 
   def with_eagle(self) -> "Space":
@@ -176,10 +178,10 @@ def candidates(profile: dict, greedy: bool, space: Space = Space()) -> optimize.
   drafters = []
   for level in space.drafters:
     reference = per_rank.get((TARGET, level))
-    shapes_of = [spec.Chain(n) for n in space.chains]
+    tree_specs = [spec.Chain(n) for n in space.chains]
     if level.kind != "ngram" and reference is not None and reference[0] > 0:
-      shapes_of += list(space.trees)
-    trees = tuple((tree, _tree(tree, reference)) for tree in shapes_of)
+      tree_specs += list(space.trees)
+    trees = tuple((tree, _tree(tree, reference)) for tree in tree_specs)
     drafters.append(optimize.Drafter(level, trees, curve.get(level)))
   middles = tuple((m, curve[m]) for m in space.middles)
   return optimize.Candidates(tuple(drafters), middles, curve[TARGET], space.gammas, per_rank,
