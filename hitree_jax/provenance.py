@@ -1,7 +1,8 @@
-"""What a measurement ran on, for its record: the CPU's name, the jax version and the commit.
+"""What a measurement ran on, for its record: the CPU's name, the jax version, the commit and
+the command that made it.
 
 A speed ratio holds within one run on one machine, and the CPU model varies between machines
-of the same kind, so every record names all three.
+of the same kind, so every record names all four.
 """
 
 from __future__ import annotations
@@ -41,14 +42,18 @@ def commit() -> str | None:
 
 
 def stamp() -> dict:
-  """{cpu, jax, jaxlib, commit} for a record."""
+  """{cpu, jax, jaxlib, commit, command} for a record."""
   import jax
   import jaxlib
-  return {"cpu": cpu_name(), "jax": jax.__version__, "jaxlib": jaxlib.__version__, "commit": commit()}
+  return {"cpu": cpu_name(), "jax": jax.__version__, "jaxlib": jaxlib.__version__, "commit": commit(),
+          "command": command()}
 
 
-def command() -> str:
-  """The command line that ran this process, as `python -m MODULE ARGS` for a launcher."""
+def command() -> str | None:
+  """The command line that ran this process, as `python -m MODULE ARGS` for a launcher (None for
+  `python -c`, whose caller knows its command)."""
+  if sys.argv[:1] == ["-c"]:
+    return None
   main = sys.modules.get("__main__")
   module = getattr(getattr(main, "__spec__", None), "name", None)
   head = f"python -m {module}" if module else shlex.quote(sys.argv[0])

@@ -326,7 +326,9 @@ def main(argv):
   bandwidth = FLAGS.bandwidth_gb_s or memory_plan.device_bandwidth_gb_s(device.device_kind)
   memory = device_memory_bytes(device)
   target, draft = Arrays(target_config, mesh, split=True), Arrays(draft_config, mesh, split=False)
-  record = {"config": config_flags.get_config_filename(FLAGS["shapes"]), "device_kind": device.device_kind,
+  from hitree_jax import provenance
+  record = {**provenance.stamp(), "config": config_flags.get_config_filename(FLAGS["shapes"]),
+            "device_kind": device.device_kind,
             "devices": 1 if mesh is None else mesh.size, "mesh": sharding.describe(mesh),
             "bandwidth_gb_s": bandwidth, "memory_gib": None if math.isinf(memory) else memory / 2**30,
             "budget": cfg.budget, "sinks": cfg.sinks, "window": cfg.window, "widths": widths,
@@ -382,7 +384,9 @@ def on_paper(cfg, contexts: list[int], widths: list[int]) -> dict:
   rows.append({"level": streaming_name(cfg), "context": contexts[0],
                "costs": as_dicts(levels.draft_streaming(contexts[0], cfg.sinks, cfg.window, widths))})
   rows += [{"level": "eagle", "context": c, "costs": as_dicts(levels.eagle(c, widths))} for c in contexts]
-  return {"source": ROOFLINE, "compiler": "tpu", "topology": FLAGS.topology, "device_kind": chip.kind,
+  from hitree_jax import provenance
+  return {**provenance.stamp(), "source": ROOFLINE, "compiler": "tpu", "topology": FLAGS.topology,
+          "device_kind": chip.kind,
           "devices": mesh.size, "mesh": sharding.describe(mesh), "bandwidth_gb_s": chip.bandwidth_gb_s,
           "peak_tflops": chip.peak_tflops, "config": config_flags.get_config_filename(FLAGS["shapes"]),
           "budget": cfg.budget, "sinks": cfg.sinks, "window": cfg.window, "widths": widths,

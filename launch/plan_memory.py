@@ -90,7 +90,7 @@ def main(argv):
               fits=plan["peak"] <= gib * memory_plan.GIB, spare=1 - plan["peak"] / (gib * memory_plan.GIB),
               topology=FLAGS.topology, config=config_flags.get_config_filename(FLAGS["shapes"]),
               prompt_tokens=cfg.prompt_tokens, max_new_tokens=cfg.max_new_tokens, budget=cfg.get("budget"),
-              levels=cfg.get("levels"), **provenance.stamp(), command=provenance.command(),
+              levels=cfg.get("levels"), **provenance.stamp(),
               libtpu=_libtpu_version() if tpu else None)
   print(report(plan))
   if FLAGS.json:

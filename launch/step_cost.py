@@ -223,7 +223,8 @@ def main(argv):
     rows.append(context_row(model, ids, widths, sampling, Programs(), peer, progress))
     jax.clear_caches()
   out = pathlib.Path(FLAGS.out)
-  record = {"model": FLAGS.model, "dtype": common.model_dtype(), "key_dtype": FLAGS.key_dtype, "temperature": FLAGS.temperature,
+  from hitree_jax import provenance
+  record = {**provenance.stamp(), "model": FLAGS.model, "dtype": common.model_dtype(), "key_dtype": FLAGS.key_dtype, "temperature": FLAGS.temperature,
             "top_p": FLAGS.top_p, "top_k": FLAGS.top_k, "repeats": FLAGS.repeats,
             "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "llamacpp": None if peer is None else peer.label, "rows": rows}

@@ -65,6 +65,7 @@ def test_benchmark_writes_json_table_and_plots(tiny_model, tmp_path):
   from hitree_jax import provenance
   assert record["jax"] == jax.__version__ and record["cpu"] == provenance.cpu_name()
   assert record["commit"] is not None and record["commit"].split("+")[0] == provenance.commit().split("+")[0]
+  assert record["command"].startswith("python -m launch.benchmark ") and "--methods=ar,sd/ngram/2" in record["command"]
   assert "new_tokens" not in record and "corpus" not in record
   assert [(r["method"], r["prompt_tokens"]) for r in record["results"]] == [
       ("ar", 32), ("sd/ngram/2", 32), ("ar", 48), ("sd/ngram/2", 48)]
@@ -523,3 +524,17 @@ def test_benchmark_runs_spec_bench_and_checks_every_turn_against_ar(tiny_model, 
   assert proc.returncode == 2 and "--batch_sizes=4,0: give at least one, each at least 1" in proc.stderr
   proc = launch("benchmark", "--prompts=specbench", "--categories=poetry", f"--out={tmp_path / 'y.json'}")
   assert proc.returncode == 2 and "--categories: poetry not among" in proc.stderr
+
+
+def test_a_record_names_the_command_that_made_it(tmp_path):
+  """provenance.stamp() carries the command line: a launcher's as `python -m MODULE ARGS` (quoted
+  where a shell needs it), a script's by its path; `python -c` has none to give (its caller's)."""
+  import subprocess
+  import sys
+  from tests.helpers import REPO
+  script = tmp_path / "measure.py"
+  script.write_text("from hitree_jax import provenance\nprint(provenance.command())\n")
+  ran = lambda *args: subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                                     check=True).stdout.strip()
+  assert ran(str(script), "--out=a b.json") == f"{script} '--out=a b.json'"
+  assert ran("-c", "from hitree_jax import provenance; print(provenance.command())") == "None"

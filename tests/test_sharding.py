@@ -303,6 +303,7 @@ def test_level_cost_times_every_level_against_the_floor_and_skips_what_does_not_
   assert proc.returncode == 0, proc.stderr[-3000:]
   record = json.loads(proc.stdout.strip().splitlines()[-1])
   assert record["devices"] == 4 and record["mesh"] == "model:4" and record["weights_read_bytes"] == weights
+  assert "--prompt_tokens=512,1024" in record["command"] and record["jax"] and record["cpu"]   # its provenance
   fits, too_big = record["rows"]
   assert fits["context"] == 512 and fits["floor_ms"] == pytest.approx(1e3 * (weights + full_512) / 10e9)
   for level in ("target_ms", "attention_ms", "retrieval_ms", "draft_ms"):

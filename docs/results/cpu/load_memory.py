@@ -37,7 +37,8 @@ def write_model(path: str) -> None:
 def stamp() -> dict:
   """The checkout's provenance.stamp() (CPU, jax, commit), asked in a child as the loads are."""
   code = "import json; from hitree_jax import provenance; print(json.dumps(provenance.stamp()))"
-  return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+  record = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+  return {**record, "command": " ".join(["python", *sys.argv])}
 
 
 def main(out: str, folder: str | None = None) -> None:
