@@ -18,7 +18,6 @@ named files exist and the levels fit a target is for the code that builds the st
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Sequence
 
 from hitree_jax.cache.kinds import Full, Retrieval, Streaming
