@@ -124,9 +124,8 @@ class Kary:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sequoia:
-  """Sequoia's tree of `budget` nodes at most `depth` deep, built from the drafter's per-rank
-  acceptance (tree.shapes.from_acceptance)."""
+class _Budgeted:
+  """A tree of at most `budget` nodes, `depth` deep, whose shape is chosen when it is built."""
   budget: int
   depth: int
 
@@ -136,6 +135,12 @@ class Sequoia:
   @property
   def nodes(self) -> int:
     return max(self.budget, self.depth)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequoia(_Budgeted):
+  """Sequoia's tree of `budget` nodes at most `depth` deep, built from the drafter's per-rank
+  acceptance (tree.shapes.from_acceptance)."""
 
   def topology(self, acceptance: Sequence[float] | None = None) -> shapes.TokenTree:
     if acceptance is None:
@@ -148,18 +153,12 @@ class Sequoia:
 
 
 @dataclasses.dataclass(frozen=True)
-class Dynamic:
+class Dynamic(_Budgeted):
   """EAGLE-2's tree of `budget` nodes, chosen at run time per row (tree.shapes.DynamicTree)."""
-  budget: int
-  depth: int
 
   def __post_init__(self):
-    _check_tree(self, self.budget, self.depth)
+    super().__post_init__()
     self.topology()   # the budget must fit the candidates the depth grows: an error naming both
-
-  @property
-  def nodes(self) -> int:
-    return max(self.budget, self.depth)
 
   def topology(self, acceptance: Sequence[float] | None = None) -> shapes.DynamicTree:
     return shapes.DynamicTree(self.budget, self.depth)
