@@ -24,6 +24,10 @@ Levels, named as in the --levels grammar (planner/profile.py):
   draft@streaming:SxW       a draft model over a StreamingLLM cache of S sinks and W recent slots
   eagle                     an EAGLE layer (the target's width, one layer) over its own cache of
                             the context, with the target's head
+
+and a feature drafter's whole proposal of a round (`draft_round`: EAGLE-3's layers once per depth
+of its tree with its own head, DFlash's one block forward), compiled from the drafter's own
+`propose` as the decode loop calls it. Its code has no loop, so the program is the round.
 """
 
 from __future__ import annotations
@@ -38,12 +42,15 @@ from hitree_jax.cache.kinds import Retrieval, Streaming
 from hitree_jax.decode import retrieve, spec
 from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.cache.streaming import StreamingCache
-from hitree_jax.decode.drafters import round_attend
+from hitree_jax.decode.drafters import DraftInputs, round_attend
+from hitree_jax.decode.levels import Lead, LevelCache
+from hitree_jax.decode.stack import Stack
 from hitree_jax.decode.sizes import MIN_RECENT_SLOTS as RECENT_SLOTS  # a level's recent cache in decoding
 from hitree_jax.errors import UsageError
 from hitree_jax.heads import eagle as eagle_lib
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import forward
+from hitree_jax.tree.shapes import DynamicTree
 
 # Dense bfloat16 peak per device, TFLOP/s, as the vendors state it, by what jax's device_kind
 # contains (the first match wins). A v4 device is one TensorCore, half a chip.
@@ -210,3 +217,41 @@ class Levels:
     long = self._full(config, context, heads=False)
     ideal = memory_plan.per_device_bytes(params) + kv_bytes(long)
     return self._cost("eagle", widths, _eagle_forward(config), lambda t: (params, embedding, t, long), ideal)
+
+  def draft_round(self, stack: Stack, context: int) -> ForwardCost:
+    """What a drafter right under the target (an EAGLE-3 or DFlash draft, any feature drafter)
+    reads and computes to propose one round's tree, over its own cache of a `context`-token
+    prompt: its `propose` compiled alone, with the pending tokens of a round and an empty recent
+    cache. What it must read is its weights once and its cache; an EAGLE-3 draft runs its layer
+    and head once per depth, so it moves about that many times as much. Width: the tree's nodes."""
+    drafter, tree = stack.drafter, stack.tree
+    with sharding.use(self.mesh):
+      a = memory_plan.decode_arguments(self.target, stack, self.mesh, context, max_new_tokens=1)
+    sizes, level, long = a.sizes, a.sizes.levels[0], a.longs[0]
+    features = jax.ShapeDtypeStruct((1, sizes.recent_slots, (len(sizes.feature_taps) + 1) * self.target.hidden_size),
+                                    jnp.dtype(self.target.dtype))
+    seq = jax.ShapeDtypeStruct(a.start.seq.shape, jnp.int32)
+    sampling, key = memory_plan.abstract_settings()
+
+    def propose(weights, long, seq, end, features, sampling, key):
+      recent = sharding.constrain_cache(KVCache.init(level.config, 1, sizes.recent_slots, **dtypes_of(long)),
+                                        self.mesh, heads=level.splits_heads, slots=False)
+      cache = LevelCache(long, recent)
+      inputs = DraftInputs(seq=seq, end=end, lead=Lead.of(seq, end, cache.cached, level.lead), cache=cache,
+                           params=weights.target, draft=weights.draft, sampling=sampling, config=self.target,
+                           features=features)
+      if isinstance(tree, DynamicTree):
+        return drafter.propose_dynamic(tree, inputs)
+      return drafter.propose(key, tree, inputs)
+
+    ideal = memory_plan.per_device_bytes(a.weights.draft.params) + kv_bytes(long)
+    with sharding.use(self.mesh):
+      compiled = jax.jit(propose).lower(a.weights, long, seq, a.lengths, features, sampling, key).compile()
+    return compiled_cost(str(drafter), tree.size, compiled, ideal, self.chip)
+
+  def verify_width(self, stack: Stack) -> int:
+    """Tokens in the target's forward of a round of `stack` (two levels): its pending tokens
+    (the root last) and the proposal's nodes."""
+    from hitree_jax.decode.sizes import StackSizes
+    sizes = StackSizes(stack, self.target, stack.draft_config, self.mesh)
+    return sizes.levels[-1].lead + stack.tree.size

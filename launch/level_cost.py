@@ -31,6 +31,18 @@ and reports, per device, its flops, the bytes it moves to and from HBM, the byte
 (weights and its cache), and the roofline time: the larger of bytes / the chip's bandwidth and
 flops / its peak. Besides the levels above, it costs an EAGLE layer over its own cache of the
 context. These figures are a roofline from the TPU compiler's program, not a measurement.
+
+A round of a stack with a published feature drafter, on paper (a shapes config that names its
+`levels`: configs/llama3_8b_eagle3.py, configs/qwen3_8b_dflash.py):
+
+  python -m launch.level_cost --shapes=configs/llama3_8b_eagle3.py --topology=v5e:2x4 \
+      --prompt_tokens=32512 --acceptance_length=configs/acceptance/eagle3_llama3.1_8b.json
+
+costs `ar`'s step (the target's one-token forward), the target's verification of a round (its
+pending tokens and the tree's nodes) and the drafter's whole proposal of a round (roofline.py's
+`draft_round`). With --acceptance_length (a file of published mean tokens per round, tau, each
+with its source) it predicts each benchmark's speedup: tau x the `ar` step / (the proposal + the
+verification). No per-round overheads (sampling, bookkeeping) are counted, on either side.
 """
 
 from __future__ import annotations
@@ -62,6 +74,9 @@ flags.DEFINE_float("memory_gib", None, "Memory per device to plan within, GiB (d
 flags.DEFINE_string("topology", None, "A TPU slice (v5e:2x4, v6e:2x4, v5p:2x2x1, ...): cost each "
                     "level on paper, compiled by the TPU compiler without a TPU (a roofline, not "
                     "measured). Needs libtpu (pip install \"jax[tpu]\", ./setup.sh --tpu).")
+flags.DEFINE_string("acceptance_length", None, "On paper, for a config that names its levels: a "
+                    "JSON file of published mean tokens per round (tau) by benchmark, with its source "
+                    "(configs/acceptance/eagle3_llama3.1_8b.json); predicts each one's speedup.")
 flags.DEFINE_string("out", None, "Also write the JSON record here, and its table to OUT.md.")
 flags.DEFINE_bool("json", False, "Print the JSON record as the last line.")
 FLAGS = flags.FLAGS
@@ -298,11 +313,18 @@ def main(argv):
   cfg = FLAGS.shapes
   if cfg is None:
     raise UsageError("--shapes: name a shapes config, e.g. configs/llama2_7b_128k.py")
-  if cfg.get("levels"):
-    raise UsageError(f"--shapes names levels ({cfg.levels}): launch.level_cost costs TriForce's levels "
-                     "(a shapes config of a target, a draft model, budget, sinks and window, e.g. "
-                     "configs/llama2_7b_128k.py); launch.plan_memory plans any stack's memory")
   contexts, widths = common.positive_ints("prompt_tokens"), common.positive_ints("widths")
+  if cfg.get("levels"):
+    if FLAGS.topology is None:
+      raise UsageError(f"--shapes names levels ({cfg.levels}): a stack's round is costed on paper only; "
+                       "add --topology (e.g. v5e:2x4). Timed, launch.level_cost costs TriForce's levels "
+                       "(configs/llama2_7b_128k.py)")
+    if not FLAGS["prompt_tokens"].present and cfg.get("prompt_tokens"):
+      contexts = [cfg.prompt_tokens]   # the config's own chat
+    return write(round_on_paper(cfg, contexts), round_markdown)
+  if FLAGS.acceptance_length is not None:
+    raise UsageError("--acceptance_length predicts a round of a config that names its levels "
+                     "(configs/llama3_8b_eagle3.py); this config costs TriForce's levels")
   if min(contexts) <= cfg.budget:
     raise UsageError(f"--prompt_tokens={','.join(FLAGS.prompt_tokens)}: each must exceed the retrieval budget "
                      f"({cfg.budget}), or there is nothing to retrieve from")
@@ -366,6 +388,11 @@ def write(record: dict, table_of) -> None:
 ROOFLINE = "roofline from the TPU compiler's cost analysis, not measured"
 
 
+def cost_record(cost) -> dict:
+  """A roofline.ForwardCost as its record: its fields, its roofline seconds, bound and ratio."""
+  return dict(dataclasses.asdict(cost), seconds=cost.seconds, over_ideal=cost.over_ideal, bound=cost.bound)
+
+
 def on_paper(cfg, contexts: list[int], widths: list[int]) -> dict:
   """Each level's forward compiled for --topology: its flops, HBM bytes and roofline time."""
   from hitree_jax import memory_plan, roofline, sharding, topology
@@ -376,8 +403,7 @@ def on_paper(cfg, contexts: list[int], widths: list[int]) -> dict:
   chip = roofline.Chip.of(mesh.devices.flat[0])
   levels = roofline.Levels(target, draft, mesh, chip)
   tail = round_up(cfg.max_new_tokens + max(widths), 8)
-  as_dicts = lambda costs: [dict(dataclasses.asdict(c), seconds=c.seconds, over_ideal=c.over_ideal,
-                                 bound=c.bound) for c in costs]
+  as_dicts = lambda costs: [cost_record(c) for c in costs]
   rows = [{"level": "target", "context": c, "costs": as_dicts(levels.target_full(c, widths))} for c in contexts]
   rows.append({"level": retrieval_name(cfg), "context": contexts[0],
                "costs": as_dicts(levels.retrieval(contexts[0], cfg.budget, 8, tail, widths))})
@@ -405,6 +431,86 @@ def paper_markdown(record) -> str:
       lines.append(f"| {row['level']} | {context} | {c['width']} | {1e3 * c['seconds']:.3f} | {c['bound']} | "
                    f"{c['hbm_bytes'] / 1e9:.3f} | {c['ideal_bytes'] / 1e9:.3f} | {c['over_ideal']:.2f} | "
                    f"{c['flops'] / 1e9:.1f} |")
+  return "\n".join(lines)
+
+
+def load_acceptance_length(path: str) -> dict:
+  """{"source": str, "stack": str, "acceptance_length": {benchmark: tau}} from --acceptance_length,
+  checked: a source, and each tau a number of at least 1 (a round commits at least one token)."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise UsageError(f"--acceptance_length={path}: no such file")
+  try:
+    data = json.loads(path.read_text())
+  except json.JSONDecodeError as error:
+    raise UsageError(f"--acceptance_length={path}: not JSON ({error})") from None
+  taus = data.get("acceptance_length") if isinstance(data, dict) else None
+  if not isinstance(taus, dict) or not taus:
+    raise UsageError(f"--acceptance_length={path}: expected \"acceptance_length\": {{benchmark: tau}}")
+  if not data.get("source"):
+    raise UsageError(f"--acceptance_length={path}: say where the figures come from in \"source\"")
+  for name, tau in taus.items():
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or tau < 1:
+      raise UsageError(f"--acceptance_length={path}: {name}: {tau!r} is not a mean of tokens per round (>= 1)")
+  return data
+
+
+def round_on_paper(cfg, contexts: list[int]) -> dict:
+  """A round of the config's stack (a drafter right under the target) against `ar`'s step, each
+  compiled for --topology: the target's one-token forward, its verification of a round and the
+  drafter's proposal; with --acceptance_length, each benchmark's predicted speedup."""
+  from hitree_jax import memory_plan, provenance, roofline, sharding, topology
+  published = load_acceptance_length(FLAGS.acceptance_length) if FLAGS.acceptance_length else None
+  mesh = topology.mesh(FLAGS.topology, FLAGS.mesh or None)
+  target, draft = memory_plan.shapes_models(cfg)
+  stack = memory_plan.shapes_stack(cfg, target, draft)
+  if stack.drafter is None or stack.verifiers:
+    raise UsageError(f"--shapes.levels={cfg.levels}: costs a drafter right under the target (sd, tree), "
+                     "not `ar` or a hierarchy")
+  sharding.check(target, mesh, 1, max(contexts))
+  chip = roofline.Chip.of(mesh.devices.flat[0])
+  levels = roofline.Levels(target, draft, mesh, chip)
+  verify_width = levels.verify_width(stack)
+  if max(contexts) + verify_width > target.max_position_embeddings:
+    raise UsageError(f"--prompt_tokens: {max(contexts)} + a round's {verify_width} tokens is past the target's "
+                     f"{target.max_position_embeddings} positions")
+  rows = []
+  for context in contexts:
+    step, verify = levels.target_full(context, [1, verify_width])
+    proposal = levels.draft_round(stack, context)
+    row = {"context": context, "ar": cost_record(step), "verify": cost_record(verify), "draft": cost_record(proposal),
+           "round_seconds": verify.seconds + proposal.seconds}
+    if published:
+      row["predicted"] = {name: tau * step.seconds / row["round_seconds"]
+                          for name, tau in published["acceptance_length"].items()}
+    rows.append(row)
+  return {**provenance.stamp(), "source": ROOFLINE, "compiler": "tpu", "topology": FLAGS.topology,
+          "device_kind": chip.kind, "devices": mesh.size, "mesh": sharding.describe(mesh),
+          "bandwidth_gb_s": chip.bandwidth_gb_s, "peak_tflops": chip.peak_tflops,
+          "config": config_flags.get_config_filename(FLAGS["shapes"]), "levels": str(cfg.levels),
+          "drafter": str(stack.drafter), "tree_nodes": stack.tree.size, "verify_width": verify_width,
+          "acceptance_length": published, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
+
+
+def round_markdown(record) -> str:
+  lines = [f"{record['device_kind']} x{record['devices']} ({record['mesh']}, {record['topology']}), "
+           f"{record['config']}: `{record['levels']}`; {record['source']}; per device.", "",
+           "| context | part of a round | tokens | roofline ms | bound | HBM GB | must read GB | x that |",
+           "|---|---|---|---|---|---|---|---|"]
+  parts = (("ar", "`ar` step (the target, 1 token)"), ("verify", "the target verifies"),
+           ("draft", f"{record['drafter']} proposes"))
+  for row in record["rows"]:
+    for key, label in parts:
+      c = row[key]
+      lines.append(f"| {row['context']} | {label} | {c['width']} | {1e3 * c['seconds']:.3f} | {c['bound']} | "
+                   f"{c['hbm_bytes'] / 1e9:.3f} | {c['ideal_bytes'] / 1e9:.3f} | {c['over_ideal']:.2f} |")
+  published = record.get("acceptance_length")
+  if published:
+    lines += ["", f"Predicted from published acceptance lengths ({published['source']}):", "",
+              "| context | benchmark | tau | predicted x `ar` |", "|---|---|---|---|"]
+    for row in record["rows"]:
+      for name, speedup in row["predicted"].items():
+        lines.append(f"| {row['context']} | {name} | {published['acceptance_length'][name]:g} | {speedup:.2f}x |")
   return "\n".join(lines)
 
 

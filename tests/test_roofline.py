@@ -10,9 +10,14 @@ import math
 import subprocess
 import sys
 
+import jax
 import pytest
 
-from hitree_jax import hbm_traffic, roofline, sharding, topology
+
+from hitree_jax import hbm_traffic, roofline, sharding, stacks, topology
+from hitree_jax.decode.sizes import decode_shapes
+from hitree_jax.errors import UsageError
+from hitree_jax.model.config import ModelConfig
 from tests.helpers import DRAFT, REPO, TARGET, TINY_SHAPES, kv_bytes  # test_tpu_compile's model
 
 CONTEXT = 16384
@@ -95,6 +100,55 @@ def test_each_levels_forward_on_a_v5e_reads_its_weights_and_its_own_cache_once(l
   check(eagle, eagle[0].ideal_bytes, chip)
 
 
+def published_drafts(folder) -> dict[str, str]:
+  """Config-only folders (no weights: a draft is costed before it is downloaded) of an EAGLE-3
+  draft, over a vocabulary of 128 of the target's 256 ids, and a DFlash draft with a block of 4,
+  for tests/helpers.py's TARGET -> {kind: path}."""
+  shape = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096, torch_dtype="bfloat16")
+  configs = {"eagle3": dict(shape, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=128),
+             "dflash": dict(shape, architectures=["DFlashDraftModel"], model_type="qwen3", head_dim=8, block_size=4,
+                            dflash_config=dict(mask_token_id=255, target_layer_ids=[0, 1]))}
+  paths = {}
+  for kind, config in configs.items():
+    (folder / kind).mkdir()
+    (folder / kind / "config.json").write_text(json.dumps(config))
+    paths[kind] = str(folder / kind)
+  return paths
+
+
+@pytest.mark.slow
+def test_a_published_drafters_round_reads_its_weights_and_its_cache(levels, tmp_path):
+  """draft_round compiles the drafter's own proposal of a round: it must read the draft's weights
+  and its own cache of the context, whole on each device (as the engine places a draft), and the
+  verification is the target's forward of the round's pending tokens and nodes."""
+  drafts = published_drafts(tmp_path)
+  layer = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8,
+                      num_kv_heads=4, head_dim=8, max_position_embeddings=4096)
+  for levels_text, nodes in ((f"eagle3:{drafts['eagle3']}/dynamic:8,4", 8), (f"dflash:{drafts['dflash']}/chain:3", 3)):
+    stack = stacks.build(levels_text, TARGET)
+    cost = levels.draft_round(stack, CONTEXT)
+    slots = decode_shapes(stack, TARGET, CONTEXT, 1).slots   # the engine's cache of that prompt
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(stack.drafter.abstract_heads(TARGET)))
+    assert cost.ideal_bytes == weights + kv_bytes(layer, slots), levels_text
+    assert cost.width == nodes and cost.hbm_bytes >= 0.98 * cost.ideal_bytes and cost.flops > 0
+    # the target verifies its root and the nodes: one token pending in a two-level stack
+    assert levels.verify_width(stack) == 1 + nodes
+
+
+def test_acceptance_lengths_need_a_source_and_taus_of_at_least_one(tmp_path):
+  from launch import level_cost
+  path = tmp_path / "tau.json"
+  for data, error in (({"acceptance_length": {"MT-bench": 3.1}}, "say where the figures come from"),
+                      ({"source": "a paper", "acceptance_length": {"MT-bench": 0.5}}, "MT-bench: 0.5 is not a mean"),
+                      ({"source": "a paper", "acceptance_length": {}}, "expected \"acceptance_length\"")):
+    path.write_text(json.dumps(data))
+    with pytest.raises(UsageError, match=error):
+      level_cost.load_acceptance_length(str(path))
+  with pytest.raises(UsageError, match="no such file"):
+    level_cost.load_acceptance_length(str(tmp_path / "missing.json"))
+
+
 def run(*args):
   proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=600)
   return proc, (json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None)
@@ -130,3 +184,20 @@ def test_level_cost_and_plan_on_paper_for_a_v5e_slice(tmp_path):
   acceptance.write_text(json.dumps({"acceptance": {"target<-retrieval:256": 0.9}}))
   proc, _ = run("launch.plan", "--topology=v5e:2x2", f"--shapes={config}", f"--acceptance={acceptance}")
   assert proc.returncode == 2 and f"--acceptance={acceptance}: say where the figures come from" in proc.stderr
+
+  # a round of a stack with a published draft, and its speedup predicted from acceptance lengths
+  dflash = published_drafts(tmp_path)["dflash"]
+  with_levels = tmp_path / "tiny_dflash.py"
+  with_levels.write_text(TINY_SHAPES.replace("batch=1,", f"batch=1, levels='dflash:{dflash}/chain:3',"))
+  taus = tmp_path / "tau.json"
+  taus.write_text(json.dumps({"source": "a test", "acceptance_length": {"chat": 2.5, "code": 3.5}}))
+  proc, record = run("launch.level_cost", f"--shapes={with_levels}", "--topology=v5e:2x2", "--prompt_tokens=1024",
+                     f"--acceptance_length={taus}", "--json")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert record["drafter"] == "dflash:4" and record["verify_width"] == 4 and record["source"].endswith("not measured")
+  (row,) = record["rows"]
+  assert row["verify"]["width"] == 4 and row["ar"]["width"] == 1 and row["draft"]["width"] == 3
+  for name, tau in (("chat", 2.5), ("code", 3.5)):
+    expected = tau * row["ar"]["seconds"] / (row["verify"]["seconds"] + row["draft"]["seconds"])
+    assert math.isclose(row["predicted"][name], expected)
+  assert f"| 1024 | code | 3.5 | {row['predicted']['code']:.2f}x |" in proc.stdout
