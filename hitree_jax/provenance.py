@@ -49,6 +49,15 @@ def stamp() -> dict:
           "command": command()}
 
 
+def libtpu_version() -> str | None:
+  """The installed TPU compiler's version (a record compiled for a TPU slice names it), or None."""
+  import importlib.metadata
+  try:
+    return importlib.metadata.version("libtpu")
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
 def command() -> str | None:
   """The command line that ran this process, as `python -m MODULE ARGS` for a launcher (None for
   `python -c`, whose caller knows its command)."""

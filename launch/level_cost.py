@@ -40,7 +40,7 @@ A round of a stack with a published feature drafter, on paper (a shapes config t
 
 costs `ar`'s step (the target's one-token forward), the target's verification of a round (its
 pending tokens and the tree's nodes) and the drafter's whole proposal of a round (roofline.py's
-`draft_round`). With --acceptance_length (a file of published mean tokens per round, tau, each
+`draft_round`), and their ratio: the tokens a round must commit to match `ar`. With --acceptance_length (a file of published mean tokens per round, tau, each
 with its source) it predicts each benchmark's speedup: tau x the `ar` step / (the proposal + the
 verification). No per-round overheads (sampling, bookkeeping) are counted, on either side.
 """
@@ -411,7 +411,7 @@ def on_paper(cfg, contexts: list[int], widths: list[int]) -> dict:
                "costs": as_dicts(levels.draft_streaming(contexts[0], cfg.sinks, cfg.window, widths))})
   rows += [{"level": "eagle", "context": c, "costs": as_dicts(levels.eagle(c, widths))} for c in contexts]
   from hitree_jax import provenance
-  return {**provenance.stamp(), "source": ROOFLINE, "compiler": "tpu", "topology": FLAGS.topology,
+  return {**provenance.stamp(), "libtpu": provenance.libtpu_version(), "source": ROOFLINE, "compiler": "tpu", "topology": FLAGS.topology,
           "device_kind": chip.kind,
           "devices": mesh.size, "mesh": sharding.describe(mesh), "bandwidth_gb_s": chip.bandwidth_gb_s,
           "peak_tflops": chip.peak_tflops, "config": config_flags.get_config_filename(FLAGS["shapes"]),
@@ -480,11 +480,12 @@ def round_on_paper(cfg, contexts: list[int]) -> dict:
     proposal = levels.draft_round(stack, context)
     row = {"context": context, "ar": cost_record(step), "verify": cost_record(verify), "draft": cost_record(proposal),
            "round_seconds": verify.seconds + proposal.seconds}
+    row["break_even_tau"] = row["round_seconds"] / step.seconds   # tokens a round must commit to match `ar`
     if published:
       row["predicted"] = {name: tau * step.seconds / row["round_seconds"]
                           for name, tau in published["acceptance_length"].items()}
     rows.append(row)
-  return {**provenance.stamp(), "source": ROOFLINE, "compiler": "tpu", "topology": FLAGS.topology,
+  return {**provenance.stamp(), "libtpu": provenance.libtpu_version(), "source": ROOFLINE, "compiler": "tpu", "topology": FLAGS.topology,
           "device_kind": chip.kind, "devices": mesh.size, "mesh": sharding.describe(mesh),
           "bandwidth_gb_s": chip.bandwidth_gb_s, "peak_tflops": chip.peak_tflops,
           "config": config_flags.get_config_filename(FLAGS["shapes"]), "levels": str(cfg.levels),
@@ -504,6 +505,9 @@ def round_markdown(record) -> str:
       c = row[key]
       lines.append(f"| {row['context']} | {label} | {c['width']} | {1e3 * c['seconds']:.3f} | {c['bound']} | "
                    f"{c['hbm_bytes'] / 1e9:.3f} | {c['ideal_bytes'] / 1e9:.3f} | {c['over_ideal']:.2f} |")
+  lines += ["", "A round costs as much as " + ", ".join(
+      f"{row['break_even_tau']:.2f} `ar` steps at {row['context']} tokens" for row in record["rows"])
+      + ": the mean tokens per round (tau) it must commit to match `ar`."]
   published = record.get("acceptance_length")
   if published:
     lines += ["", f"Predicted from published acceptance lengths ({published['source']}):", "",

@@ -91,18 +91,10 @@ def main(argv):
               topology=FLAGS.topology, config=config_flags.get_config_filename(FLAGS["shapes"]),
               prompt_tokens=cfg.prompt_tokens, max_new_tokens=cfg.max_new_tokens, budget=cfg.get("budget"),
               levels=cfg.get("levels"), **provenance.stamp(),
-              libtpu=_libtpu_version() if tpu else None)
+              libtpu=provenance.libtpu_version() if tpu else None)
   print(report(plan))
   if FLAGS.json:
     print(json.dumps(plan))
-
-
-def _libtpu_version() -> str | None:
-  import importlib.metadata
-  try:
-    return importlib.metadata.version("libtpu")
-  except importlib.metadata.PackageNotFoundError:
-    return None
 
 
 def _chip(name: str | None) -> str | None:

@@ -5,6 +5,7 @@ launchers that report them (level_cost --topology) and plan with them (plan --to
 The model is tiny but its caches are long (test_tpu_compile's shapes), so that what a forward
 must read is the cache, as at long context."""
 
+import importlib.metadata
 import json
 import math
 import subprocess
@@ -195,9 +196,11 @@ def test_level_cost_and_plan_on_paper_for_a_v5e_slice(tmp_path):
                      f"--acceptance_length={taus}", "--json")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert record["drafter"] == "dflash:4" and record["verify_width"] == 4 and record["source"].endswith("not measured")
+  assert record["libtpu"] == importlib.metadata.version("libtpu") and record["command"].startswith("python -m launch.level_cost")
   (row,) = record["rows"]
   assert row["verify"]["width"] == 4 and row["ar"]["width"] == 1 and row["draft"]["width"] == 3
   for name, tau in (("chat", 2.5), ("code", 3.5)):
     expected = tau * row["ar"]["seconds"] / (row["verify"]["seconds"] + row["draft"]["seconds"])
     assert math.isclose(row["predicted"][name], expected)
   assert f"| 1024 | code | 3.5 | {row['predicted']['code']:.2f}x |" in proc.stdout
+  assert math.isclose(row["break_even_tau"], row["round_seconds"] / row["ar"]["seconds"]) and row["break_even_tau"] > 1
