@@ -436,7 +436,8 @@ def paper_markdown(record) -> str:
 
 def load_acceptance_length(path: str) -> dict:
   """{"source": str, "stack": str, "acceptance_length": {benchmark: tau}} from --acceptance_length,
-  checked: a source, and each tau a number of at least 1 (a round commits at least one token)."""
+  checked: a source, and each tau a number of at least 1 (a round commits at least one token).
+  "stack" (optional) is the --levels stack the taus were measured with; the costed one must be it."""
   path = pathlib.Path(path)
   if not path.is_file():
     raise UsageError(f"--acceptance_length={path}: no such file")
@@ -467,6 +468,11 @@ def round_on_paper(cfg, contexts: list[int]) -> dict:
   if stack.drafter is None or stack.verifiers:
     raise UsageError(f"--shapes.levels={cfg.levels}: costs a drafter right under the target (sd, tree), "
                      "not `ar` or a hierarchy")
+  if published and published.get("stack"):
+    from hitree_jax import stacks
+    if stacks.build(published["stack"], target, draft) != stack:
+      raise UsageError(f"--acceptance_length={FLAGS.acceptance_length}: its taus are for {published['stack']}, "
+                       f"not the config's {cfg.levels}: add --shapes.levels={published['stack']}")
   sharding.check(target, mesh, 1, max(contexts))
   chip = roofline.Chip.of(mesh.devices.flat[0])
   levels = roofline.Levels(target, draft, mesh, chip)

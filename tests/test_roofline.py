@@ -204,3 +204,8 @@ def test_level_cost_and_plan_on_paper_for_a_v5e_slice(tmp_path):
     assert math.isclose(row["predicted"][name], expected)
   assert f"| 1024 | code | 3.5 | {row['predicted']['code']:.2f}x |" in proc.stdout
   assert math.isclose(row["break_even_tau"], row["round_seconds"] / row["ar"]["seconds"]) and row["break_even_tau"] > 1
+  # taus measured with another stack are not applied to this one
+  taus.write_text(json.dumps({"source": "a test", "stack": f"dflash:{dflash}/chain:2", "acceptance_length": {"chat": 2.5}}))
+  proc, _ = run("launch.level_cost", f"--shapes={with_levels}", "--topology=v5e:2x2", "--prompt_tokens=1024",
+                f"--acceptance_length={taus}")
+  assert proc.returncode == 2 and f"its taus are for dflash:{dflash}/chain:2, not the config's" in proc.stderr
