@@ -46,6 +46,7 @@ from hitree_jax.decode.drafters import DraftInputs, round_attend
 from hitree_jax.decode.levels import Lead, LevelCache
 from hitree_jax.decode.stack import Stack
 from hitree_jax.decode.sizes import MIN_RECENT_SLOTS as RECENT_SLOTS  # a level's recent cache in decoding
+from hitree_jax.decode.sizes import StackSizes
 from hitree_jax.errors import UsageError
 from hitree_jax.heads import eagle as eagle_lib
 from hitree_jax.model.config import ModelConfig
@@ -252,6 +253,5 @@ class Levels:
   def verify_width(self, stack: Stack) -> int:
     """Tokens in the target's forward of a round of `stack` (two levels): its pending tokens
     (the root last) and the proposal's nodes."""
-    from hitree_jax.decode.sizes import StackSizes
     sizes = StackSizes(stack, self.target, stack.draft_config, self.mesh)
     return sizes.levels[-1].lead + stack.tree.size
