@@ -36,13 +36,14 @@ A round of a stack with a published feature drafter, on paper (a shapes config t
 `levels`: configs/llama3_8b_eagle3.py, configs/qwen3_8b_dflash.py):
 
   python -m launch.level_cost --shapes=configs/llama3_8b_eagle3.py --topology=v5e:2x4 \
-      --prompt_tokens=32512 --acceptance_length=configs/acceptance/eagle3_llama3.1_8b.json
+      --acceptance_length=configs/acceptance/eagle3_llama3.1_8b.json
 
 costs `ar`'s step (the target's one-token forward), the target's verification of a round (its
 pending tokens and the tree's nodes) and the drafter's whole proposal of a round (roofline.py's
-`draft_round`), and their ratio: the tokens a round must commit to match `ar`. With --acceptance_length (a file of published mean tokens per round, tau, each
-with its source) it predicts each benchmark's speedup: tau x the `ar` step / (the proposal + the
-verification). No per-round overheads (sampling, bookkeeping) are counted, on either side.
+`draft_round`), and the round over the step: the tokens a round must commit to match `ar`.
+With --acceptance_length (published mean tokens per round, tau, with their source and the
+stack they were measured with) it predicts each benchmark's speedup: tau x the `ar` step / (the
+proposal + the verification). No per-round overheads (sampling, bookkeeping) are counted.
 """
 
 from __future__ import annotations
