@@ -435,34 +435,13 @@ def paper_markdown(record) -> str:
   return "\n".join(lines)
 
 
-def load_acceptance_length(path: str) -> dict:
-  """{"source": str, "stack": str, "acceptance_length": {benchmark: tau}} from --acceptance_length,
-  checked: a source, and each tau a number of at least 1 (a round commits at least one token).
-  "stack" (optional) is the --levels stack the taus were measured with; the costed one must be it."""
-  path = pathlib.Path(path)
-  if not path.is_file():
-    raise UsageError(f"--acceptance_length={path}: no such file")
-  try:
-    data = json.loads(path.read_text())
-  except json.JSONDecodeError as error:
-    raise UsageError(f"--acceptance_length={path}: not JSON ({error})") from None
-  taus = data.get("acceptance_length") if isinstance(data, dict) else None
-  if not isinstance(taus, dict) or not taus:
-    raise UsageError(f"--acceptance_length={path}: expected \"acceptance_length\": {{benchmark: tau}}")
-  if not data.get("source"):
-    raise UsageError(f"--acceptance_length={path}: say where the figures come from in \"source\"")
-  for name, tau in taus.items():
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or tau < 1:
-      raise UsageError(f"--acceptance_length={path}: {name}: {tau!r} is not a mean of tokens per round (>= 1)")
-  return data
-
-
 def round_on_paper(cfg, contexts: list[int]) -> dict:
   """A round of the config's stack (a drafter right under the target) against `ar`'s step, each
   compiled for --topology: the target's one-token forward, its verification of a round and the
   drafter's proposal; with --acceptance_length, each benchmark's predicted speedup."""
   from hitree_jax import memory_plan, provenance, roofline, sharding, topology
-  published = load_acceptance_length(FLAGS.acceptance_length) if FLAGS.acceptance_length else None
+  from hitree_jax.planner import on_paper
+  published = on_paper.load_acceptance_length(FLAGS.acceptance_length) if FLAGS.acceptance_length else None
   mesh = topology.mesh(FLAGS.topology, FLAGS.mesh or None)
   target, draft = memory_plan.shapes_models(cfg)
   stack = memory_plan.shapes_stack(cfg, target, draft)

@@ -138,16 +138,16 @@ def test_a_published_drafters_round_reads_its_weights_and_its_cache(levels, tmp_
 
 
 def test_acceptance_lengths_need_a_source_and_taus_of_at_least_one(tmp_path):
-  from launch import level_cost
+  from hitree_jax.planner import on_paper
   path = tmp_path / "tau.json"
   for data, error in (({"acceptance_length": {"MT-bench": 3.1}}, "say where the figures come from"),
                       ({"source": "a paper", "acceptance_length": {"MT-bench": 0.5}}, "MT-bench: 0.5 is not a mean"),
                       ({"source": "a paper", "acceptance_length": {}}, "expected \"acceptance_length\"")):
     path.write_text(json.dumps(data))
     with pytest.raises(UsageError, match=error):
-      level_cost.load_acceptance_length(str(path))
+      on_paper.load_acceptance_length(str(path))
   with pytest.raises(UsageError, match="no such file"):
-    level_cost.load_acceptance_length(str(tmp_path / "missing.json"))
+    on_paper.load_acceptance_length(str(tmp_path / "missing.json"))
 
 
 def run(*args):

@@ -35,12 +35,7 @@ def load_acceptance(path: str | pathlib.Path) -> dict:
   """{"source": str, "acceptance": {pair: profile-style record}} from an acceptance file, each
   record with greedy, alpha, greedy_profile and profile. Raises ValueError naming what is wrong."""
   path = pathlib.Path(path)
-  if not path.is_file():
-    raise UsageError(f"--acceptance={path}: no such file")
-  try:
-    data = json.loads(path.read_text())
-  except json.JSONDecodeError as error:
-    raise UsageError(f"--acceptance={path}: not JSON ({error})") from None
+  data = read_json("acceptance", path)
   pairs = data.get("acceptance") if isinstance(data, dict) else None
   if not isinstance(pairs, dict) or not pairs:
     raise UsageError(f"--acceptance={path}: expected an object with \"acceptance\": {{\"verifier<-proposer\": a}}")
@@ -48,6 +43,34 @@ def load_acceptance(path: str | pathlib.Path) -> dict:
   if not source:
     raise UsageError(f"--acceptance={path}: say where the figures come from in \"source\"")
   return {"source": source, "acceptance": {pair: _record(path, pair, value) for pair, value in pairs.items()}}
+
+
+def read_json(flag: str, path: pathlib.Path):
+  """The JSON a file named by --FLAG holds; a missing file or bad JSON is one line naming both."""
+  if not path.is_file():
+    raise UsageError(f"--{flag}={path}: no such file")
+  try:
+    return json.loads(path.read_text())
+  except json.JSONDecodeError as error:
+    raise UsageError(f"--{flag}={path}: not JSON ({error})") from None
+
+
+def load_acceptance_length(path: str | pathlib.Path) -> dict:
+  """{"source": str, "stack": str, "acceptance_length": {benchmark: tau}} from a file of published
+  mean tokens per round (launch.level_cost --acceptance_length), checked: a source, and each tau a
+  number of at least 1 (a round commits at least one token). "stack" (optional) is the --levels
+  stack the taus were measured with; the stack they are applied to must be it."""
+  path = pathlib.Path(path)
+  data = read_json("acceptance_length", path)
+  taus = data.get("acceptance_length") if isinstance(data, dict) else None
+  if not isinstance(taus, dict) or not taus:
+    raise UsageError(f"--acceptance_length={path}: expected \"acceptance_length\": {{benchmark: tau}}")
+  if not data.get("source"):
+    raise UsageError(f"--acceptance_length={path}: say where the figures come from in \"source\"")
+  for name, tau in taus.items():
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or tau < 1:
+      raise UsageError(f"--acceptance_length={path}: {name}: {tau!r} is not a mean of tokens per round (>= 1)")
+  return data
 
 
 def _record(path, pair: str, value) -> dict:
