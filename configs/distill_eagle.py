@@ -33,7 +33,7 @@ def get_config() -> config_dict.ConfigDict:
       seed=0,
       feature_weight=1.0,
       unroll=True,
-      train_text="books",
+      text="books",
       temperature=0.6,
       top_p=0.9,
       cost_context=512,

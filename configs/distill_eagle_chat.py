@@ -26,7 +26,7 @@ def get_config() -> config_dict.ConfigDict:
       out="runs/eagle-chat/smollm2-eagle-chat",   # --out=drafts/smollm2-eagle-chat replaces it
       train_windows=1536,
       steps=1200,
-      train_text="chat",
+      text="chat",
   ))
   with config.unlocked():
     config.own_prompt_tokens = 128

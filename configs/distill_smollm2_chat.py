@@ -24,7 +24,7 @@ def get_config() -> config_dict.ConfigDict:
         workdir="runs/eagle_chat",
         out="runs/draft-chat/smollm2-draft-chat.gguf",   # --out=drafts/smollm2-draft-chat.gguf replaces it
         train_windows=1536,
-        train_text="chat",
+        text="chat",
         own_prompt_tokens=128,
     ))
   return config

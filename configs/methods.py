@@ -1,7 +1,7 @@
 """Decoding method presets for launch.generate and launch.benchmark.
 
-  python -m launch.generate --config=configs/methods.py:sequoia --book=austen
-  python -m launch.generate --config=configs/methods.py:sd --config.gamma=3 --book=austen
+  python -m launch.generate --config=configs/methods.py:sequoia --text=austen
+  python -m launch.generate --config=configs/methods.py:sd --config.gamma=3 --text=austen
 
 Each preset sets the flags of the same names (--method, --draft, --gamma, --tree,
 --budget, --sinks, --window, --gamma1, --gamma2, --levels);

@@ -1,6 +1,6 @@
 """Target and draft pairs: which model generates and which drafts for it.
 
-  python -m launch.generate --config=configs/models.py:smollm2 --method=sd --book=austen
+  python -m launch.generate --config=configs/models.py:smollm2 --method=sd --text=austen
 
 `draft` is any --draft spec: a draft model file (its tokenizer must be the
 target's), self:K (the target's first K layers) or ngram[:N].

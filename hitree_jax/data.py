@@ -21,6 +21,10 @@ from typing import Protocol
 from hitree_jax.errors import NotFound, UsageError
 
 CORPORA = ("austen", "shakespeare", "milton")
+# The kinds of text a launcher's --text names, one spelling everywhere: a book corpus's passages, or
+# chat: a user's turn in the model's chat template (what an instruct model is asked).
+CHAT = "chat"
+TEXTS = CORPORA + (CHAT,)
 
 # Move a prompt's start forward by at most this many characters to reach the
 # beginning of a paragraph or line.

@@ -347,7 +347,7 @@ def auto_method(model: str, draft: str, prompt_length: int, sampling, loaded: tu
   from hitree_jax.planner import auto
   eagle = check_auto_draft(draft, feature_draft)
   precision = {} if loaded[0] is None else {"dtype": loaded[0].config.dtype, "key_dtype": loaded[0].config.key_dtype}
-  choice, _, path = auto.plan_for(model, draft, prompt_length, sampling, book=text, loaded=loaded,
+  choice, _, path = auto.plan_for(model, draft, prompt_length, sampling, text=text, loaded=loaded,
                                   log=lambda message: log("%s", message), eagle=eagle, batch=batch, **precision)
   log("--method=auto: %s, %.1f tok/s predicted (ar %.1f; profile %s)",
                f"hsd/{choice.levels}" if choice.levels else "ar", choice.predicted_tokens_per_s,
@@ -375,7 +375,7 @@ def preset_advice(method: Method, model: str, prompt_length: int, sampling, dtyp
     return None
   from hitree_jax.planner import auto
   greedy = float(sampling.temperature) == 0
-  stored = auto.stored_plan(model, method.draft_path, prompt_length, sampling, book=text, dtype=dtype,
+  stored = auto.stored_plan(model, method.draft_path, prompt_length, sampling, text=text, dtype=dtype,
                             key_dtype=key_dtype)
   if stored is not None:
     profile, path = stored

@@ -39,7 +39,7 @@ def read(path: str | pathlib.Path | None = None) -> list[Question]:
   Raises ValueError naming the file and the line that is not a question."""
   path = pathlib.Path(path) if path is not None else QUESTIONS
   if not path.is_file():
-    raise UsageError(f"--prompts={path}: no such file (a JSONL of question_id, category and turns)")
+    raise UsageError(f"--questions={path}: no such file (a JSONL of question_id, category and turns)")
   questions = []
   for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
     if not line.strip():
@@ -51,10 +51,10 @@ def read(path: str | pathlib.Path | None = None) -> list[Question]:
         raise UsageError("'turns' must be a non-empty list of non-empty strings")
       questions.append(Question(int(row["question_id"]), str(row["category"]), tuple(turns)))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
-      raise UsageError(f"--prompts={path}: line {number} is not a question "
+      raise UsageError(f"--questions={path}: line {number} is not a question "
                        f"(question_id, category, turns): {error}") from None
   if not questions:
-    raise UsageError(f"--prompts={path}: holds no questions")
+    raise UsageError(f"--questions={path}: holds no questions")
   return questions
 
 

@@ -150,7 +150,7 @@ def conversation_prompt(tokenizer, user_turns, answers) -> list[int]:
   """Token ids of a conversation in the model's chat template, ready for the next reply:
   user_turns[i] then answers[i] (the model's own, as text), ending on the last user turn."""
   if not tokenizer.chat_template:
-    raise UsageError("this tokenizer has no chat template; drop --chat")
+    raise UsageError("this tokenizer has no chat template, so it cannot read --text=chat")
   if len(answers) != len(user_turns) - 1:
     raise UsageError(f"a conversation ready for a reply has one answer fewer than user turns, "
                      f"not {len(answers)} for {len(user_turns)}")

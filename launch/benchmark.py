@@ -24,16 +24,17 @@ alike; each run's `order` in the JSON says when it was timed:
   python -m launch.convert --out=smollm2_f32.gguf
   python -m launch.benchmark --methods=ar --peers=hf,llamacpp --llamacpp_gguf=smollm2_f32.gguf
 
---prompts=specbench runs Spec-Bench's protocol instead of book passages: its 480 chat questions
+--text names the text: a book's passages (austen, the default; shakespeare; milton), or chat.
+--text=chat runs Spec-Bench's protocol instead of book passages: its 480 chat questions
 in six tasks (data/spec_bench/), in the model's chat template, EOS honoured, 256 new tokens at
 most, MT-bench's second turn after the model's own first answer. It reports the speedup over
 `ar` per task, τ (tokens per target forward) and tok/s, as OUT.json, OUT.md and
 OUT_specbench.png. Under greedy decoding it checks that every method's tokens equal `ar`'s on
 every turn, and names any question that differs, with the target's top-2 logit margin where it
-parts (a near-tie, where rounding may pick either token, or a fault). --prompts=PATH.jsonl reads
-your own questions in the same format:
+parts (a near-tie, where rounding may pick either token, or a fault). --questions=PATH.jsonl
+reads your own questions in the same format instead:
 
-  python -m launch.benchmark --prompts=specbench --per_category=10 \
+  python -m launch.benchmark --text=chat --per_category=10 \
       --methods=ar,sd/ngram/4,sd/drafts/smollm2-draft.gguf/3 --out=specbench.json
 
 --batch_sizes=1,4,16 decodes that many prompts at a time, a row each: book passages (a run is a
@@ -60,6 +61,7 @@ from absl import app, flags, logging
 
 from hitree_jax import huge_pages
 from hitree_jax import methods as methods_lib
+from hitree_jax.data import CHAT
 from hitree_jax.errors import UsageError
 from . import common
 from .progress import Progress
@@ -78,7 +80,9 @@ flags.DEFINE_list("methods", ["ar"], "Configurations to compare: ar, sd[/DRAFT[/
 flags.DEFINE_list("prompt_tokens", ["512", "2048"], "Prompt lengths in tokens.")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt (EOS is ignored).")
 flags.DEFINE_integer("n_prompts", 3, "Prompts per length.")
-flags.DEFINE_enum("book", "austen", ["austen", "shakespeare", "milton"], "Book corpus of the prompts.")
+common.define_text_flag("austen", "The prompts: passages of a book (austen, shakespeare, milton), "
+                        "--prompt_tokens long; or chat: chat questions (Spec-Bench's, or --questions) "
+                        "in the model's chat template, under Spec-Bench's protocol.")
 flags.DEFINE_bool("time_levels", True, "Time one round of each level alone (a program per level "
                   "to compile) and report each level's share of the decode time.")
 flags.DEFINE_list("peers", [], "Other engines to time on the same prompt ids, when installed: hf "
@@ -90,11 +94,11 @@ flags.DEFINE_list("llamacpp_gguf", [], "GGUF files llama.cpp runs, a row each (d
 flags.DEFINE_bool("predict", False, "Also record the planner's prediction for each stack (from the "
                   "profile of --draft at each prompt length, measured on first use; launch/plan.py) "
                   "and plot predicted against measured (OUT_predicted.png).")
-flags.DEFINE_string("prompts", "books", "books (passages of --book, --prompt_tokens long), specbench "
-                    "(Spec-Bench's chat questions) or a .jsonl of question_id, category, turns.")
-flags.DEFINE_list("categories", [], "With --prompts: only these tasks (mt_bench, translation, "
+flags.DEFINE_string("questions", None, "--text=chat: a .jsonl of question_id, category, turns (Spec-Bench's "
+                    "format) instead of Spec-Bench's own questions.")
+flags.DEFINE_list("categories", [], "--text=chat: only these tasks (mt_bench, translation, "
                   "summarization, qa, math_reasoning, rag) or categories (e.g. coding).")
-flags.DEFINE_integer("per_category", None, "With --prompts: at most this many questions per task.")
+flags.DEFINE_integer("per_category", None, "--text=chat: at most this many questions per task.")
 flags.DEFINE_list("batch_sizes", ["1"], "Run every method at each of these batch sizes: questions "
                   "(or passages) decoded together, a row each. Reports tokens/s over all rows, "
                   "each row's latency and tokens per target forward.")
@@ -158,18 +162,18 @@ def write_outputs(record: dict) -> None:
 
 
 def questions():
-  """--prompts' questions (Spec-Bench's, or a file's), --categories and --per_category applied;
-  None for book passages. Checked before any weights load."""
-  if FLAGS.prompts == "books":
-    if FLAGS.categories or FLAGS.per_category is not None:
-      raise app.UsageError("--categories and --per_category apply to --prompts=specbench or a .jsonl")
+  """--text=chat's questions (Spec-Bench's, or --questions'), --categories and --per_category
+  applied; None for book passages. Checked before any weights load."""
+  if FLAGS.text != CHAT:
+    for name in ("questions", "categories", "per_category"):
+      if FLAGS[name].present:
+        raise app.UsageError(f"--{name} applies to --text=chat, not to --text={FLAGS.text}'s passages")
     return None
   from hitree_jax import spec_bench
-  for name in ("prompt_tokens", "n_prompts", "book", "peers", "predict"):
+  for name in ("prompt_tokens", "n_prompts", "peers", "predict"):
     if FLAGS[name].present:
-      raise app.UsageError(f"--{name} applies to book passages, not --prompts={FLAGS.prompts}")
-  return spec_bench.select(spec_bench.read(None if FLAGS.prompts == "specbench" else FLAGS.prompts),
-                           FLAGS.categories, FLAGS.per_category)
+      raise app.UsageError(f"--{name} applies to book passages, not --text=chat")
+  return spec_bench.select(spec_bench.read(FLAGS.questions), FLAGS.categories, FLAGS.per_category)
 
 
 def load_target(mesh, methods):
@@ -244,13 +248,13 @@ def run_questions(chosen, methods, sampling, mesh) -> None:
 
 
 def write_questions_record(by_run: dict, results: list[dict], max_new: int, sizes: list[int], chosen) -> pathlib.Path:
-  """--out's JSON for --prompts: the settings, the report's rows and every turn's figures."""
+  """--out's JSON for --text=chat: the settings, the report's rows and every turn's figures."""
   from . import spec_bench_run
   out = pathlib.Path(FLAGS.out)
   runs = [{"method": m, "batch_size": size,
            "questions": [{**r, "turns": [{k: v for k, v in t.items() if k not in ("tokens", "prompt")}
                                          for t in r["turns"]]} for r in rs]} for (m, size), rs in by_run.items()]
-  out.write_text(json.dumps({**record([]), "prompts": FLAGS.prompts, "max_new_tokens": max_new, "batch_sizes": sizes,
+  out.write_text(json.dumps({**record([]), "questions": FLAGS.questions or "specbench", "max_new_tokens": max_new, "batch_sizes": sizes,
                              "tasks": spec_bench_run.tasks_count(chosen), "results": results, "runs": runs},
                             indent=2))
   return out
@@ -278,13 +282,13 @@ def main(argv):
   if chosen is not None:
     specs = methods_lib.join_method_specs(FLAGS.methods)
     if "auto" in specs:
-      default_auto_draft("chat")
+      default_auto_draft(CHAT)
       methods_lib.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
     return run_questions(chosen, parsed_methods(specs), common.sampling_from_flags(FLAGS), mesh)
   lengths = check_flags()
   specs = methods_lib.join_method_specs(FLAGS.methods)
   if "auto" in specs or FLAGS.predict:
-    default_auto_draft(FLAGS.book)
+    default_auto_draft(FLAGS.text)
     methods_lib.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   elif FLAGS.feature_draft is not None:
     raise UsageError("--feature_draft is weighed by the planner: it applies to --methods=auto and --predict")
@@ -309,11 +313,11 @@ def main(argv):
                       * (FLAGS.n_prompts + 1))
   for n_tokens, size in itertools.product(lengths, sizes):
     # --n_prompts groups of `size` passages (a batch of B passages takes B x n_prompts of them)
-    passages = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts * size, corpus=FLAGS.book)
+    passages = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts * size, corpus=FLAGS.text)
     groups = [passages[i * size:(i + 1) * size] for i in range(FLAGS.n_prompts)]
     at = f" x{size}" if size != 1 else ""
     if (n_tokens, size) not in plans:   # auto is planned per prompt length and batch size, once
-      plans[n_tokens, size] = [planned_auto(model, n_tokens, sampling, size, FLAGS.book) if m == "auto" else m
+      plans[n_tokens, size] = [planned_auto(model, n_tokens, sampling, size, FLAGS.text) if m == "auto" else m
                                for m in methods]
     planned = plans[n_tokens, size]
     for method in planned:
@@ -407,7 +411,7 @@ def planned_auto(model, n_tokens: int, sampling, size: int, text: str):
   method = methods_lib.auto_method(FLAGS.model, FLAGS.draft, n_tokens, sampling, loaded=(model, None),
                                    feature_draft=FLAGS.feature_draft, text=text, batch=size
                                    ).load_draft(model.config, model.params)
-  return method if text != "chat" else dataclasses.replace(
+  return method if text != CHAT else dataclasses.replace(
       method, label=f"{method.label} (planned for {n_tokens} prompt tokens)")
 
 
@@ -419,7 +423,7 @@ def prediction(model, method, n_tokens: int, sampling, size: int) -> dict:
   from hitree_jax.planner import auto
   eagle = methods_lib.check_auto_draft(FLAGS.draft, FLAGS.feature_draft)
   profile, _ = auto.profiled(FLAGS.model, FLAGS.draft, auto.nearest_context(n_tokens), sampling,
-                             book=FLAGS.book, loaded=(model, None), log=logging.info, eagle=eagle,
+                             text=FLAGS.text, loaded=(model, None), log=logging.info, eagle=eagle,
                              dtype=model.config.dtype, key_dtype=model.config.key_dtype,
                              batch=auto.nearest_batch(size))
   try:
@@ -485,7 +489,7 @@ def record(rows) -> dict:
   from hitree_jax import provenance
   return {**provenance.stamp(),
       "model": FLAGS.model, "dtype": common.model_dtype(), "key_dtype": FLAGS.key_dtype, "max_new_tokens": FLAGS.max_new_tokens,
-      "book": FLAGS.book, "temperature": FLAGS.temperature, "top_p": FLAGS.top_p,
+      "text": FLAGS.text, "temperature": FLAGS.temperature, "top_p": FLAGS.top_p,
       "top_k": FLAGS.top_k, "seed": FLAGS.seed, "backend": jax.default_backend(),
       "devices": [str(d) for d in jax.devices()], "mesh": FLAGS.mesh or None, "machine": platform.processor() or platform.machine(),
       "memory_pages": huge_pages.describe(),

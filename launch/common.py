@@ -224,6 +224,13 @@ def writes_outputs() -> bool:
   return jax.process_index() == 0
 
 
+def define_text_flag(default: str | None, help: str):
+  """--text, the kind of text a launcher reads (data.TEXTS: a book corpus's name, or chat): one
+  name and one spelling in every launcher."""
+  from hitree_jax.data import TEXTS
+  flags.DEFINE_enum("text", default, list(TEXTS), help)
+
+
 def define_sampling_flags():
   flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
   flags.DEFINE_float("top_p", 1.0, "Nucleus mass in (0, 1]; 1 = off.")

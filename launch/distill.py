@@ -59,23 +59,23 @@ flags.DEFINE_list("taps", [], "--kind=eagle: teacher layers whose outputs the dr
                   "final states, fused (EAGLE-3: a low, a middle and a high layer, e.g. 2,15,27); "
                   "none: EAGLE's final states only.")
 flags.DEFINE_integer("num_heads", 4, "--kind=medusa: heads (the deepest tree they can fill).")
-flags.DEFINE_enum("train_text", "books", ["books", "own", "chat"], "Training text: book windows; "
+flags.DEFINE_enum("text", "books", ["books", "own", "chat"], "Training text: book windows; "
                   "own: windows whose first --own_prompt_tokens are a book's and the rest the "
                   "teacher's own continuation, sampled at --temperature / --top_p (the text a draft "
                   "meets while decoding; held-out evaluation stays on books); chat: the first "
                   "--own_prompt_tokens are an instruction over a book passage in the chat template "
                   "(summarise, continue, answer, rewrite, extract, ask) and the rest the teacher's "
                   "answer, for a draft of a chat model (evaluated on the held-out books' instructions).")
-flags.DEFINE_integer("own_prompt_tokens", 64, "--train_text=own|chat: prompt tokens before each "
+flags.DEFINE_integer("own_prompt_tokens", 64, "--text=own|chat: prompt tokens before each "
                      "continuation or answer.")
 flags.DEFINE_bool("eval", False, "Evaluate --draft against --teacher instead of training: on held-out "
-                  "books, or with --train_text=chat on the held-out chat windows.")
+                  "books, or with --text=chat on the held-out chat windows.")
 flags.DEFINE_string("draft", None, "--eval: the draft, as --draft of launch.generate: PATH (a GGUF "
                     "from this launcher), eagle:PATH or medusa:PATH (a --kind=eagle|medusa folder) "
                     "or self:K (the teacher's first K layers).")
 flags.DEFINE_float("temperature", 0.6, "Sampling temperature of the acceptance metric (and of "
-                   "--train_text=own's continuations).")
-flags.DEFINE_float("top_p", 0.9, "Nucleus mass of the acceptance metric (and of --train_text=own's).")
+                   "--text=own's continuations).")
+flags.DEFINE_float("top_p", 0.9, "Nucleus mass of the acceptance metric (and of --text=own's).")
 flags.DEFINE_integer("cost_context", 512, "--eval: prompt tokens when timing a decode step.")
 flags.DEFINE_bool("json", False, "Print one JSON record as the last line.")
 FLAGS = flags.FLAGS
@@ -101,8 +101,8 @@ def command() -> str:
 
 
 def own_text():
-  """prepare_labels' own_text for --train_text=own or chat (None for books)."""
-  if FLAGS.train_text == "books":
+  """prepare_labels' own_text for --text=own or chat (None for books)."""
+  if FLAGS.text == "books":
     return None
   from hitree_jax.decode.sampling import SamplingParams
   return FLAGS.own_prompt_tokens, SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
@@ -113,7 +113,7 @@ def split_labels(teacher, tokenizer, split: str, **features) -> dict:
   and text: own text trains only (evaluation stays on books); chat windows train and evaluate
   (a chat draft is judged on chat). features: features=True and taps for a feature draft."""
   from hitree_jax.train import distill
-  chat = FLAGS.train_text == "chat"
+  chat = FLAGS.text == "chat"
   return distill.prepare_labels(pathlib.Path(FLAGS.workdir), split, teacher, tokenizer, window=FLAGS.window,
                                 n_windows=FLAGS.train_windows if split == "train" else FLAGS.eval_windows,
                                 k=FLAGS.topk, progress=Progress(f"labelling {split} windows").update,
@@ -134,7 +134,7 @@ def draft_vocabulary(tokenizer, teacher_config, train_tokens):
   chat draft its windows (the template's tokens and the teacher's answers, which books lack)."""
   from hitree_jax.model.vocab import ReducedVocab
   from hitree_jax.train import corpus
-  if FLAGS.train_text == "chat":
+  if FLAGS.text == "chat":
     counts = np.bincount(np.ravel(train_tokens), minlength=teacher_config.vocab_size)
   else:
     counts = corpus.token_counts(tokenizer, teacher_config.vocab_size)
@@ -144,7 +144,7 @@ def draft_vocabulary(tokenizer, teacher_config, train_tokens):
 def held_out(labels: dict) -> np.ndarray | None:
   """The windows a trained draft is evaluated on: the held-out chat windows a chat draft was
   labelled with; None (held-out books) otherwise."""
-  return labels["eval"]["tokens"] if FLAGS.train_text == "chat" else None
+  return labels["eval"]["tokens"] if FLAGS.text == "chat" else None
 
 
 def taps() -> tuple[int, ...]:
@@ -178,7 +178,7 @@ def train_heads_main():
   start = time.perf_counter()
   # Labels are shared by the kinds (one workdir); each kind's checkpoints are its own.
   run = FLAGS.kind + distill.taps_suffix(taps())
-  run += "" if FLAGS.train_text == "books" else f"_{FLAGS.train_text}"
+  run += "" if FLAGS.text == "books" else f"_{FLAGS.text}"
   params, history = distill.train(workdir / run, config, params,
                                   data["train"], data["eval"], steps=FLAGS.steps, batch=FLAGS.batch,
                                   lr=FLAGS.lr, warmup=FLAGS.warmup, seed=FLAGS.seed, until=FLAGS.until,
@@ -247,7 +247,7 @@ def train_main():
 
 _TRAIN_FLAGS = ("kind", "teacher", "workdir", "out", "layers", "vocab_size", "window", "train_windows",
                 "eval_windows", "topk", "steps", "batch", "lr", "warmup", "seed", "quantize",
-                "feature_weight", "unroll", "taps", "num_heads", "train_text", "own_prompt_tokens")
+                "feature_weight", "unroll", "taps", "num_heads", "text", "own_prompt_tokens")
 
 
 def run_settings() -> dict:
@@ -346,7 +346,7 @@ def eval_main():
   teacher = load_model(FLAGS.teacher)
   tokenizer = load_tokenizer(teacher.path)
   windows = None
-  if FLAGS.train_text == "chat":   # judged on the held-out chat windows (labelled once in --workdir)
+  if FLAGS.text == "chat":   # judged on the held-out chat windows (labelled once in --workdir)
     windows = split_labels(teacher, tokenizer, "eval")["tokens"]
   source = spec.parse_level(FLAGS.draft).source   # check_draft has checked it
   if isinstance(source, spec.FeatureDraft):
@@ -389,7 +389,7 @@ def check_flags() -> None:
     raise app.UsageError(f"--out={FLAGS.out}: {FLAGS.kind} heads are saved as a folder (no file suffix)")
   if FLAGS.num_heads < 1:
     raise app.UsageError(f"--num_heads={FLAGS.num_heads} must be >= 1")
-  if FLAGS.train_text != "books" and not 1 <= FLAGS.own_prompt_tokens < FLAGS.window:
+  if FLAGS.text != "books" and not 1 <= FLAGS.own_prompt_tokens < FLAGS.window:
     raise app.UsageError(f"--own_prompt_tokens={FLAGS.own_prompt_tokens} must be in [1, --window="
                          f"{FLAGS.window})")
   n = teacher_num_layers()

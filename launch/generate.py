@@ -1,10 +1,14 @@
 """Generate text with a Llama-family model.
 
-  python -m launch.generate --model=smollm2 --book=austen --prompt_tokens=512 \
+  python -m launch.generate --model=smollm2 --text=austen --prompt_tokens=512 \
       --max_new_tokens=128 --temperature=0.6 --top_p=0.9
-  python -m launch.generate --prompt="Write a haiku about rain." --chat --json
-  python -m launch.generate --book=austen --method=tree --draft=self:8 --tree=kary:2x2
-  python -m launch.generate --prompts_file=questions.jsonl --chat --batch_size=4 --method=sd --draft=ngram
+  python -m launch.generate --prompt="Write a haiku about rain." --text=chat --json
+  python -m launch.generate --text=austen --method=tree --draft=self:8 --tree=kary:2x2
+  python -m launch.generate --prompts_file=questions.jsonl --text=chat --batch_size=4 --method=sd --draft=ngram
+
+--text names the kind of text: a book (austen, shakespeare, milton), whose passage of
+--prompt_tokens is the prompt, or chat, which wraps --prompt (or each of a file's prompts) in the
+model's chat template. A prompt without --text is plain text. --method=auto plans for that kind.
 
 With --json the last line printed is one JSON object (ids, text, timings). --prompts_file holds
 several prompts, one per line (or a .jsonl of {"prompt": ...}, where a prompt may span lines);
@@ -34,9 +38,10 @@ flags.DEFINE_string("prompt_file", None, "File holding the prompt text.")
 flags.DEFINE_string("prompts_file", None, "File of several prompts: one per line, or a .jsonl of "
                     '{"prompt": TEXT} objects. Decoded --batch_size at a time, a row each.')
 flags.DEFINE_integer("batch_size", 8, "With --prompts_file: prompts decoded together.")
-flags.DEFINE_enum("book", None, ["austen", "shakespeare", "milton"],
-                  "Use a passage of this book corpus as the prompt (see --prompt_tokens).")
-flags.DEFINE_integer("prompt_tokens", 512, "Length of the --book passage, in tokens.")
+common.define_text_flag(None, "The kind of text: a book (austen, shakespeare, milton): a passage of it is "
+                        "the prompt (--prompt_tokens long); chat: the prompt is a user's turn, wrapped "
+                        "in the model's chat template. Unset: the prompt is plain text.")
+flags.DEFINE_integer("prompt_tokens", 512, "Length of a --text=BOOK passage, in tokens.")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate at most.")
 flags.DEFINE_string("method", "ar", f"Decoding method; one of {methods.METHODS + ('auto',)}. sd: a chain of "
                     "--gamma draft tokens; tree: --tree; both use --draft. retrieval: the target "
@@ -45,7 +50,6 @@ flags.DEFINE_string("method", "ar", f"Decoding method; one of {methods.METHODS +
                     "stack, --levels (docs/methods.md). auto: the stack launch.plan chooses around "
                     "--draft=PATH (default: the model's shipped draft) for this prompt's length and "
                     "sampling (profiled on first use).")
-flags.DEFINE_bool("chat", False, "Wrap the prompt in the model's chat template.")
 flags.DEFINE_bool("ignore_eos", False, "Keep generating after the end-of-sequence token.")
 flags.DEFINE_bool("json", False, "Print one JSON record as the last line.")
 FLAGS = flags.FLAGS
@@ -53,18 +57,20 @@ FLAGS = flags.FLAGS
 
 def check_prompt_flags() -> None:
   """Fails fast, before the slow model load, on a bad prompt source."""
-  given = [n for n in ("prompt", "prompt_file", "prompts_file", "book") if getattr(FLAGS, n) is not None]
-  if len(given) != 1:
-    raise UsageError(f"give exactly one of --prompt, --prompt_file, --prompts_file, --book (got {given or 'none'})")
+  given = [n for n in ("prompt", "prompt_file", "prompts_file") if getattr(FLAGS, n) is not None]
+  if is_book() and given:
+    raise UsageError(f"--text={FLAGS.text} makes a passage of the book the prompt; drop --{given[0]} "
+                     "(or give --text=chat, or no --text, for a prompt of your own)")
+  if not is_book() and len(given) != 1:
+    raise UsageError(f"give exactly one of --prompt, --prompt_file, --prompts_file, or --text=BOOK for a "
+                     f"book's passage (got {' '.join('--' + n for n in given) or 'none'})")
   if FLAGS.prompt == "" or (FLAGS.prompt_file and not prompt_file_text()):
     raise UsageError("the prompt is empty")
   if FLAGS.prompts_file:
     prompts_file_texts()
   if FLAGS.batch_size < 1:
     raise UsageError(f"--batch_size={FLAGS.batch_size} must be >= 1")
-  if FLAGS.book and FLAGS.chat:
-    raise UsageError("--chat does not apply to --book passages")
-  if FLAGS.book and FLAGS.prompt_tokens < 1:
+  if is_book() and FLAGS.prompt_tokens < 1:
     raise UsageError(f"--prompt_tokens={FLAGS.prompt_tokens} must be >= 1")
 
 
@@ -101,20 +107,25 @@ def prompts_file_texts() -> list[str]:
   return prompts
 
 
+def is_book() -> bool:
+  """Whether --text names a book, whose passage is the prompt."""
+  from hitree_jax.data import CORPORA
+  return FLAGS.text in CORPORA
+
+
 def profile_text() -> str:
-  """The kind of text the planner profiles for this prompt: chat, or the book (Austen's for a
-  plain prompt)."""
-  return "chat" if FLAGS.chat else FLAGS.book or "austen"
+  """The kind of text the planner profiles for this prompt: --text (Austen's for plain text)."""
+  return FLAGS.text or "austen"
 
 
 def prompt_ids(tokenizer) -> list[list[int]]:
   """Every prompt's token ids (one, unless --prompts_file)."""
-  if FLAGS.book:
+  if is_book():
     from hitree_jax.data import book_prompts
-    return book_prompts(tokenizer, FLAGS.prompt_tokens, 1, corpus=FLAGS.book)
+    return book_prompts(tokenizer, FLAGS.prompt_tokens, 1, corpus=FLAGS.text)
   texts = (prompts_file_texts() if FLAGS.prompts_file else
            [prompt_file_text() if FLAGS.prompt_file else FLAGS.prompt])
-  if FLAGS.chat:
+  if FLAGS.text == "chat":
     from hitree_jax.tokenizer import chat_prompt
     return [chat_prompt(tokenizer, text) for text in texts]
   return [tokenizer.encode(text, add_special_tokens=False) for text in texts]

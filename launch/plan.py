@@ -2,7 +2,7 @@
 setting, from measured profiles (hitree_jax/planner), and write it as a config.
 
   python -m launch.plan --draft=drafts/smollm2-draft.gguf --prompt_tokens=2048 --out=plan.py
-  python -m launch.generate --config=plan.py --book=austen --prompt_tokens=2048
+  python -m launch.generate --config=plan.py --text=austen --prompt_tokens=2048
   python -m launch.benchmark --config=plan.py --prompt_tokens=2048
 
 It chooses plain decoding (`ar`) when no stack is predicted to beat it.
@@ -45,6 +45,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from hitree_jax import methods
+from hitree_jax.data import CHAT
 from hitree_jax.errors import UsageError
 from . import common
 
@@ -52,9 +53,9 @@ common.define_model_flags()
 common.define_sampling_flags()
 flags.DEFINE_string("draft", None, "The draft model (a path), e.g. drafts/smollm2-draft.gguf.")
 common.define_feature_draft_flag()
-flags.DEFINE_enum("book", "austen", ["austen", "shakespeare", "milton", "chat"], "Text the profile is "
-                  "measured on: a book corpus's passages, or chat (instructions over held-out book "
-                  "passages in the chat template, for a chat model's prompts).")
+common.define_text_flag("austen", "Text the profile is measured on: a book corpus's passages, or chat "
+                        "(instructions over held-out book passages in the chat template, for a chat "
+                        "model's prompts).")
 flags.DEFINE_list("prompt_tokens", ["2048"], "Context lengths to plan for, in tokens (a grid with "
                   "--batch_sizes).")
 flags.DEFINE_list("batch_sizes", ["1"], "Batch sizes to plan for: prompts decoded together, a row each.")
@@ -79,7 +80,7 @@ FLAGS = flags.FLAGS
 
 CONFIG = '''"""{title}
 
-  python -m launch.generate --config={path} --book=austen --prompt_tokens={context}
+  python -m launch.generate --config={path} {prompt}
   python -m launch.benchmark --config={path} --prompt_tokens={context}
 """
 
@@ -97,7 +98,9 @@ def write_config(out: str, choice, draft: str, title: str, context: int,
   path = pathlib.Path(out)
   path.parent.mkdir(parents=True, exist_ok=True)
   flags = {**choice.flags(draft, eagle), **{k: v for k, v in (precision or {}).items() if v is not None}}
-  path.write_text(CONFIG.format(title=title, path=path, context=context, flags=flags))
+  prompt = (f"--text={FLAGS.text} --prompt_tokens={context}" if FLAGS.text != CHAT else
+            '--text=chat --prompt="..."')
+  path.write_text(CONFIG.format(title=title, path=path, context=context, flags=flags, prompt=prompt))
   record = path.with_suffix(".json")
   from hitree_jax.planner import auto
   best = choice.best_stack
@@ -219,7 +222,7 @@ def main(argv):
 def plan_for(context: int, batch: int, eagle):
   from hitree_jax.planner import auto
   return auto.plan_for(FLAGS.model, FLAGS.draft, context, common.sampling_from_flags(FLAGS), FLAGS.profile_dir,
-                       FLAGS.book, log=logging.info, min_gain=FLAGS.min_gain, eagle=eagle,
+                       FLAGS.text, log=logging.info, min_gain=FLAGS.min_gain, eagle=eagle,
                        dtype=common.model_dtype(), key_dtype=FLAGS.key_dtype, batch=batch)
 
 

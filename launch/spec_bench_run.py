@@ -1,4 +1,4 @@
-"""launch.benchmark --prompts=specbench: Spec-Bench's protocol, its report and its exactness check.
+"""launch.benchmark --text=chat: Spec-Bench's protocol, its report and its exactness check.
 
 Each question is asked in the model's chat template. Turns are answered in order, each after
 the model's own earlier answers (MT-bench's second turn). Generation stops at EOS or after

@@ -133,52 +133,52 @@ def test_every_config_preset_names_only_flags_of_its_launcher(name, module):
 
 def test_config_sets_flags_and_the_command_line_wins():
   """--config presets set flags; an explicit flag or --config.NAME override beats them."""
-  proc = launch("generate", "--config=configs/methods.py:sd", "--config.gamma=600", "--book=austen")
+  proc = launch("generate", "--config=configs/methods.py:sd", "--config.gamma=600", "--text=austen")
   assert proc.returncode == 2 and "gamma" in proc.stderr  # the override reached the flag
-  proc = launch("generate", "--config=configs/methods.py:sd", "--tree=kary:2x2", "--book=austen")
+  proc = launch("generate", "--config=configs/methods.py:sd", "--tree=kary:2x2", "--text=austen")
   assert proc.returncode == 2 and "--tree does not apply to --method=sd" in proc.stderr
 
 
 # ---- mistakes: one line, exit code 2, before the model loads ----
 
 @pytest.mark.parametrize("args,message", [
-    (["--book=austen", "--method=sd", "--tree=kary:2x2"], "--tree does not apply to --method=sd"),
-    (["--book=austen", "--method=tree", "--tree=kary:10x10"], "asks for 11111111110 nodes"),
-    (["--book=austen", "--method=tree", "--tree=kary:2"], "bad tree spec 'kary:2'"),
+    (["--text=austen", "--method=sd", "--tree=kary:2x2"], "--tree does not apply to --method=sd"),
+    (["--text=austen", "--method=tree", "--tree=kary:10x10"], "asks for 11111111110 nodes"),
+    (["--text=austen", "--method=tree", "--tree=kary:2"], "bad tree spec 'kary:2'"),
     (["--prompt="], "the prompt is empty"),
     (["--prompt=hi", "--temperature=-1"], "temperature=-1.0"),
     (["--prompt=hi", "--top_p=1.5"], "top_p=1.5"),
     (["--prompt=hi", "--max_new_tokens=0"], "--max_new_tokens=0"),
     (["--prompt=hi", "--mesh=model:1", "--coordinator_address=localhost:1", "--num_processes=2", "--process_id=0",
       "--coordinator_timeout=0"], "--coordinator_timeout=0: give seconds, at least 1"),
-    (["--book=austen", "--prompt_tokens=8190", "--max_new_tokens=128"], "8318 > the model's context of 8192"),
-    (["--book=milton", "--model=no/such/model.gguf"], "model 'no/such/model.gguf' not found"),
-    (["--book=austen", "--method=sd", "--draft=no_such_draft.gguf"], "not found"),
-    (["--book=austen", "--method=sd", "--draft=eagle:no/such/eagle"],
+    (["--text=austen", "--prompt_tokens=8190", "--max_new_tokens=128"], "8318 > the model's context of 8192"),
+    (["--text=milton", "--model=no/such/model.gguf"], "model 'no/such/model.gguf' not found"),
+    (["--text=austen", "--method=sd", "--draft=no_such_draft.gguf"], "not found"),
+    (["--text=austen", "--method=sd", "--draft=eagle:no/such/eagle"],
      "eagle draft 'no/such/eagle' not found: expected a folder with heads.json"),
-    (["--book=austen", "--method=hsd", "--levels=ngram/chain:2+eagle:x/3"],
+    (["--text=austen", "--method=hsd", "--levels=ngram/chain:2+eagle:x/3"],
      "eagle:x only proposes (it must be the bottom level)"),
-    (["--book=nope"], "--book=nope"),
+    (["--text=nope"], "--text=nope"),
     (["--prompt=hi", "extra"], "unexpected arguments: extra"),
     (["--config=configs/no_such.py", "--prompt=hi"], "no_such.py"),
-    (["--book=austen", "--method=triforce", "--gamma=3"], "--gamma does not apply to --method=triforce"),
-    (["--book=austen", "--method=hitree", "--draft=drafts/smollm2-draft.gguf", "--budget=100"],
+    (["--text=austen", "--method=triforce", "--gamma=3"], "--gamma does not apply to --method=triforce"),
+    (["--text=austen", "--method=hitree", "--draft=drafts/smollm2-draft.gguf", "--budget=100"],
      "budget=100 must be a multiple of chunk=8"),
-    (["--book=austen", "--method=triforce", "--draft=self:8"], "give --draft=PATH"),
-    (["--book=austen", "--method=hsd", "--levels=self:4@streaming:4x8/2+retrieval:512/4"],
+    (["--text=austen", "--method=triforce", "--draft=self:8"], "give --draft=PATH"),
+    (["--text=austen", "--method=hsd", "--levels=self:4@streaming:4x8/2+retrieval:512/4"],
      "self:4 keeps no cache of its own"),
-    (["--book=austen", "--method=hsd"], "--method=hsd needs its levels"),
-    (["--book=austen", "--method=hsd", "--levels=ngram:3/chain:2+self:2/3"], "only proposes"),
-    (["--book=austen", "--method=hsd", "--levels=ngram:3/chain:2+retrieval:512/x"],
+    (["--text=austen", "--method=hsd"], "--method=hsd needs its levels"),
+    (["--text=austen", "--method=hsd", "--levels=ngram:3/chain:2+self:2/3"], "only proposes"),
+    (["--text=austen", "--method=hsd", "--levels=ngram:3/chain:2+retrieval:512/x"],
      "expected retrieval:BUDGET/GAMMA"),
-    (["--book=austen", "--method=hsd", "--levels=ngram/dynamic:4,2+retrieval:512/4"], "dynamic tree"),
-    (["--book=austen", "--method=hsd", "--levels=ngram:3/chain:2+retrieval:512:x/4"],
+    (["--text=austen", "--method=hsd", "--levels=ngram/dynamic:4,2+retrieval:512/4"], "dynamic tree"),
+    (["--text=austen", "--method=hsd", "--levels=ngram:3/chain:2+retrieval:512:x/4"],
      "expected retrieval:BUDGET or retrieval:BUDGET:RESELECT"),
-    (["--book=austen", "--method=sd", "--reselect=64"], "--reselect does not apply to --method=sd"),
+    (["--text=austen", "--method=sd", "--reselect=64"], "--reselect does not apply to --method=sd"),
     (["--prompt_file=no/such/prompt.txt"], "--prompt_file=no/such/prompt.txt: no such file"),
     (["--prompt_file=tests/data/not_utf8.txt"], "--prompt_file=tests/data/not_utf8.txt: not UTF-8"),
     (["--config=methods:no_such_preset", "--prompt=hi"], "unknown method preset 'no_such_preset'"),
-    (["--book=austen", "--model=smollm2-eagle"],
+    (["--text=austen", "--model=smollm2-eagle"],
      "'smollm2-eagle' holds eagle heads, not a model: use --draft=eagle:smollm2-eagle"),
 ])
 def test_user_mistakes_are_one_line_and_exit_2(args, message):
@@ -294,7 +294,7 @@ def test_draft_with_another_tokenizer_is_refused(tmp_path):
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
   writer.close()
-  proc = launch("generate", "--book=austen", "--method=sd", f"--draft={tmp_path / 'other.gguf'}",
+  proc = launch("generate", "--text=austen", "--method=sd", f"--draft={tmp_path / 'other.gguf'}",
                 env={"HITREE_COMPILE_CACHE": "off"})
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "has a different tokenizer from the target's" in proc.stderr
@@ -308,7 +308,7 @@ def test_second_run_compiles_nothing(tmp_path):
   one-layer random model with SmolLM2's tokenizer: what is cached does not depend on the size."""
   from tests.helpers import tiny_model_gguf
   model = tiny_model_gguf(tmp_path / "tiny.gguf")
-  args = (f"--model={model}", "--book=austen", "--prompt_tokens=32", "--max_new_tokens=4", "--method=sd",
+  args = (f"--model={model}", "--text=austen", "--prompt_tokens=32", "--max_new_tokens=4", "--method=sd",
           "--draft=ngram", "--gamma=2", "--json")
   env = {"HITREE_COMPILE_CACHE": str(tmp_path / "xla")}
   first, second = (json.loads(launch("generate", *args, env=env).stdout.splitlines()[-1])

@@ -69,7 +69,7 @@ def test_distill_refuses_bad_taps(tmp_path):
 def test_distill_trains_eagle3_chat_heads_that_generate_like_ar(teacher, tmp_path):
   """launch.distill --kind=eagle writes a folder that --draft=eagle:PATH decodes with, here an
   EAGLE-3 one (--taps: it reads three of the target's layers beside its final states) trained
-  with --train_text=chat: the teacher answers instructions over book passages, in the chat
+  with --text=chat: the teacher answers instructions over book passages, in the chat
   template; the draft trains on those answers and is evaluated on held-out ones, and its
   vocabulary is that text's (the chat template's tokens, which the books' most frequent 511 lack)."""
   import numpy as np
@@ -109,7 +109,7 @@ def test_distill_trains_eagle3_chat_heads_that_generate_like_ar(teacher, tmp_pat
   books = ReducedVocab.most_frequent(corpus.token_counts(load_tokenizer(target.path), 49152), 512)
   assert template <= set(vocab.target_ids.tolist()) and not template <= set(books.target_ids.tolist())
   # it decodes: its chain gives ar's tokens (the benchmark compares them, and exits 1 if not)
-  proc = launch("benchmark", f"--model={teacher}", "--methods=ar,sd", f"--draft=eagle:{out}", "--gamma=2", "--book=austen",
+  proc = launch("benchmark", f"--model={teacher}", "--methods=ar,sd", f"--draft=eagle:{out}", "--gamma=2", "--text=austen",
                 "--prompt_tokens=64", "--max_new_tokens=12", "--n_prompts=1", "--time_levels=false",
                 f"--out={tmp_path / 'bench.json'}")
   assert proc.returncode == 0, proc.stderr[-3000:]

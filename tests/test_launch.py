@@ -32,7 +32,7 @@ def test_the_launch_modules_tests_import_share_one_process():
 @pytest.mark.slow
 def test_generate_json_record(tiny_model):
   """The record's fields (on the one-layer model: they do not depend on its size)."""
-  proc = launch("generate", f"--model={tiny_model}", "--book=austen", "--prompt_tokens=64",
+  proc = launch("generate", f"--model={tiny_model}", "--text=austen", "--prompt_tokens=64",
                 "--max_new_tokens=6", "--ignore_eos", "--temperature=0.6", "--top_p=0.9",
                 "--key_dtype=bfloat16", "--json")
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -54,10 +54,10 @@ def tiny_model(tmp_path_factory):
 def test_benchmark_writes_json_table_and_plots(tiny_model, tmp_path):
   out = tmp_path / "bench.json"
   proc = launch("benchmark", f"--model={tiny_model}", "--methods=ar,sd/ngram/2", "--prompt_tokens=32,48",
-                "--max_new_tokens=4", "--n_prompts=2", "--book=austen", f"--out={out}")
+                "--max_new_tokens=4", "--n_prompts=2", "--text=austen", f"--out={out}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   record = json.loads(out.read_text())
-  assert record["max_new_tokens"] == 4 and record["book"] == "austen"
+  assert record["max_new_tokens"] == 4 and record["text"] == "austen"
   # the launcher restarted itself with glibc's malloc asking for 2 MB pages, where that gets them
   assert record["memory_pages"] == huge_pages.describe(huge_pages.launcher_environ(os.environ))
   # what it ran on: the CPU's name, the jax version and the commit (a checkout: short hash)
@@ -197,7 +197,9 @@ def test_progress_reports_elapsed_and_eta():
     (["--method=sd", "--draft=selfie", "--prompt=hi"], "unknown drafter 'selfie'"),
     (["--model=/no/such/model.gguf", "--prompt=hi"], "/no/such/model.gguf"),
     (["--prompt_file=/no/such/prompt.txt"], "--prompt_file=/no/such/prompt.txt"),
-    (["--prompt=a", "--book=austen"], "exactly one of --prompt, --prompt_file, --prompts_file, --book"),
+    (["--prompt=a", "--text=austen"], "--text=austen makes a passage of the book the prompt; drop --prompt"),
+    (["--prompt=a", "--prompt_file=x.txt"], "give exactly one of --prompt, --prompt_file, --prompts_file, or --text=BOOK"),
+    (["--text=chat"], "give exactly one of --prompt, --prompt_file, --prompts_file, or --text=BOOK for a book's passage (got none)"),
     (["--prompts_file=tests/data/not_utf8.txt"], "--prompts_file=tests/data/not_utf8.txt: not UTF-8"),
     (["--prompts_file=tests/data/bad_prompts.jsonl"], 'line 2 is not a JSON object with a "prompt"'),
     (["--prompts_file=tests/data/two_prompts.txt", "--batch_size=0"], "--batch_size=0 must be >= 1"),
@@ -237,7 +239,7 @@ def test_generate_decodes_a_file_of_prompts_in_batches_each_row_as_alone(tiny_mo
   prompts = ["Name a colour.", "Write two sentences about the sea, then repeat them.", "Say hello\nin two lines."]
   jsonl = tmp_path / "prompts.jsonl"
   jsonl.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-  common = [f"--model={tiny_model}", "--chat", "--method=sd", "--draft=ngram", "--gamma=3",
+  common = [f"--model={tiny_model}", "--text=chat", "--method=sd", "--draft=ngram", "--gamma=3",
             "--max_new_tokens=12", "--json"]
   proc = launch("generate", f"--prompts_file={jsonl}", "--batch_size=2", *common)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -478,13 +480,13 @@ def test_benchmark_runs_spec_bench_and_checks_every_turn_against_ar(tiny_model, 
       {"key": auto.profile_key(*key, "chat", None, batch=2), "profile": dict(synthetic_profile(128), ar_seconds=1e-4)}))
   chosen = auto.choose(synthetic_profile(128), True)
   out = tmp_path / "sb.json"
-  proc = launch("benchmark", f"--model={tiny_model}", "--prompts=specbench", "--categories=mt_bench,qa", "--per_category=1",
+  proc = launch("benchmark", f"--model={tiny_model}", "--text=chat", "--categories=mt_bench,qa", "--per_category=1",
                 "--methods=ar,sd/ngram/4,auto", f"--draft={draft}", "--max_new_tokens=16", f"--out={out}",
                 "--batch_sizes=1,2",
                 env=dict(os.environ, HITREE_PROFILES=str(tmp_path / "profiles")))
   assert proc.returncode == 0, proc.stderr[-3000:]
   record = json.loads(out.read_text())
-  assert record["prompts"] == "specbench" and record["tasks"] == {"mt_bench": 1, "qa": 1}
+  assert record["text"] == "chat" and record["questions"] == "specbench" and record["tasks"] == {"mt_bench": 1, "qa": 1}
   results = {r["method"]: r for r in record["results"] if r["batch_size"] == 1}
   planned = next(m for m in results if m.startswith("auto="))
   label, _, note = planned.partition(" (planned for ")
@@ -515,14 +517,17 @@ def test_benchmark_runs_spec_bench_and_checks_every_turn_against_ar(tiny_model, 
 
   mine = tmp_path / "mine.jsonl"
   mine.write_text(json.dumps({"question_id": 7, "category": "chat", "turns": ["Name a colour."]}) + "\n")
-  proc = launch("benchmark", f"--prompts={mine}", "--methods=ar", "--max_new_tokens=4", f"--out={tmp_path / 'm.json'}")
+  proc = launch("benchmark", "--text=chat", f"--questions={mine}", "--methods=ar", "--max_new_tokens=4", f"--out={tmp_path / 'm.json'}")
   assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads((tmp_path / "m.json").read_text())["questions"] == str(mine)
   assert json.loads((tmp_path / "m.json").read_text())["tasks"] == {"chat": 1}
-  proc = launch("benchmark", "--prompts=specbench", "--prompt_tokens=512", f"--out={tmp_path / 'x.json'}")
+  proc = launch("benchmark", f"--questions={mine}", f"--out={tmp_path / 'q.json'}")   # book passages by default
+  assert proc.returncode == 2 and "--questions applies to --text=chat, not to --text=austen's passages" in proc.stderr
+  proc = launch("benchmark", "--text=chat", "--prompt_tokens=512", f"--out={tmp_path / 'x.json'}")
   assert proc.returncode == 2 and "--prompt_tokens applies to book passages" in proc.stderr
-  proc = launch("benchmark", "--prompts=specbench", "--batch_sizes=4,0", f"--out={tmp_path / 'z.json'}")
+  proc = launch("benchmark", "--text=chat", "--batch_sizes=4,0", f"--out={tmp_path / 'z.json'}")
   assert proc.returncode == 2 and "--batch_sizes=4,0: give at least one, each at least 1" in proc.stderr
-  proc = launch("benchmark", "--prompts=specbench", "--categories=poetry", f"--out={tmp_path / 'y.json'}")
+  proc = launch("benchmark", "--text=chat", "--categories=poetry", f"--out={tmp_path / 'y.json'}")
   assert proc.returncode == 2 and "--categories: poetry not among" in proc.stderr
 
 

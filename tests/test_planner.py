@@ -648,7 +648,7 @@ def test_plan_writes_a_config_that_generate_runs_and_auto_plans_the_same(tmp_pat
   env = real_model_environ({**os.environ, "HITREE_PROFILES": str(tmp_path)})
   run = lambda module, *args: subprocess.run([sys.executable, "-m", f"launch.{module}", *args], cwd=REPO,
                                              capture_output=True, text=True, timeout=600, env=env)
-  common = ["--book=austen", "--prompt_tokens=500", "--max_new_tokens=12", "--ignore_eos", "--json"]
+  common = ["--text=austen", "--prompt_tokens=500", "--max_new_tokens=12", "--ignore_eos", "--json"]
   ar = run("generate", *common)
   assert ar.returncode == 0, ar.stderr[-3000:]
   ar_tokens = json.loads(ar.stdout.strip().splitlines()[-1])["tokens"]
@@ -734,7 +734,7 @@ def test_auto_with_bfloat16_keys_plans_from_their_own_profile(tmp_path):
   assert json.loads(out.with_suffix(".json").read_text())["flags"] == {**expected.flags(draft), **keys}
   # ar and auto in one benchmark, which compares their greedy tokens (and exits 1 if they part)
   bench = tmp_path / "bench.json"
-  proc = run("benchmark", "--methods=ar,auto", f"--draft={draft}", "--key_dtype=bfloat16", "--book=austen",
+  proc = run("benchmark", "--methods=ar,auto", f"--draft={draft}", "--key_dtype=bfloat16", "--text=austen",
              "--prompt_tokens=500", "--max_new_tokens=12", "--n_prompts=1", "--time_levels=false", f"--out={bench}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "profiling" not in proc.stderr
@@ -917,7 +917,7 @@ def test_a_preset_slower_than_the_plan_is_named_in_one_line(tmp_path, monkeypatc
 
 
 def test_a_chat_profile_is_measured_on_instructions_in_the_chat_template():
-  """auto plans a chat model's prompts (Spec-Bench, generate --chat) from a profile measured on
+  """auto plans a chat model's prompts (Spec-Bench, generate --text=chat) from a profile measured on
   what it answers: instructions over held-out book passages in the chat template, at the
   profile's context, and at a question's context, instructions with no passage; a book's
   profile on its passages."""

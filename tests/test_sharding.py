@@ -358,7 +358,7 @@ def test_bad_mesh_specs_are_named(spec, message):
 # SmolLM2 (9 query heads, 3 KV heads) through the launcher, as a user runs it: split 3 ways by
 # head, and 2 ways by cache slot; and over two processes (multi-host, CPU collectives), each
 # holding 3 of the 6 devices. Its greedy tokens are the single-device ones.
-SMOLLM2 = ["--model=smollm2", "--book=austen", "--prompt_tokens=300", "--max_new_tokens=10",
+SMOLLM2 = ["--model=smollm2", "--text=austen", "--prompt_tokens=300", "--max_new_tokens=10",
            "--ignore_eos", "--json"]
 
 

@@ -210,7 +210,7 @@ def launch_generate(*args):
   import subprocess
   import sys
   repo = pathlib.Path(__file__).resolve().parent.parent
-  proc = subprocess.run([sys.executable, "-m", "launch.generate", "--book=austen", "--prompt_tokens=512",
+  proc = subprocess.run([sys.executable, "-m", "launch.generate", "--text=austen", "--prompt_tokens=512",
                          "--max_new_tokens=24", "--ignore_eos", "--json", *args], cwd=repo,
                         capture_output=True, text=True, timeout=900, env=real_model_environ())
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -46,13 +46,13 @@ def test_a_users_file_in_the_same_format_and_bad_ones_are_named(tmp_path):
   assert [(q.question_id, q.task, q.turns) for q in got] == [(1, "qa", ("What is 2 + 2?",)),
                                                             (2, "chat", ("Hi.", "And then?"))]
   mine.write_text('{"question_id": 1, "category": "qa", "turns": []}\n')
-  with pytest.raises(ValueError, match=f"--prompts={mine}: line 1 is not a question"):
+  with pytest.raises(ValueError, match=f"--questions={mine}: line 1 is not a question"):
     spec_bench.read(mine)
   with pytest.raises(ValueError, match="no such file"):
     spec_bench.read(tmp_path / "absent.jsonl")
 
 
-# ---- chat training text (launch.distill --train_text=chat): never Spec-Bench's questions ----
+# ---- chat training text (launch.distill --text=chat): never Spec-Bench's questions ----
 
 @pytest.fixture(scope="module")
 def tokenizer():

@@ -16,6 +16,7 @@ import math
 import pathlib
 from typing import Sequence
 
+from hitree_jax.data import CHAT  # a profile's text: instructions in the chat template
 from hitree_jax.decode import spec
 from hitree_jax.errors import UsageError
 from hitree_jax.planner import latency, optimize
@@ -104,7 +105,6 @@ def _is_retrieval(level: Level) -> bool:
   return level != TARGET and level.retrieval is not None
 
 
-CHAT = "chat"   # a profile's text: instructions in the chat template instead of a book's passages
 PASSAGES = 3  # acceptance is averaged over this many passages: one passage's is off by up to 30%
 CONTINUATION = 64   # tokens of the target's own text after a book passage, where acceptance is taken
 # After a chat prompt, the target's whole answer, to its end of turn or this many tokens (Spec-Bench's
@@ -300,9 +300,9 @@ def precision(dtype: str = "float32", key_dtype: str | None = None) -> dict:
 
 
 def profile_path(directory: str | pathlib.Path, model: str, draft: str, context: int, sampling,
-                 book: str = "austen", eagle: str | None = None, target_precision: dict | None = None,
+                 text: str = "austen", eagle: str | None = None, target_precision: dict | None = None,
                  batch: int = 1) -> pathlib.Path:
-  """Where the profile of (models, context, book, sampling, the target's precision, batch) is kept."""
+  """Where the profile of (models, context, text, sampling, the target's precision, batch) is kept."""
   stem = lambda path: pathlib.Path(path).name.split(".")[0]
   t, p, k = float(sampling.temperature), float(sampling.top_p), int(sampling.top_k)
   setting = "greedy" if t == 0 else f"T{t:g}-p{p:g}-k{k}"
@@ -312,7 +312,7 @@ def profile_path(directory: str | pathlib.Path, model: str, draft: str, context:
     setting += f"-{dtype}" + (f"-keys-{key_dtype}" if key_dtype else "")
   if batch > 1:
     setting += f"-batch{batch}"
-  return pathlib.Path(directory) / models / f"ctx{context}-{book}-{setting}.json"
+  return pathlib.Path(directory) / models / f"ctx{context}-{text}-{setting}.json"
 
 
 def nearest_context(length: int) -> int:
@@ -334,14 +334,14 @@ def default_dir() -> pathlib.Path:
   return pathlib.Path(env).expanduser() if env else assets_dir() / "profiles"
 
 
-def profile_key(model_path: str, draft_path: str, context: int, sampling, book: str,
+def profile_key(model_path: str, draft_path: str, context: int, sampling, text: str,
                 eagle_path: str | None = None, target_precision: dict | None = None, batch: int = 1) -> dict:
   """What a stored profile must have been measured for (profile.profile_key: and the machine);
   batch 1's key names no batch (profiles stored before batches were planned stay valid)."""
-  key = dict(profile_lib.profile_key(model_path, draft_path), context=context, book=book,
+  key = dict(profile_lib.profile_key(model_path, draft_path), context=context, book=text,
              sampling=[float(sampling.temperature), float(sampling.top_p), int(sampling.top_k)],
              **(target_precision or {}), **({"batch": batch} if batch > 1 else {}))
-  if book == CHAT:   # what a chat profile is measured on (a book profile's key predates these)
+  if text == CHAT:   # what a chat profile is measured on (a book profile's key predates these)
     from hitree_jax.train.instructions import OPEN_INSTRUCTIONS
     key.update(prompts=f"one per task, and {len(OPEN_INSTRUCTIONS)} open instructions at their context",
                answer_tokens=CHAT_ANSWER)
@@ -352,10 +352,10 @@ def profile_key(model_path: str, draft_path: str, context: int, sampling, book: 
 
 
 def profiled(model: str, draft: str, context: int, sampling, directory: str | pathlib.Path | None = None,
-             book: str = "austen", space: Space = Space(), loaded: tuple = (None, None),
+             text: str = "austen", space: Space = Space(), loaded: tuple = (None, None),
              log=lambda message: None, eagle: str | None = None, dtype: str = "float32",
              key_dtype: str | None = None, batch: int = 1) -> tuple[dict, pathlib.Path]:
-  """The profile of (model, draft) at `context` tokens of `book` and this sampling, with the
+  """The profile of (model, draft) at `context` tokens of `text` (a corpus, or CHAT) and this sampling, with the
   target in `dtype` and its caches' keys in `key_dtype`, for a batch of `batch` rows: stored, or
   measured and stored (a few minutes on a CPU). loaded: the models if already in memory (the
   target in that precision); eagle: an EAGLE draft's folder, profiled too (a profile of its own).
@@ -364,7 +364,7 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
   if loaded[0] is not None and precision(loaded[0].config.dtype, loaded[0].config.key_dtype) != precision(dtype, key_dtype):
     raise UsageError(f"the loaded target is in {loaded[0].config.dtype} with keys in "
                      f"{loaded[0].config.cache_key_dtype}, not the profile's {dtype} and {key_dtype or dtype}")
-  path, key = where_kept(model, draft, context, sampling, directory, book, eagle, dtype, key_dtype, batch)
+  path, key = where_kept(model, draft, context, sampling, directory, text, eagle, dtype, key_dtype, batch)
   model_path, draft_path, eagle_path = key["model"], key["draft"], key.get("eagle")
 
   @functools.cache
@@ -375,15 +375,15 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
     target = loaded[0] or load_model(model_path, dtype, key_dtype)
     drafter = loaded[1] or load_model(draft_path)
     feature_draft = None if eagle is None else profile_lib.load_eagle(eagle_path, target)
-    return target, drafter, feature_draft, measured_prompts(load_tokenizer(target.path), book, context)
+    return target, drafter, feature_draft, measured_prompts(load_tokenizer(target.path), text, context)
 
   def run():
     from hitree_jax.decode import engine
     log(f"profiling {' + '.join([model, draft, *([f'eagle:{eagle}'] if eagle else [])])} at {context} "
-        f"tokens of {book} (once; kept in {single_path})")
+        f"tokens of {text} (once; kept in {single_path})")
     target, drafter, feature_draft, prompts = models_and_prompts()
     # The target's own text, as a stack meets it: sampled when the plan is for sampling.
-    chat = book == CHAT
+    chat = text == CHAT
     continuations = [engine.generate(target.params, target.config, [p], sampling=sampling, seed=i,
                                      max_new_tokens=CHAT_ANSWER if chat else CONTINUATION,
                                      stop_at_eos=chat).tokens[0] for i, p in enumerate(prompts)]
@@ -400,20 +400,20 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
     return profile_lib.cached(path, key, run), path
   if (stored_profile := profile_lib.stored(path, key)) is not None:
     return stored_profile, path
-  single_path, single_key = where_kept(model, draft, context, sampling, directory, book, eagle, dtype, key_dtype)
+  single_path, single_key = where_kept(model, draft, context, sampling, directory, text, eagle, dtype, key_dtype)
   single = profile_lib.cached(single_path, single_key, run)
   return profile_lib.cached(path, key, run_batch), path
 
 
-def measured_prompts(tokenizer, book: str, context: int) -> list[list[int]]:
+def measured_prompts(tokenizer, text: str, context: int) -> list[list[int]]:
   """The prompts a profile is measured on: PASSAGES passages of `context` tokens of the corpus
-  `book`; or for CHAT, the text a chat model answers (Spec-Bench, generate --chat), in the chat
+  `text`; or for CHAT, the text a chat model answers (Spec-Bench, generate --text=chat), in the chat
   template: one instruction of each task over a passage of the held-out books, `context` tokens
   long (train/instructions.py), and the open instructions, which have no text to copy, where
   this is the profile a question of their length is planned from (they are short). Prompt
   lookup and drafts accept very differently on these: an answer that extracts or rewrites
   copies its prompt; a summary, less; a poem, nothing."""
-  if book == CHAT:
+  if text == CHAT:
     from hitree_jax.tokenizer import chat_prompt
     from hitree_jax.train import instructions
     windows, _ = instructions.chat_windows(tokenizer, "eval", context + 1, len(instructions.TASKS), context)
@@ -421,10 +421,10 @@ def measured_prompts(tokenizer, book: str, context: int) -> list[list[int]]:
     return ([row[:context].tolist() for row in windows]
             + [p for p in open_prompts if nearest_context(len(p)) == context])
   from hitree_jax.data import book_prompts
-  return book_prompts(tokenizer, context, PASSAGES, corpus=book)
+  return book_prompts(tokenizer, context, PASSAGES, corpus=text)
 
 
-def where_kept(model: str, draft: str, context: int, sampling, directory=None, book: str = "austen",
+def where_kept(model: str, draft: str, context: int, sampling, directory=None, text: str = "austen",
                eagle: str | None = None, dtype: str = "float32",
                key_dtype: str | None = None, batch: int = 1) -> tuple[pathlib.Path, dict]:
   """(where the profile of these models and settings is kept, the key it was measured for)."""
@@ -432,23 +432,23 @@ def where_kept(model: str, draft: str, context: int, sampling, directory=None, b
   model_path, draft_path = str(resolve(model)), str(resolve(draft))
   eagle_path = None if eagle is None else str(pathlib.Path(eagle).resolve())
   target_precision = precision(dtype, key_dtype)
-  path = profile_path(directory or default_dir(), model_path, draft_path, context, sampling, book, eagle_path,
+  path = profile_path(directory or default_dir(), model_path, draft_path, context, sampling, text, eagle_path,
                       target_precision, batch)
-  return path, profile_key(model_path, draft_path, context, sampling, book, eagle_path, target_precision, batch)
+  return path, profile_key(model_path, draft_path, context, sampling, text, eagle_path, target_precision, batch)
 
 
-def stored_plan(model: str, draft: str, prompt_length: int, sampling, directory=None, book: str = "austen",
+def stored_plan(model: str, draft: str, prompt_length: int, sampling, directory=None, text: str = "austen",
                 dtype: str = "float32", key_dtype: str | None = None,
                 batch: int = 1) -> tuple[dict, pathlib.Path] | None:
   """(the profile, its path) that `plan_for` would plan from, if it was measured already; None
   where it was not (nothing is measured here)."""
-  path, key = where_kept(model, draft, nearest_context(prompt_length), sampling, directory, book,
+  path, key = where_kept(model, draft, nearest_context(prompt_length), sampling, directory, text,
                          dtype=dtype, key_dtype=key_dtype, batch=nearest_batch(batch))
   profile = profile_lib.stored(path, key)
   return None if profile is None else (profile, path)
 
 
-def plan_for(model: str, draft: str, prompt_length: int, sampling, directory=None, book: str = "austen",
+def plan_for(model: str, draft: str, prompt_length: int, sampling, directory=None, text: str = "austen",
              loaded: tuple = (None, None), log=lambda message: None,
              min_gain: float = MIN_GAIN, eagle: str | None = None, dtype: str = "float32",
              key_dtype: str | None = None, batch: int = 1) -> tuple[Choice, dict, pathlib.Path]:
@@ -456,7 +456,7 @@ def plan_for(model: str, draft: str, prompt_length: int, sampling, directory=Non
   tokens: planned from the profile at the nearest of CONTEXTS and of BATCHES (and the target's
   precision, as in `profiled`), measured on first use; eagle: an EAGLE draft's folder, a
   candidate drafter too."""
-  profile, path = profiled(model, draft, nearest_context(prompt_length), sampling, directory, book,
+  profile, path = profiled(model, draft, nearest_context(prompt_length), sampling, directory, text,
                            loaded=loaded, log=log, eagle=eagle, dtype=dtype, key_dtype=key_dtype,
                            batch=nearest_batch(batch))
   return choose(profile, float(sampling.temperature) == 0, min_gain=min_gain), profile, path

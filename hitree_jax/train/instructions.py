@@ -5,7 +5,7 @@ setting), which book windows do not teach it. Spec-Bench's questions are test da
 instructions here are built from the training books instead, one task per kind of answer the
 benchmark asks for (summarise, continue, answer about, rewrite in other words, extract, ask and
 answer): the passage is the context, the teacher writes the answer (launch.distill
---train_text=chat; EAGLE's recipe of having the target regenerate the responses). `overlap`
+--text=chat; EAGLE's recipe of having the target regenerate the responses). `overlap`
 checks that no training prompt shares a 13-word run with a benchmark question.
 """
 

@@ -24,7 +24,7 @@ RELATIVE_COST = {1: 1.0, 3: 1.2, 5: 1.35, 9: 1.65, 17: 2.3}   # a forward of w t
 
 
 def ar_answers(tasks: list[str], per_task: int) -> list[tuple[list[int], list[int]]]:
-  """(prompt ids, `ar`'s greedy answer) per turn, as launch.benchmark --prompts=specbench asks."""
+  """(prompt ids, `ar`'s greedy answer) per turn, as launch.benchmark --text=chat asks."""
   from hitree_jax import methods, spec_bench
   from hitree_jax.loading import load_model
   from hitree_jax.tokenizer import load_tokenizer

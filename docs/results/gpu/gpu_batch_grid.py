@@ -43,7 +43,7 @@ def main(model: str, out_dir: str, seconds: float, step_record: str | None = Non
     out = os.path.join(out_dir, f"grid_{batch}.json")
     proc = subprocess.run(
         ["timeout", str(int(left * share)), sys.executable, "-m", "launch.benchmark", f"--model={model}",
-         "--prompts=specbench", "--categories=mt_bench,translation,qa,math_reasoning",
+         "--text=chat", "--categories=mt_bench,translation,qa,math_reasoning",
          "--per_category=16", f"--methods={METHODS}", f"--batch_sizes={batch}", "--dtype=float32",
          "--max_new_tokens=128", "--temperature=0", f"--out={out}"], env=env, capture_output=True, text=True)
     log["runs"].append({"batch": batch, "rc": proc.returncode, "seconds": time.time() - start,
