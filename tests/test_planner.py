@@ -538,6 +538,55 @@ def test_auto_chooses_ar_when_no_drafter_is_ever_accepted(tmp_path, monkeypatch,
     assert choice.best_stack.exact.tokens_per_target_forward == pytest.approx(1.0)
 
 
+def test_a_new_context_takes_a_rounds_overheads_from_a_stored_profile(tmp_path, monkeypatch):
+  """The overheads fitted at 512 tokens serve a profile at 2,048 of the same models, machine,
+  sampling, precision and batch (and any text), nearest context first; not another sampling's or
+  batch's, not overheads that were themselves borrowed, not a torn file. A stored profile with
+  borrowed overheads is kept, unless reuse_overheads=False, which measures it again."""
+  from hitree_jax import loading
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.planner import auto
+  greedy, sampled = SamplingParams.create(), SamplingParams.create(0.6, 0.9)
+  draft = "drafts/smollm2-draft.gguf"
+  fitted = dict(synthetic_profile(512), overheads={"draft_forward": 0.001, "verify": 0.003, "tree": 0.004})
+  source = _plant(tmp_path, fitted, 1, greedy)
+  borrowed_path, borrowed_key = auto.where_kept("smollm2", draft, 1024, greedy, tmp_path)   # nearer 2,048
+  borrowed_path.write_text(json.dumps({"key": borrowed_key, "profile": dict(
+      synthetic_profile(1024), overheads={"draft_forward": 9.0, "verify": 9.0, "tree": 9.0}, overheads_from="x")}))
+  (source.parent / "ctx4096-austen-greedy.json").write_text('{"key": {"context": 40')   # torn
+  for text in ("austen", "chat"):
+    path, key = auto.where_kept("smollm2", draft, 2048, greedy, tmp_path, text)
+    assert auto.stored_overheads(path, key) == {"fields": fitted["overheads"], "from": str(source)}
+  for kwargs in (dict(sampling=sampled), dict(sampling=greedy, batch=4)):
+    assert auto.stored_overheads(*auto.where_kept("smollm2", draft, 2048, directory=tmp_path, **kwargs)) is None
+
+  def measuring(*args, **kwargs):
+    raise RuntimeError("measuring")
+  monkeypatch.setattr(loading, "load_model", measuring)
+  kept, _ = auto.profiled("smollm2", draft, 1024, greedy, tmp_path)
+  assert kept["overheads_from"] == "x"
+  with pytest.raises(RuntimeError, match="measuring"):
+    auto.profiled("smollm2", draft, 1024, greedy, tmp_path, reuse_overheads=False)
+
+
+@pytest.mark.slow
+def test_borrowed_overheads_are_not_fitted_again(tiny_pair, monkeypatch):
+  """measure_costs given another profile's overheads times the forwards and `ar`, not the six
+  generations of the fit, and records where the overheads came from."""
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.planner import auto
+  target, draft = tiny_pair
+  def fit(*args, **kwargs):
+    raise AssertionError("borrowed overheads were fitted again")
+  monkeypatch.setattr(profile, "round_overheads", fit)
+  space = auto.Space(drafters=("draft",), middles=(), chains=(1,), trees=(), gammas=(), widths=(1, 2))
+  borrowed = {"draft_forward": 0.001, "verify": 0.002, "tree": 0.003}
+  got = auto.measure_costs(target, draft, list(np.arange(40) * 7 % 64), SamplingParams.create(), space, repeats=2,
+                           overheads={"fields": borrowed, "from": "elsewhere.json"})
+  assert got["overheads"] == borrowed and got["overheads_from"] == "elsewhere.json"
+  assert set(got["costs"]) == {"draft", "target"} and got["ar_seconds"] > 0
+
+
 @pytest.mark.slow
 def test_a_batchs_timings_are_measured_at_that_batch(tiny_pair, monkeypatch):
   """measure_costs at 3 rows times every forward, generation and `ar` step with 3 rows (not one

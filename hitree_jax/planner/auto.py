@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import pathlib
 from typing import Sequence
@@ -114,36 +115,39 @@ GENERATED = 96   # tokens of each generation the overheads and `ar` are timed on
 
 
 def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
-            sampling, space: Space = Space(), repeats: int = 10, eagle=None) -> dict:
+            sampling, space: Space = Space(), repeats: int = 10, eagle=None, overheads: dict | None = None) -> dict:
   """A profile: costs {level: {width: s}}, acceptance {"v<-p": ...}, overheads {field: s},
   ar_seconds (per token of plain decoding, measured). Acceptance is the mean over the prompts;
   the timings are taken after the first, at its length (the profile's context).
   target, draft: loading.LoadedModel; continuations: the target's own tokens after each prompt;
   eagle: profile.load_eagle's EAGLE draft, measured as the level 'eagle' (the space gets it).
   The overheads are fitted to the draft model's stacks; an EAGLE forward is charged the draft
-  model's per-forward overhead."""
+  model's per-forward overhead. overheads: fitted already (`stored_overheads`), not fitted here."""
   space = space.measured(len(prompts[0]), eagle)
   per_passage = [profile_lib.pair_acceptance(target, draft, space.pairs(), p, c, sampling, eagle)
                  for p, c in zip(prompts, continuations)]
   return {"context": len(prompts[0]), "passages": len(prompts),
           "acceptance": {pair: _mean([a[pair] for a in per_passage]) for pair in per_passage[0]},
-          **measure_costs(target, draft, prompts[0], sampling, space, repeats, eagle)}
+          **measure_costs(target, draft, prompts[0], sampling, space, repeats, eagle, overheads=overheads)}
 
 
 def measure_costs(target, draft, prompt: Sequence[int], sampling, space: Space = Space(), repeats: int = 10,
-                  eagle=None, rows: int = 1) -> dict:
+                  eagle=None, rows: int = 1, overheads: dict | None = None) -> dict:
   """A profile's timings at a batch of `rows` copies of `prompt`: costs {level: {width: s}} of a
   forward of all rows, overheads {field: s} of a round of all rows, ar_seconds (a step of all
   rows: a row's seconds per token). A row's acceptance is the same at any batch (each row
-  accepts its own tokens), so a batch's profile takes it from batch 1's (`profiled`)."""
+  accepts its own tokens), so a batch's profile takes it from batch 1's (`profiled`). overheads:
+  {"fields": ..., "from": path} of another profile (`stored_overheads`): not fitted again."""
   space = space.measured(len(prompt), eagle)
   budgets = [m.budget for m in space.middles if _is_retrieval(m)]
   costs = profile_lib.level_costs(target, draft, space.model_levels(), prompt, space.widths, repeats, eagle, rows)
   new_tokens = max(GENERATED // rows, 32)   # a batch's rows average its timings' noise too
-  return {"costs": costs,
-          "overheads": profile_lib.round_overheads(target, draft, prompt, sampling, budget=min(budgets, default=256),
-                                                   max_new_tokens=new_tokens, costs=costs, rows=rows),
-          "ar_seconds": profile_lib.ar_seconds(target, prompt, new_tokens, rows)}
+  if overheads is None:
+    fitted = {"overheads": profile_lib.round_overheads(target, draft, prompt, sampling, budget=min(budgets, default=256),
+                                                      max_new_tokens=new_tokens, costs=costs, rows=rows)}
+  else:
+    fitted = {"overheads": overheads["fields"], "overheads_from": overheads["from"]}
+  return {"costs": costs, **fitted, "ar_seconds": profile_lib.ar_seconds(target, prompt, new_tokens, rows)}
 
 
 def _mean(records: Sequence[dict]) -> dict:
@@ -354,12 +358,15 @@ def profile_key(model_path: str, draft_path: str, context: int, sampling, text: 
 def profiled(model: str, draft: str, context: int, sampling, directory: str | pathlib.Path | None = None,
              text: str = "austen", space: Space = Space(), loaded: tuple = (None, None),
              log=lambda message: None, eagle: str | None = None, dtype: str = "float32",
-             key_dtype: str | None = None, batch: int = 1) -> tuple[dict, pathlib.Path]:
+             key_dtype: str | None = None, batch: int = 1, reuse_overheads: bool = True) -> tuple[dict, pathlib.Path]:
   """The profile of (model, draft) at `context` tokens of `text` (a corpus, or CHAT) and this sampling, with the
   target in `dtype` and its caches' keys in `key_dtype`, for a batch of `batch` rows: stored, or
   measured and stored (a few minutes on a CPU). loaded: the models if already in memory (the
   target in that precision); eagle: an EAGLE draft's folder, profiled too (a profile of its own).
-  A batch's profile is batch 1's acceptance (profiled first, or read) with its own timings."""
+  A batch's profile is batch 1's acceptance (profiled first, or read) with its own timings.
+  reuse_overheads: a round's overheads come from a stored profile of these models at another
+  context or text where there is one (`stored_overheads`); False fits them again (and measures
+  again a stored profile whose overheads came from another)."""
   from hitree_jax.loading import load_model
   if loaded[0] is not None and precision(loaded[0].config.dtype, loaded[0].config.key_dtype) != precision(dtype, key_dtype):
     raise UsageError(f"the loaded target is in {loaded[0].config.dtype} with keys in "
@@ -377,6 +384,9 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
     feature_draft = None if eagle is None else profile_lib.load_eagle(eagle_path, target)
     return target, drafter, feature_draft, measured_prompts(load_tokenizer(target.path), text, context)
 
+  def reused(at: pathlib.Path, at_key: dict) -> dict | None:
+    return stored_overheads(at, at_key, log) if reuse_overheads else None
+
   def run():
     from hitree_jax.decode import engine
     log(f"profiling {' + '.join([model, draft, *([f'eagle:{eagle}'] if eagle else [])])} at {context} "
@@ -387,22 +397,55 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
     continuations = [engine.generate(target.params, target.config, [p], sampling=sampling, seed=i,
                                      max_new_tokens=CHAT_ANSWER if chat else CONTINUATION,
                                      stop_at_eos=chat).tokens[0] for i, p in enumerate(prompts)]
-    return measure(target, drafter, prompts, continuations, sampling, space, eagle=feature_draft)
+    return measure(target, drafter, prompts, continuations, sampling, space, eagle=feature_draft,
+                   overheads=reused(single_path, single_key))
 
   def run_batch():
     log(f"timing {model} + {draft} at a batch of {batch} (once; kept in {path})")
     target, drafter, feature_draft, prompts = models_and_prompts()
     return {**single, "batch": batch, "acceptance_from": str(single_path),
-            **measure_costs(target, drafter, prompts[0], sampling, space, eagle=feature_draft, rows=batch)}
+            **measure_costs(target, drafter, prompts[0], sampling, space, eagle=feature_draft, rows=batch,
+                            overheads=reused(path, key))}
 
+  keep = lambda profile: reuse_overheads or "overheads_from" not in profile
   if batch == 1:
-    single_path = path
-    return profile_lib.cached(path, key, run), path
-  if (stored_profile := profile_lib.stored(path, key)) is not None:
+    single_path, single_key = path, key
+    return profile_lib.cached(path, key, run, keep), path
+  if (stored_profile := profile_lib.stored(path, key, keep)) is not None:
     return stored_profile, path
   single_path, single_key = where_kept(model, draft, context, sampling, directory, text, eagle, dtype, key_dtype)
-  single = profile_lib.cached(single_path, single_key, run)
-  return profile_lib.cached(path, key, run_batch), path
+  single = profile_lib.cached(single_path, single_key, run, keep)
+  return profile_lib.cached(path, key, run_batch, keep), path
+
+
+# A round's overheads are the engine's own bookkeeping on this machine: the same whatever the
+# text, and close whatever the context. Fitted again at a new context, they vary between runs by
+# more than they move between contexts (docs/planner.md), and the fit is the dearest part of a
+# profile (six generations, each compiled: 96 of the 204 s of a first profile at 512 tokens).
+OVERHEADS_IGNORE = ("context", "book", "prompts", "answer_tokens", "eagle", "eagle_contents")
+
+
+def stored_overheads(path: pathlib.Path, key: dict, log=lambda message: None) -> dict | None:
+  """{"fields": the overheads, "from": its path} of the stored profile beside `path` whose key is
+  `key`'s but for the context and the text (OVERHEADS_IGNORE: the same models, machine, jax,
+  sampling, precision and batch), at the nearest context; None where there is none."""
+  same = lambda k: {name: value for name, value in k.items() if name not in OVERHEADS_IGNORE}
+  found = []
+  for other in path.parent.glob("ctx*.json"):
+    if other == path:
+      continue
+    try:
+      record = json.loads(other.read_text())
+      other_key, profile = record["key"], record["profile"]
+      if same(other_key) == same(key) and "overheads_from" not in profile:
+        found.append((abs(other_key["context"] - key["context"]), str(other), profile["overheads"]))
+    except (ValueError, KeyError, TypeError, AttributeError):   # torn or not a profile: not a source
+      continue
+  if not found:
+    return None
+  _, source, fields = min(found)
+  log(f"a round's overheads from {source} (fitted at another context of these models)")
+  return {"fields": fields, "from": source}
 
 
 def measured_prompts(tokenizer, text: str, context: int) -> list[list[int]]:
@@ -451,14 +494,15 @@ def stored_plan(model: str, draft: str, prompt_length: int, sampling, directory=
 def plan_for(model: str, draft: str, prompt_length: int, sampling, directory=None, text: str = "austen",
              loaded: tuple = (None, None), log=lambda message: None,
              min_gain: float = MIN_GAIN, eagle: str | None = None, dtype: str = "float32",
-             key_dtype: str | None = None, batch: int = 1) -> tuple[Choice, dict, pathlib.Path]:
+             key_dtype: str | None = None, batch: int = 1, reuse_overheads: bool = True
+             ) -> tuple[Choice, dict, pathlib.Path]:
   """(the fastest stack, the profile, its path) for a batch of `batch` prompts of `prompt_length`
   tokens: planned from the profile at the nearest of CONTEXTS and of BATCHES (and the target's
   precision, as in `profiled`), measured on first use; eagle: an EAGLE draft's folder, a
-  candidate drafter too."""
+  candidate drafter too; reuse_overheads: as in `profiled`."""
   profile, path = profiled(model, draft, nearest_context(prompt_length), sampling, directory, text,
                            loaded=loaded, log=log, eagle=eagle, dtype=dtype, key_dtype=key_dtype,
-                           batch=nearest_batch(batch))
+                           batch=nearest_batch(batch), reuse_overheads=reuse_overheads)
   return choose(profile, float(sampling.temperature) == 0, min_gain=min_gain), profile, path
 
 

@@ -25,6 +25,7 @@ planner/auto.py assembles and keeps them).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -331,6 +332,13 @@ def _continuation_probs(config, params, long, vocab, tokens, target_vocab: int, 
   its features [1, N, E] (with taps, [1, N, (k+1)E]) at each of the N continuation tokens,
   teacher-forced in one chunk over its long cache."""
   ids = jnp.asarray(tokens if vocab is None else vocab.to_draft(np.asarray(tokens)), jnp.int32)[None]
+  return _teacher_forced(config, params, long, vocab, ids, target_vocab, sampling, taps)
+
+
+# One program per level's shapes: run op by op, a profile compiled some 390 small programs (40 s
+# of a 4-minute profile at 512 tokens).
+@functools.partial(jax.jit, static_argnames=("config", "vocab", "target_vocab", "taps"))
+def _teacher_forced(config, params, long, vocab, ids, target_vocab: int, sampling, taps):
   n = ids.shape[1]
   recent = KVCache.init(config, 1, n, **dtypes_of(long))
   positions = long.next_positions[:, None] + jnp.arange(n)[None, :]
@@ -462,25 +470,35 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[Level, Level]], prompt:
                                                   vocab_size, sampling)
     else:
       q, ranked = dists[proposer]
-    valid = ranked >= 0                                            # an n-gram has one rank
-    hits = valid & (ranked == jnp.argmax(p, axis=-1)[:, None])
-    accept = jnp.sum(jnp.minimum(p, q), axis=-1)                  # [N] per position
-    out[f"{verifier}<-{proposer}"] = {
-        "alpha": float(accept.mean()),
-        "greedy": float(hits[:, 0].mean()),
-        "profile": np.asarray(jnp.where(valid, jnp.take_along_axis(p, jnp.maximum(ranked, 0), axis=-1),
-                                        0.0).mean(axis=0)).tolist(),
-        "greedy_profile": np.asarray(hits.mean(axis=0)).tolist(),
-        # Independence across positions (the latency model's assumption): acceptance of the
-        # next position given this one was accepted, against the unconditional rates above.
-        "alpha_next": float(jnp.sum(accept[:-1] * accept[1:]) / jnp.maximum(jnp.sum(accept[:-1]), 1e-9)),
-        "greedy_next": float(jnp.sum(hits[:-1, 0] & hits[1:, 0]) / max(int(jnp.sum(hits[:-1, 0])), 1))}
-    if deep is not None:
-      out[f"{verifier}<-{proposer}"].update(_deeper(p, accept, hits[:, 0], deep))
-    if _is_ngram(proposer):   # the rates above count its silent positions as misses
-      out[f"{verifier}<-{proposer}"]["offered"] = float(valid[:, 0].mean())
-      out[f"{verifier}<-{proposer}"]["offered_counts"] = offered_counts[proposer]
+    rates = jax.device_get(_pair_rates(p, q, ranked, deep))
+    record = {name: value.tolist() if value.ndim else float(value) for name, value in rates.items()}
+    if _is_ngram(proposer):   # the rates count its silent positions as misses
+      record["offered_counts"] = offered_counts[proposer]
+    else:
+      del record["offered"]
+    out[f"{verifier}<-{proposer}"] = record
   return out
+
+
+@jax.jit
+def _pair_rates(p, q, ranked, q_deep=None) -> dict:
+  """A pair's rates (pair_acceptance's record) from the verifier's p [N, V], the proposer's q
+  [N, V] and its top-R tokens [N, R] (-1: no such rank), in one program; q_deep [N, V]: an EAGLE
+  draft's distribution as a deeper node (`_deeper`)."""
+  valid = ranked >= 0                                            # an n-gram has one rank
+  hits = valid & (ranked == jnp.argmax(p, axis=-1)[:, None])
+  accept = jnp.sum(jnp.minimum(p, q), axis=-1)                  # [N] per position
+  rates = {
+      "alpha": accept.mean(),
+      "greedy": hits[:, 0].mean(),
+      "profile": jnp.where(valid, jnp.take_along_axis(p, jnp.maximum(ranked, 0), axis=-1), 0.0).mean(axis=0),
+      "greedy_profile": hits.mean(axis=0),
+      # Independence across positions (the latency model's assumption): acceptance of the
+      # next position given this one was accepted, against the unconditional rates above.
+      "alpha_next": jnp.sum(accept[:-1] * accept[1:]) / jnp.maximum(jnp.sum(accept[:-1]), 1e-9),
+      "greedy_next": jnp.sum(hits[:-1, 0] & hits[1:, 0]) / jnp.maximum(jnp.sum(hits[:-1, 0]), 1),
+      "offered": valid[:, 0].mean()}
+  return rates if q_deep is None else {**rates, **_deeper(p, accept, hits[:, 0], q_deep)}
 
 
 def _deeper(p, accept, hits, q_deep) -> dict:
@@ -489,9 +507,9 @@ def _deeper(p, accept, hits, q_deep) -> dict:
   position before was accepted, relative to the overall rate at a first depth."""
   accept_deep = jnp.sum(jnp.minimum(p, q_deep), axis=-1)[1:]
   hits_deep = (jnp.argmax(q_deep, axis=-1) == jnp.argmax(p, axis=-1))[1:]
-  given = lambda rate, before: float(jnp.sum(before * rate) / jnp.maximum(jnp.sum(before), 1e-9))
-  return {"deeper": given(accept_deep, accept[:-1]) / max(float(accept.mean()), 1e-9),
-          "greedy_deeper": given(hits_deep, hits[:-1]) / max(float(hits.mean()), 1e-9)}
+  given = lambda rate, before: jnp.sum(before * rate) / jnp.maximum(jnp.sum(before), 1e-9)
+  return {"deeper": given(accept_deep, accept[:-1]) / jnp.maximum(accept.mean(), 1e-9),
+          "greedy_deeper": given(hits_deep, hits[:-1]) / jnp.maximum(hits.mean(), 1e-9)}
 
 
 # Bumped when what a profile holds is measured differently, so stored ones are measured again.
@@ -517,9 +535,10 @@ def profile_key(model: str, draft: str | None) -> dict:
           "jax": jax.__version__}
 
 
-def stored(path: str | pathlib.Path, key: dict) -> dict | None:
-  """The profile stored at `path` if it was measured for `key`, else None; a torn or corrupt
-  file is None too, with a one-line warning (it is measured again, not a crash of every plan)."""
+def stored(path: str | pathlib.Path, key: dict, keep: Callable[[dict], bool] = lambda profile: True) -> dict | None:
+  """The profile stored at `path` if it was measured for `key` (and `keep` takes it), else None; a
+  torn or corrupt file is None too, with a one-line warning (it is measured again, not a crash of
+  every plan)."""
   path = pathlib.Path(path)
   if not path.exists():
     return None
@@ -530,15 +549,16 @@ def stored(path: str | pathlib.Path, key: dict) -> dict | None:
     logging.warning("%s is not a whole planner profile (%s: %s): measuring it again", path,
                     type(e).__name__, e)
     return None
-  return profile if stored_key == key else None
+  return profile if stored_key == key and keep(profile) else None
 
 
-def cached(path: str | pathlib.Path, key: dict, measure: Callable[[], dict]) -> dict:
+def cached(path: str | pathlib.Path, key: dict, measure: Callable[[], dict],
+           keep: Callable[[dict], bool] = lambda profile: True) -> dict:
   """The profile stored at `path` if it was measured for `key`, else measure() stored there:
   written to a temporary name and renamed, so an interrupted write leaves the old file whole (by
   process 0 alone of a multi-host run)."""
   path = pathlib.Path(path)
-  if (profile := stored(path, key)) is not None:
+  if (profile := stored(path, key, keep)) is not None:
     return profile
   profile = measure()
   if jax.process_index() != 0:   # a multi-host run's processes measure alike; process 0 keeps it

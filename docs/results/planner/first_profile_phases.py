@@ -1,0 +1,69 @@
+"""Where a first plan's time goes: each phase of auto.profiled, its wall time and how much of it
+is XLA compiling (jax.monitoring's compile events), for SmolLM2-135M + drafts/smollm2-draft.gguf,
+greedy, on Austen.
+
+  python docs/results/planner/first_profile_phases.py 512             # a fresh profile directory
+  python docs/results/planner/first_profile_phases.py 2048 DIRECTORY  # profiles kept in DIRECTORY
+
+With a profile of the same models at another context in DIRECTORY, the round overheads are
+borrowed from it (auto.stored_overheads) and round_overheads does not run.
+"""
+
+import collections
+import functools
+import sys
+import tempfile
+import time
+
+import jax
+
+from hitree_jax.decode.sampling import SamplingParams
+from hitree_jax.planner import auto
+from hitree_jax.planner import profile as profile_lib
+
+PHASES = ("pair_acceptance", "level_costs", "round_overheads", "ar_seconds")
+phase = ["other"]
+compile_s, compiles, spent = collections.Counter(), collections.Counter(), collections.Counter()
+
+
+def on_event(event: str, duration: float, **_):
+  if event == "/jax/core/compile/backend_compile_duration":
+    compile_s[phase[0]] += duration
+    compiles[phase[0]] += 1
+
+
+def timed(name: str):
+  """profile_lib.NAME, its time and its compiles counted under its name."""
+  inner = getattr(profile_lib, name)
+
+  @functools.wraps(inner)
+  def run(*args, **kwargs):
+    outer, phase[0], start = phase[0], name, time.perf_counter()
+    try:
+      return inner(*args, **kwargs)
+    finally:
+      spent[name] += time.perf_counter() - start
+      phase[0] = outer
+  return run
+
+
+def main():
+  context = int(sys.argv[1])
+  directory = sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp()
+  jax.monitoring.register_event_duration_secs_listener(on_event)
+  for name in PHASES:
+    setattr(profile_lib, name, timed(name))
+  start = time.perf_counter()
+  choice, profile, path = auto.plan_for("smollm2", "drafts/smollm2-draft.gguf", context, SamplingParams.create(),
+                                        directory, "austen")
+  total = time.perf_counter() - start
+  print(f"total {total:.1f} s, chose {choice.levels}, kept in {path}")
+  spent["other"] = total - sum(spent.values())
+  for name in (*PHASES, "other"):
+    print(f"{name}: {spent[name]:.1f} s, of which compiling {compile_s[name]:.1f} s ({compiles[name]} programs)")
+  print("overheads", {k: round(v * 1e3, 2) for k, v in profile["overheads"].items()}, "ms;",
+        "from", profile.get("overheads_from", "this profile's own fit"))
+
+
+if __name__ == "__main__":
+  main()
