@@ -82,7 +82,7 @@ def test_the_block_gives_the_authors_logits(pair):
                                  np.ones(1, np.int32)).replace(lengths=np.array([length + 1], np.int32))
     got = dflash.block_logits(params, drafter.config, drafter.spec, model.params["embed_tokens"]["embedding"],
                               root.numpy().astype(np.int32), np.array([length], np.int32),
-                              ((cache.keys, cache.values, dflash.visible(cache, np.zeros(1, np.int32))),))
+                              ((cache.keys, cache.values, cache.lengths, dflash.first_visible(np.zeros(1, np.int32))),))
     np.testing.assert_allclose(np.asarray(got), expected, atol=2e-4, rtol=1e-4)
 
 

@@ -339,3 +339,32 @@ def test_a_bad_key_dtype_is_named_and_the_models_own_is_no_change():
   with pytest.raises(ValueError, match="key_dtype='float16'"):
     CONFIG.replace(key_dtype="float16")
   assert CONFIG.replace(key_dtype="float32") == CONFIG
+
+
+@pytest.mark.parametrize("slots", [100, 512])   # one product over the whole buffer; a block loop
+def test_a_context_seen_from_its_start_is_exactly_its_slots_from_there(slots):
+  """attention() with a context (k, v, lengths, start): every query sees the context's slots
+  [start, length) and no others, as a softmax over them and its own keys written out by hand;
+  64 rows (32 tokens x 2 query heads per KV head) take the block loop over 512 slots."""
+  rng = np.random.default_rng(slots)
+  b, t, h, kvh, d = 2, 32, 4, 2, 8
+  q = rng.standard_normal((b, t, h, d)).astype(np.float32)
+  own_k, own_v = (rng.standard_normal((b, kvh, d, t)).astype(np.float32) for _ in range(2))
+  ctx_k, ctx_v = (rng.standard_normal((b, kvh, d, slots)).astype(np.float32) for _ in range(2))
+  lengths, start = np.array([slots - 7, 60], np.int32), np.array([1, 0], np.int32)
+  assert t * (h // kvh) >= model_lib.BLOCKWISE_MIN_ROWS
+  got = np.asarray(model_lib.attention(q, own_k, own_v, np.ones((b, t, t), bool),
+                                       ((ctx_k, ctx_v, lengths, start),)))
+  for row in range(b):
+    seen = slice(start[row], lengths[row])
+    keys = np.concatenate([own_k[row], ctx_k[row][..., seen]], axis=-1)        # [KVH, D, T + n]
+    values = np.concatenate([own_v[row], ctx_v[row][..., seen]], axis=-1)
+    for head in range(h):
+      scores = q[row, :, head] @ keys[head // (h // kvh)] / np.sqrt(d)         # [T, T + n]
+      weights = np.exp(scores - scores.max(-1, keepdims=True))
+      weights /= weights.sum(-1, keepdims=True)
+      np.testing.assert_allclose(got[row, :, head], weights @ values[head // (h // kvh)].T, atol=2e-5, rtol=1e-4)
+  no_start = model_lib.attention(q, own_k, own_v, np.ones((b, t, t), bool), ((ctx_k, ctx_v, lengths),))
+  from_zero = model_lib.attention(q, own_k, own_v, np.ones((b, t, t), bool),
+                                  ((ctx_k, ctx_v, lengths, np.zeros(b, np.int32)),))
+  np.testing.assert_allclose(np.asarray(no_start), np.asarray(from_zero), atol=1e-6)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +45,7 @@ import jax.numpy as jnp
 from hitree_jax.cache.full import KVCache, write_slots
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.cache.rope import apply_rope, rope_cos_sin
-from hitree_jax.model.llama import rms_norm, rope_inv_freq
+from hitree_jax.model.llama import attention, rms_norm, rope_inv_freq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,30 +89,20 @@ def write_context(params, config: ModelConfig, cache: KVCache, features, positio
 
 
 def _attend(q, contexts, k_block, v_block, layer_index: int):
-  """q [B, T, H, D] over the visible slots of each context (keys, values per layer [B, KVH, D, S],
-  visible [B, S]) and over the block's own keys/values [B, T, KVH, D], in both directions."""
+  """q [B, T, H, D] over each context's committed slots [start, length) (keys, values per layer
+  [B, KVH, D, S], lengths [B], start [B]) and over the block's own keys/values [B, T, KVH, D], in
+  both directions: the target's attention (model.llama.attention), one online softmax over all
+  of them, a long context read block by block, so no [T, S] scores of it are kept whole."""
   b, t, h, d = q.shape
-  kvh = k_block.shape[2]
-  q = q.astype(jnp.float32).reshape(b, t, kvh, h // kvh, d) / math.sqrt(d)
-  scores, values = [], []
-  for keys, vals, visible in contexts:
-    s = jnp.einsum("btkgd,bkds->bkgts", q, keys[layer_index].astype(jnp.float32))
-    scores.append(jnp.where(visible[:, None, None, None, :], s, -jnp.inf))
-    values.append(("bkgts,bkds->btkgd", vals[layer_index]))
-  scores.append(jnp.einsum("btkgd,bukd->bkgtu", q, k_block.astype(jnp.float32)))
-  values.append(("bkgtu,bukd->btkgd", v_block))
-  weights = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
-  out, start = 0.0, 0
-  for s, (spec, v) in zip(scores, values):
-    width = s.shape[-1]
-    out = out + jnp.einsum(spec, weights[..., start:start + width], v.astype(jnp.float32))
-    start += width
-  return out.reshape(b, t, h * d)
+  own_keys, own_values = (jnp.transpose(x, (0, 2, 3, 1)) for x in (k_block, v_block))   # [B, KVH, D, T]
+  every = jnp.ones((b, t, t), bool)
+  read = tuple((keys[layer_index], values[layer_index], lengths, start) for keys, values, lengths, start in contexts)
+  return attention(q, own_keys, own_values, every, read).reshape(b, t, h * d)
 
 
 def block_hidden(params, config: ModelConfig, embedded, positions, contexts):
   """The block's final states [B, T, E]: embedded [B, T, E] at positions [B, T], attending to
-  contexts (per-layer keys, per-layer values, visible [B, S]) and to itself."""
+  contexts (per-layer keys, per-layer values, lengths [B], first visible slot [B]) and to itself."""
   eps, (b, t, _) = config.rms_norm_eps, embedded.shape
   cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
   x = embedded
@@ -139,11 +128,10 @@ def block_logits(params, config: ModelConfig, spec: BlockSpec, embedding, root, 
   return jnp.dot(hidden[:, 1:], params["head"]).astype(jnp.float32)
 
 
-def visible(cache: KVCache, first_position) -> jax.Array:
-  """[B, S] the committed slots of a cache whose slot 0 is sequence position first_position
-  [B], past the empty slot of position 0."""
-  slot = jnp.arange(cache.max_len)[None, :]
-  return (slot < cache.lengths[:, None]) & (first_position[:, None] + slot >= 1)
+def first_visible(first_position) -> jax.Array:
+  """[B] the first slot a block attends to, of a cache whose slot 0 is sequence position
+  first_position [B]: past the empty slot of position 0."""
+  return jnp.maximum(1 - first_position, 0)
 
 
 @functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(2,))

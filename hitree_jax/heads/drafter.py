@@ -320,8 +320,8 @@ class DFlashDrafter(FeatureDrafter):
     recent = commit(recent, lead, jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32),
                     jnp.ones((batch,), bool))
     long = cache.long
-    contexts = ((long.keys, long.values, dflash.visible(long, jnp.zeros_like(long.lengths))),
-                (recent.keys, recent.values, dflash.visible(recent, long.next_positions)))
+    contexts = ((long.keys, long.values, long.lengths, dflash.first_visible(jnp.zeros_like(long.lengths))),
+                (recent.keys, recent.values, recent.lengths, dflash.first_visible(long.next_positions)))
     rows = dflash.block_logits(params, self.config, self.spec, inp.params["embed_tokens"]["embedding"],
                                lead.root, inp.end - 1, contexts)
     return rows, cache.replace(recent=recent)

@@ -108,8 +108,15 @@ def _empty_stats(rows):
           jnp.zeros(rows.shape, jnp.float32))
 
 
-def _context_blocks(rows, k_buf, v_buf, lengths, stats, scale):
-  """Attends rows [B,KVH,R,D] to the committed slots [0, lengths[b]) of a read-only cache.
+def _visible(slots, lengths, start):
+  """[B, S] slots (sequence positions of a buffer [S]) in [start[b], lengths[b]); start None: 0."""
+  visible = slots[None, :] < lengths[:, None]
+  return visible if start is None else visible & (slots[None, :] >= start[:, None])
+
+
+def _context_blocks(rows, k_buf, v_buf, lengths, stats, scale, start=None):
+  """Attends rows [B,KVH,R,D] to the committed slots [0, lengths[b]) of a read-only cache (from
+  start[b] on, where given: slots before it hold nothing).
 
   Only the blocks holding committed slots are read (a dynamic trip count), so a
   prefill chunk early in a long prompt does not pay for the whole buffer. A
@@ -120,25 +127,26 @@ def _context_blocks(rows, k_buf, v_buf, lengths, stats, scale):
   size = k_buf.shape[3]
   if rows.shape[2] < BLOCKWISE_MIN_ROWS or size % CONTEXT_BLOCK:
     scores = _scores(rows, k_buf, scale)
-    visible = jnp.arange(size)[None, :] < lengths[:, None]
+    visible = _visible(jnp.arange(size), lengths, start)
     return _merge(stats, jnp.where(visible[:, None, None, :], scores, _MASKED), v_buf)
   shards = slot_shards()
   if shards > 1 and size % shards == 0:
-    return merge_stats(stats, _per_slot_shard(rows, k_buf, v_buf, lengths, scale))
-  return _block_loop(rows, k_buf, v_buf, lengths, stats, scale, CONTEXT_BLOCK)
+    return merge_stats(stats, _per_slot_shard(rows, k_buf, v_buf, lengths, scale, start))
+  return _block_loop(rows, k_buf, v_buf, lengths, stats, scale, CONTEXT_BLOCK, start)
 
 
-def _per_slot_shard(rows, k_buf, v_buf, lengths, scale):
+def _per_slot_shard(rows, k_buf, v_buf, lengths, scale, start=None):
   """_block_loop on each `sequence` shard's slots (shard_map, the other mesh axes left to the
   partitioner), then the shards' states merged by their maximum: one max and two sums across
   devices per call, and no device reads another's slots."""
   spec = jax.sharding.PartitionSpec
 
-  def per_shard(rows, k_buf, v_buf, lengths, first_slot):
+  def per_shard(rows, k_buf, v_buf, lengths, start, first_slot):
     local = k_buf.shape[3]
     mine = jnp.clip(lengths - first_slot[0], 0, local)
     block = math.gcd(local, CONTEXT_BLOCK)  # blocks must tile the shard: none may overlap
-    m, l, acc = _block_loop(rows, k_buf, v_buf, mine, _empty_stats(rows), scale, block)
+    m, l, acc = _block_loop(rows, k_buf, v_buf, mine, _empty_stats(rows), scale, block,
+                            jnp.clip(start - first_slot[0], 0, local))
     top = jax.lax.pmax(m, SLOT_AXIS)
     w = jnp.exp(m - top)
     return top, jax.lax.psum(l * w, SLOT_AXIS), jax.lax.psum(acc * w[..., None], SLOT_AXIS)
@@ -147,21 +155,22 @@ def _per_slot_shard(rows, k_buf, v_buf, lengths, scale):
   first_slots = jnp.arange(shards) * (k_buf.shape[3] // shards)  # [shards]: each shard's first slot
   return jax.shard_map(per_shard, mesh=jax.sharding.get_abstract_mesh(),
                        in_specs=(spec(), spec(None, None, None, SLOT_AXIS), spec(None, None, None, SLOT_AXIS),
-                                 spec(), spec(SLOT_AXIS)),
+                                 spec(), spec(), spec(SLOT_AXIS)),
                        out_specs=spec(), axis_names={SLOT_AXIS}, check_vma=False)(
-                           rows, k_buf, v_buf, lengths, first_slots)
+                           rows, k_buf, v_buf, lengths, jnp.zeros_like(lengths) if start is None else start,
+                           first_slots)
 
 
-def _block_loop(rows, k_buf, v_buf, lengths, stats, scale, block: int):
+def _block_loop(rows, k_buf, v_buf, lengths, stats, scale, block: int, start=None):
   """The blocks of `block` slots (a divisor of the buffer's) up to the longest row's committed
-  length, one at a time."""
+  length, one at a time (slots before start [B], where given, masked)."""
   n_blocks = (jnp.max(lengths) + block - 1) // block
 
   def body(i, stats):
     k = jax.lax.dynamic_slice_in_dim(k_buf, i * block, block, axis=3)
     v = jax.lax.dynamic_slice_in_dim(v_buf, i * block, block, axis=3)
     scores = _scores(rows, k, scale)
-    visible = (i * block + jnp.arange(block))[None, :] < lengths[:, None]  # [B, block]
+    visible = _visible(i * block + jnp.arange(block), lengths, start)  # [B, block]
     return _merge(stats, jnp.where(visible[:, None, None, :], scores, _MASKED), v)
 
   return jax.lax.fori_loop(0, n_blocks, body, stats)
@@ -172,7 +181,8 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, attend: jax.Arra
   """Grouped-query attention over a cache under an explicit mask, plus read-only context caches.
 
   q [B,T,H,D]; k_buf, v_buf [B,KVH,D,S] with attend [B,T,S] bool; context:
-  (k_buf, v_buf, lengths [B]) caches whose committed slots every query sees.
+  (k_buf, v_buf, lengths [B]) caches whose committed slots every query sees, or (k_buf, v_buf,
+  lengths, start [B]) seen from slot start[b] on.
   One online softmax spans all of them, so splitting a cache is exact.
   The query heads sharing a KV head and the T new tokens are folded into one
   row axis, so products are plain batched matmuls over (B, KVH) with caches in
@@ -187,8 +197,8 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, attend: jax.Arra
   mask = jnp.broadcast_to(attend[:, None, None], (b, 1, g, t, attend.shape[-1]))
   scores = jnp.where(mask.reshape(b, 1, g * t, -1), scores, _MASKED)
   stats = _merge(_empty_stats(rows), scores, v_buf)
-  for ctx_k, ctx_v, ctx_lengths in context:
-    stats = _context_blocks(rows, ctx_k, ctx_v, ctx_lengths, stats, scale)
+  for ctx_k, ctx_v, ctx_lengths, *start in context:
+    stats = _context_blocks(rows, ctx_k, ctx_v, ctx_lengths, stats, scale, *start)
   _, l, acc = stats
   out = (acc / l[..., None]).astype(q.dtype)
   return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
