@@ -46,13 +46,16 @@ def compile_lowered(lowered, extra_cpu_options: dict | None = None):
 def ahead_of_time(jitted):
   """`jitted` compiled per input shapes as the engine compiles its programs (a Programs memo of
   its own, keyed by shape_key), for isolated timings, so they time the programs the engine runs.
-  Positional array arguments only; `.lower` is jitted's."""
+  Positional array arguments only; `.lower` is jitted's, `.compile(*args)` compiles without running."""
   programs = Programs()
 
-  def call(*args):
-    return programs.get(shape_key(args), jitted, *args)(*args)
+  def compile(*args):
+    return programs.get(shape_key(args), jitted, *args)
 
-  call.lower = jitted.lower
+  def call(*args):
+    return compile(*args)(*args)
+
+  call.lower, call.compile = jitted.lower, compile
   return call
 
 
