@@ -46,16 +46,13 @@ def compile_lowered(lowered, extra_cpu_options: dict | None = None):
 def ahead_of_time(jitted):
   """`jitted` compiled per input shapes as the engine compiles its programs (a Programs memo of
   its own, keyed by shape_key), for isolated timings, so they time the programs the engine runs.
-  Positional array arguments only; `.lower` is jitted's, `.compile(*args)` compiles without running."""
+  Positional array arguments only; `.lower` is jitted's."""
   programs = Programs()
 
-  def compile(*args):
-    return programs.get(shape_key(args), jitted, *args)
-
   def call(*args):
-    return compile(*args)(*args)
+    return programs.get(shape_key(args), jitted, *args)(*args)
 
-  call.lower, call.compile = jitted.lower, compile
+  call.lower = jitted.lower
   return call
 
 

@@ -25,7 +25,6 @@ planner/auto.py assembles and keeps them).
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import json
 import os
@@ -221,15 +220,12 @@ def level_costs(target, draft, levels: Sequence[Level], prompt: Sequence[int], w
   `rows` rows, over `rows` caches: measured, since a batch's forward is not `rows` times one
   row's, nor one row's)."""
   cached = _Levels(target, draft, prompt, 0, eagle, rows)
-  programs = {}
+  out = {}
   for level in levels:
     run, args_of = cached.timed(level)
-    programs[level] = run, {w: args_of(w) for w in widths}
-  compile_all([(run, args) for run, calls in programs.values() for args in calls.values()])
-  out = {}
-  for level, (run, calls) in programs.items():
+    calls = {w: args_of(w) for w in widths}
     for args in calls.values():
-      jax.block_until_ready(run(*args))                      # warms up
+      jax.block_until_ready(run(*args))                      # compiles and warms up
     times, started = {w: [] for w in widths}, time.perf_counter()
     for done in range(repeats):
       if done >= MIN_REPEATS and time.perf_counter() - started > LEVEL_SECONDS:
@@ -240,15 +236,6 @@ def level_costs(target, draft, levels: Sequence[Level], prompt: Sequence[int], w
         times[w].append(time.perf_counter() - start)
     out[str(level)] = {w: statistics.median(t) / FORWARDS_PER_CALL for w, t in times.items()}
   return out
-
-
-def compile_all(programs: Sequence[tuple[Callable, tuple]]) -> None:
-  """Compiles each (ahead_of_time program, its arguments) before anything is timed, one thread per
-  core: XLA compiles with the GIL released (2 cores compiled 5 widths of SmolLM2's forward at 512
-  tokens in 8.3 s, against 10.8-12.2 s one after another)."""
-  with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-    for compiled in pool.map(lambda program: program[0].compile(*program[1]), programs):
-      del compiled   # each program's memo keeps it; the pool only surfaces an error
 
 
 def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int = 512,
