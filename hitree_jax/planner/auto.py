@@ -419,9 +419,10 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
 
 
 # A round's overheads are the engine's own bookkeeping on this machine: the same whatever the
-# text, and close whatever the context. Fitted again at a new context, they vary between runs by
-# more than they move between contexts (docs/planner.md), and the fit is the dearest part of a
-# profile (six generations, each compiled: 96 of the 204 s of a first profile at 512 tokens).
+# text, and close whatever the context. They are noisy (`verify` 1.1-2.2 ms in three fits at 512
+# tokens); borrowed from 512 at 2,048 they moved every prediction by 9% or less and left the
+# choice (docs/planner.md). The fit is the dearest part of a profile (six generations, each
+# compiled: 96 of the 204 s of a first profile at 512 tokens).
 OVERHEADS_IGNORE = ("context", "book", "prompts", "answer_tokens", "eagle", "eagle_contents")
 
 
