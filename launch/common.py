@@ -41,8 +41,23 @@ def _fail(error) -> None:
   sys.exit(USAGE_ERROR)
 
 
+# Flags that were renamed, and what to give instead (one name per thing in every launcher).
+RENAMED_FLAGS = {"book": "--text=BOOK", "chat": "--text=chat", "nochat": "no --text (plain text)",
+                 "prompts": "--text=chat (Spec-Bench's questions; --questions=FILE for your own)",
+                 "train_text": "--text"}
+
+
+def _renamed(arg: str) -> None:
+  """Fails on a flag of RENAMED_FLAGS, naming what replaced it (absl would only call it unknown)."""
+  name = arg.removeprefix("--").partition("=")[0]
+  if arg.startswith("--") and name in RENAMED_FLAGS and name not in flags.FLAGS:
+    _fail(UsageError(f"--{name} is now {RENAMED_FLAGS[name]}"))
+
+
 def _parse_flags(argv):
   argv = [_shipped_config(arg) for arg in argv]
+  for arg in argv[1:]:
+    _renamed(arg)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:

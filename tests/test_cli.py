@@ -159,6 +159,8 @@ def test_config_sets_flags_and_the_command_line_wins():
     (["--text=austen", "--method=hsd", "--levels=ngram/chain:2+eagle:x/3"],
      "eagle:x only proposes (it must be the bottom level)"),
     (["--text=nope"], "--text=nope"),
+    (["--book=austen"], "--book is now --text=BOOK"),
+    (["--prompt=hi", "--chat"], "--chat is now --text=chat"),
     (["--prompt=hi", "extra"], "unexpected arguments: extra"),
     (["--config=configs/no_such.py", "--prompt=hi"], "no_such.py"),
     (["--text=austen", "--method=triforce", "--gamma=3"], "--gamma does not apply to --method=triforce"),
