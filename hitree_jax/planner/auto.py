@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import pathlib
 from typing import Sequence
@@ -436,11 +435,10 @@ def stored_overheads(path: pathlib.Path, key: dict, log=lambda message: None) ->
     if other == path:
       continue
     try:
-      record = json.loads(other.read_text())
-      other_key, profile = record["key"], record["profile"]
+      other_key, profile = profile_lib.read_kept(other)
       if same(other_key) == same(key) and "overheads_from" not in profile:
         found.append((abs(other_key["context"] - key["context"]), str(other), profile["overheads"]))
-    except (ValueError, KeyError, TypeError, AttributeError):   # torn or not a profile: not a source
+    except (*profile_lib.TORN, AttributeError):   # torn or not a profile: not a source
       continue
   if not found:
     return None

@@ -543,13 +543,22 @@ def stored(path: str | pathlib.Path, key: dict, keep: Callable[[dict], bool] = l
   if not path.exists():
     return None
   try:
-    record = json.loads(path.read_text())
-    stored_key, profile = record["key"], record["profile"]
-  except (ValueError, KeyError, TypeError) as e:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    stored_key, profile = read_kept(path)
+  except TORN as e:
     logging.warning("%s is not a whole planner profile (%s: %s): measuring it again", path,
                     type(e).__name__, e)
     return None
   return profile if stored_key == key and keep(profile) else None
+
+
+# What reading a torn or foreign file raises: JSONDecodeError and UnicodeDecodeError are ValueErrors.
+TORN = (ValueError, KeyError, TypeError)
+
+
+def read_kept(path: pathlib.Path) -> tuple[dict, dict]:
+  """(key, profile) of a file `cached` wrote; raises one of TORN where it is torn or not a profile."""
+  record = json.loads(path.read_text())
+  return record["key"], record["profile"]
 
 
 def cached(path: str | pathlib.Path, key: dict, measure: Callable[[], dict],
@@ -567,4 +576,4 @@ def cached(path: str | pathlib.Path, key: dict, measure: Callable[[], dict],
   partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
   partial.write_text(json.dumps({"key": key, "profile": profile}, indent=1))
   os.replace(partial, path)
-  return json.loads(path.read_text())["profile"]   # as a reader sees it (JSON keys are strings)
+  return read_kept(path)[1]   # as a reader sees it (JSON keys are strings)
