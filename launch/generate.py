@@ -25,6 +25,7 @@ import sys
 from absl import flags
 
 from hitree_jax import methods
+from hitree_jax.data import CHAT, CORPORA
 from hitree_jax.errors import NotFound, UsageError
 from . import common
 
@@ -109,7 +110,6 @@ def prompts_file_texts() -> list[str]:
 
 def is_book() -> bool:
   """Whether --text names a book, whose passage is the prompt."""
-  from hitree_jax.data import CORPORA
   return FLAGS.text in CORPORA
 
 
@@ -125,7 +125,7 @@ def prompt_ids(tokenizer) -> list[list[int]]:
     return book_prompts(tokenizer, FLAGS.prompt_tokens, 1, corpus=FLAGS.text)
   texts = (prompts_file_texts() if FLAGS.prompts_file else
            [prompt_file_text() if FLAGS.prompt_file else FLAGS.prompt])
-  if FLAGS.text == "chat":
+  if FLAGS.text == CHAT:
     from hitree_jax.tokenizer import chat_prompt
     return [chat_prompt(tokenizer, text) for text in texts]
   return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
