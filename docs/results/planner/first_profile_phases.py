@@ -5,18 +5,22 @@ greedy, on Austen.
   python docs/results/planner/first_profile_phases.py 512             # a fresh profile directory
   python docs/results/planner/first_profile_phases.py 2048 DIRECTORY  # profiles kept in DIRECTORY
 
+The last line printed is the record as JSON (the phases, the machine, jax, the commit, the command).
+
 With a profile of the same models at another context in DIRECTORY, the round overheads are
 borrowed from it (auto.stored_overheads) and round_overheads does not run.
 """
 
 import collections
 import functools
+import json
 import sys
 import tempfile
 import time
 
 import jax
 
+from hitree_jax import provenance
 from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.planner import auto
 from hitree_jax.planner import profile as profile_lib
@@ -63,6 +67,10 @@ def main():
     print(f"{name}: {spent[name]:.1f} s, of which compiling {compile_s[name]:.1f} s ({compiles[name]} programs)")
   print("overheads", {k: round(v * 1e3, 2) for k, v in profile["overheads"].items()}, "ms;",
         "from", profile.get("overheads_from", "this profile's own fit"))
+  print(json.dumps({**provenance.stamp(), "context": context, "chose": str(choice.levels), "total_s": total,
+                    "phases": {name: {"seconds": spent[name], "compile_s": compile_s[name], "compiles": compiles[name]}
+                               for name in (*PHASES, "other")},
+                    "overheads": profile["overheads"], "overheads_from": profile.get("overheads_from")}))
 
 
 if __name__ == "__main__":
