@@ -5,6 +5,9 @@ Train (labels, training and export; an interrupted run resumes from workdir):
 Train EAGLE's one-layer feature draft, or Medusa's heads, on the target's features (heads/):
   python -m launch.distill --config=configs/distill_eagle.py   # drafts/smollm2-eagle's recipe
   python -m launch.distill --kind=medusa --workdir=runs/eagle   # writes runs/eagle/medusa/
+Train an EAGLE-3 draft (three teacher layers, its own head over a draft vocabulary, trained along
+chains) and write it in vLLM's speculators format, which vLLM and SGLang serve as well:
+  python -m launch.distill --kind=eagle3 --text=chat --workdir=runs/eagle3   # runs/eagle3/eagle3/
 The export goes under the workdir unless --out names a place: no default command writes over
 a shipped draft (--out=drafts/smollm2-draft.gguf does, when you mean it).
 Evaluate a draft on held-out books (agreement, acceptance, cost ratio):
@@ -31,13 +34,14 @@ from .progress import Progress
 
 common.define_config_flag()
 
-flags.DEFINE_enum("kind", "draft", ["draft", "eagle", "medusa"], "What to train: a small draft "
-                  "model made of teacher layers (GGUF), or EAGLE's feature draft or Medusa's heads "
-                  "on the teacher's features (a folder).")
+flags.DEFINE_enum("kind", "draft", ["draft", "eagle", "eagle3", "medusa"], "What to train: a small "
+                  "draft model made of teacher layers (GGUF), or on the teacher's features (a folder): "
+                  "EAGLE's feature draft, an EAGLE-3 draft (written in vLLM's speculators format) or "
+                  "Medusa's heads.")
 flags.DEFINE_string("teacher", "smollm2", "The target model to imitate (any --model spec).")
 flags.DEFINE_string("workdir", "runs/draft", "Labels, orbax checkpoints and logs (resumable).")
 flags.DEFINE_string("out", None, "Where the trained draft is written: a GGUF (--kind=draft) or a "
-                    "folder (eagle, medusa); by default WORKDIR/draft.gguf or WORKDIR/KIND, never "
+                    "folder (eagle, eagle3, medusa); by default WORKDIR/draft.gguf or WORKDIR/KIND, never "
                     "over a shipped draft.")
 flags.DEFINE_list("layers", ["0", "1", "29"], "--kind=draft: teacher layers the student starts from, in order.")
 flags.DEFINE_integer("vocab_size", 8192, "Draft vocabulary: most frequent training tokens (+ other).")
@@ -56,8 +60,11 @@ flags.DEFINE_float("feature_weight", 1.0, "--kind=eagle: weight of the feature r
 flags.DEFINE_bool("unroll", True, "--kind=eagle: also train a second pass on the draft's own "
                   "predicted features (what depth-2 tree nodes read).")
 flags.DEFINE_list("taps", [], "--kind=eagle: teacher layers whose outputs the draft reads beside the "
-                  "final states, fused (EAGLE-3: a low, a middle and a high layer, e.g. 2,15,27); "
-                  "none: EAGLE's final states only.")
+                  "final states, fused (a low, a middle and a high layer, e.g. 2,15,27); none: EAGLE's "
+                  "final states only. --kind=eagle3: the layers whose outputs it reads (none: EAGLE-3's "
+                  "default, the outputs of layers 1, L/2 - 1 and L - 4, i.e. the inputs of 2, L/2, L - 3).")
+flags.DEFINE_integer("ttt_steps", 3, "--kind=eagle3: depths of the chain trained at once (EAGLE-3's "
+                     "training-time test), each weighted 0.8 times the one before.")
 flags.DEFINE_integer("num_heads", 4, "--kind=medusa: heads (the deepest tree they can fill).")
 flags.DEFINE_enum("text", "books", ["books", "own", "chat"], "Training text: book windows; "
                   "own: windows whose first --own_prompt_tokens are a book's and the rest the "
@@ -71,7 +78,8 @@ flags.DEFINE_integer("own_prompt_tokens", 64, "--text=own|chat: prompt tokens be
 flags.DEFINE_bool("eval", False, "Evaluate --draft against --teacher instead of training: on held-out "
                   "books, or with --text=chat on the held-out chat windows.")
 flags.DEFINE_string("draft", None, "--eval: the draft, as --draft of launch.generate: PATH (a GGUF "
-                    "from this launcher), eagle:PATH or medusa:PATH (a --kind=eagle|medusa folder) "
+                    "from this launcher), eagle:PATH, eagle3:PATH or medusa:PATH (a --kind=eagle|eagle3|medusa "
+                    "folder, or a published EAGLE-3 or Medusa draft) "
                     "or self:K (the teacher's first K layers).")
 flags.DEFINE_float("temperature", 0.6, "Sampling temperature of the acceptance metric (and of "
                    "--text=own's continuations).")
@@ -148,18 +156,22 @@ def held_out(labels: dict) -> np.ndarray | None:
 
 
 def taps() -> tuple[int, ...]:
-  """--taps as layer indices (check_flags has checked them)."""
+  """--taps as layer indices (check_flags has checked them); for --kind=eagle3 without them,
+  EAGLE-3's default (train/eagle3.py)."""
+  if FLAGS.kind == "eagle3" and not FLAGS.taps:
+    from hitree_jax.train import eagle3
+    return tuple(i - 1 for i in eagle3.default_aux_layers(teacher_config()))
   return tuple(int(x) for x in FLAGS.taps)
 
 
 def train_heads_main():
-  """--kind=eagle|medusa: labels with features, training, the folder, and its evaluation."""
+  """--kind=eagle|eagle3|medusa: labels with features, training, the folder, and its evaluation."""
   import jax
   from hitree_jax.heads import eagle, medusa
   from hitree_jax.loading import load_model
   from hitree_jax.tokenizer import load_tokenizer
   from hitree_jax.heads import saved
-  from hitree_jax.train import distill, export, heads
+  from hitree_jax.train import distill, eagle3, export, heads, speculators
 
   workdir = pathlib.Path(FLAGS.workdir)
   teacher = load_model(FLAGS.teacher)
@@ -169,7 +181,13 @@ def train_heads_main():
   data = {split: (l["tokens"], l["features"], *distill.sparse_targets(l["ids"], l["log_probs"], vocab))
           for split, l in labels.items()}
   config = eagle.layer_config(teacher.config, vocab.size)
-  if FLAGS.kind == "eagle":
+  frozen = saved.frozen_arrays(teacher.params, vocab)
+  if FLAGS.kind == "eagle3":
+    config = eagle3.layer_config(teacher.config)
+    objective = eagle3.objective(eagle3_net(), config, FLAGS.ttt_steps)
+    params = eagle3.init_params(teacher.config, teacher.params, vocab, jax.random.key(FLAGS.seed), len(taps()))
+    frozen = {"embedding": frozen["embedding"]}   # its own lm_head trains
+  elif FLAGS.kind == "eagle":
     objective = heads.eagle_objective(config, True, FLAGS.feature_weight, FLAGS.unroll)
     params = eagle.init_params(config, jax.random.key(FLAGS.seed), len(taps()))
   else:
@@ -183,7 +201,7 @@ def train_heads_main():
                                   data["train"], data["eval"], steps=FLAGS.steps, batch=FLAGS.batch,
                                   lr=FLAGS.lr, warmup=FLAGS.warmup, seed=FLAGS.seed, until=FLAGS.until,
                                   progress=Progress("training", min_interval_s=30).update,
-                                  objective=objective, frozen=saved.frozen_arrays(teacher.params, vocab),
+                                  objective=objective, frozen=frozen,
                                   settings=run_settings())
   record = {"train_s_this_run": time.perf_counter() - start, "history": history, "vocab_size": vocab.size}
   if FLAGS.until is not None and FLAGS.until < FLAGS.steps:
@@ -191,9 +209,15 @@ def train_heads_main():
   out = out_path()
   final = history[-1] if history else {}
   with export.replacing(out) as partial:   # the old folder stays whole until this one is
-    saved.save(partial, FLAGS.kind, params, teacher.config, vocab,
-               {"command": command(), "steps": FLAGS.steps, **({"taps": list(taps())} if taps() else {}),
-                **{k: final[k] for k in ("eval_loss", "eval_agreement") if k in final}})
+    made = {"command": command(), "steps": FLAGS.steps,
+            **{k: final[k] for k in ("eval_loss", "eval_agreement") if k in final}}
+    if FLAGS.kind == "eagle3":   # the speculators folder, and heads.json with how it was made
+      speculators.write_eagle3(partial, params, teacher.config, vocab, [t + 1 for t in taps()],
+                               teacher.path, FLAGS.ttt_steps)
+      (partial / saved.META).write_text(json.dumps({**saved.read_meta(partial, "eagle3"), **made}, indent=1))
+    else:
+      saved.save(partial, FLAGS.kind, params, teacher.config, vocab,
+                 {**made, **({"taps": list(taps())} if taps() else {})})
     logging.info("%s draft written; evaluating it", FLAGS.kind)
     record.update(out=str(out))
     record.update(evaluate_heads(teacher, tokenizer, f"{FLAGS.kind}:{partial}", held_out(labels)))
@@ -247,13 +271,14 @@ def train_main():
 
 _TRAIN_FLAGS = ("kind", "teacher", "workdir", "out", "layers", "vocab_size", "window", "train_windows",
                 "eval_windows", "topk", "steps", "batch", "lr", "warmup", "seed", "quantize",
-                "feature_weight", "unroll", "taps", "num_heads", "text", "own_prompt_tokens")
+                "feature_weight", "unroll", "taps", "num_heads", "text", "own_prompt_tokens", "ttt_steps")
 
 
 def run_settings() -> dict:
   """The flags that define a training run (all of _TRAIN_FLAGS but where it is kept and written),
   and what the teacher holds."""
-  return {**{name: FLAGS[name].value for name in _TRAIN_FLAGS if name not in ("workdir", "out")},
+  kept = lambda name: name not in ("workdir", "out") and (name != "ttt_steps" or FLAGS.kind == "eagle3")
+  return {**{name: FLAGS[name].value for name in _TRAIN_FLAGS if kept(name)},
           "teacher_contents": teacher_contents()}
 
 
@@ -326,7 +351,10 @@ def evaluate_heads(teacher, tokenizer, spec: str, windows: np.ndarray | None = N
   sampling = SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
   if windows is None:
     windows = corpus.token_windows(tokenizer, "eval", FLAGS.window, FLAGS.eval_windows)
-  if heads.kind == "eagle":
+  if heads.kind == "eagle3":
+    record = metrics.evaluate_chain(teacher, params, drafter.net, drafter.config, vocab, windows, sampling,
+                                    drafter.taps)
+  elif heads.kind == "eagle":
     record = metrics.evaluate_eagle(teacher, params, drafter.config, vocab, windows, sampling,
                                     taps=drafter.taps)
   else:
@@ -395,8 +423,15 @@ def check_flags() -> None:
   n = teacher_num_layers()
   if FLAGS.kind == "draft":   # EAGLE and Medusa start from no teacher layers
     check_layers("layers", FLAGS.layers, n, allow_empty=False)
-  if FLAGS.taps and FLAGS.kind != "eagle":
-    raise app.UsageError(f"--taps={','.join(FLAGS.taps)} is for --kind=eagle (got --kind={FLAGS.kind})")
+  if FLAGS.taps and FLAGS.kind not in ("eagle", "eagle3"):
+    raise app.UsageError(f"--taps={','.join(FLAGS.taps)} is for --kind=eagle or eagle3 (got --kind={FLAGS.kind})")
+  if FLAGS.ttt_steps < 1:
+    raise app.UsageError(f"--ttt_steps={FLAGS.ttt_steps} must be >= 1")
+  if FLAGS.kind == "eagle3" and not FLAGS.taps:
+    try:
+      taps()
+    except ValueError as e:
+      raise app.UsageError(f"--kind=eagle3 --teacher={FLAGS.teacher}: {e} with --taps") from None
   check_layers("taps", FLAGS.taps, n - 1, allow_empty=True)
 
 
@@ -413,14 +448,24 @@ def check_layers(name: str, values, n: int, allow_empty: bool) -> None:
     raise app.UsageError(f"--taps={text}: expected distinct layers in increasing order")
 
 
-def teacher_num_layers() -> int:
+def teacher_config():
   """From the teacher's config alone (no weight is read; a GGUF header parsed here is cached
   for the load that follows)."""
   from hitree_jax.loading import load_config
   try:
-    return load_config(FLAGS.teacher).num_layers
+    return load_config(FLAGS.teacher)
   except (FileNotFoundError, ValueError) as e:
     raise app.UsageError(f"--teacher={FLAGS.teacher}: {e}") from None
+
+
+def teacher_num_layers() -> int:
+  return teacher_config().num_layers
+
+
+def eagle3_net():
+  """--kind=eagle3's draft: it fuses the --taps layers (heads/eagle3.py's Eagle3Net)."""
+  from hitree_jax.heads import eagle3
+  return eagle3.Eagle3Net(aux=len(taps()), eps=teacher_config().rms_norm_eps)
 
 
 def check_draft() -> None:
@@ -428,12 +473,12 @@ def check_draft() -> None:
   from hitree_jax.decode import spec
   from hitree_jax.loading import resolve
   if not FLAGS.draft:
-    raise app.UsageError("--eval needs --draft=PATH (or self:K, eagle:PATH, medusa:PATH)")
+    raise app.UsageError("--eval needs --draft=PATH (or self:K, eagle:PATH, eagle3:PATH, medusa:PATH)")
   try:
     source = spec.parse_level(FLAGS.draft).source
   except ValueError as e:
     raise app.UsageError(f"--draft: {e}") from None
-  if isinstance(source, spec.FeatureDraft) and source.kind in ("eagle", "medusa"):
+  if isinstance(source, spec.FeatureDraft) and source.kind in ("eagle", "eagle3", "medusa"):
     from hitree_jax.heads import saved
     try:
       saved.read_meta(source.path, source.kind)
@@ -442,8 +487,8 @@ def check_draft() -> None:
     return
   if not isinstance(source, (spec.SelfDraft, spec.DraftModel)):
     raise app.UsageError(f"--draft={FLAGS.draft}: --eval measures a draft model (PATH or self:K) or "
-                         "EAGLE's or Medusa's heads (eagle:PATH, medusa:PATH); this one has no "
-                         "distribution of its own to compare")
+                         "EAGLE's, EAGLE-3's or Medusa's heads (eagle:PATH, eagle3:PATH, medusa:PATH); "
+                         "this one has no distribution of its own to compare")
   if isinstance(source, spec.SelfDraft):
     n = teacher_num_layers()
     if not 1 <= source.layers < n:

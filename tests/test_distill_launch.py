@@ -118,3 +118,38 @@ def test_distill_trains_eagle3_chat_heads_that_generate_like_ar(teacher, tmp_pat
   proc = launch("generate", f"--model={teacher}", "--method=sd", f"--draft=eagle:{tmp_path / 'none'}",
                 "--prompt=hi")
   assert proc.returncode != 0 and "expected a folder with heads.json" in proc.stderr
+
+
+@pytest.mark.slow
+def test_distill_trains_an_eagle3_draft_in_the_speculators_format(teacher, tmp_path):
+  """--kind=eagle3 trains EAGLE-3's architecture along chains and writes a speculators folder
+  (config.json, model.safetensors) with heads.json beside it; --eval reads it as it reads a
+  downloaded EAGLE-3 draft (eagle3:PATH), per depth of the chain; its chain decodes ar's tokens.
+  Too shallow a teacher for EAGLE-3's default layers is refused before anything loads."""
+  from hitree_jax.heads import saved
+  out, work = tmp_path / "eagle3", tmp_path / "work"
+  proc = launch("distill", "--kind=eagle3", f"--teacher={teacher}", f"--workdir={work}", timeout=120)
+  assert proc.returncode != 0 and "--kind=eagle3" in proc.stderr and "(2, 2, 1) for a 4-layer" in proc.stderr
+  args = [f"--teacher={teacher}", f"--workdir={work}", "--vocab_size=512", "--window=32", "--eval_windows=1",
+          "--cost_context=32", "--json"]
+  proc = launch("distill", "--kind=eagle3", f"--out={out}", "--taps=0,1,2", "--train_windows=4", "--steps=2",
+                "--batch=2", "--ttt_steps=2", *args)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  record = json.loads(proc.stdout.strip().splitlines()[-1])
+  config = json.loads((out / "config.json").read_text())
+  assert config["speculators_model_type"] == "eagle3" and config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+  assert config["draft_vocab_size"] == 511 and (out / "model.safetensors").is_file()   # OTHER is not a token
+  meta = json.loads((out / "heads.json").read_text())
+  assert meta["format"] == "speculators" and "--kind=eagle3" in meta["command"] and "--ttt_steps=2" in meta["command"]
+  assert len(record["greedy_agreement_per_depth"]) == 3 and 0 < record["cost_ratio"] < 1
+  assert meta["evaluation"]["greedy_agreement"] == record["greedy_agreement"]
+  assert saved.read_meta(str(out), "eagle3")["aux_layers"] == [1, 2, 3]
+  proc = launch("distill", "--eval", f"--draft=eagle3:{out}", *args)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads(proc.stdout.strip().splitlines()[-1])["greedy_agreement"] == record["greedy_agreement"]
+  proc = launch("benchmark", f"--model={teacher}", "--methods=ar,sd", f"--draft=eagle3:{out}", "--gamma=2",
+                "--text=austen", "--prompt_tokens=64", "--max_new_tokens=12", "--n_prompts=1", "--time_levels=false",
+                f"--out={tmp_path / 'bench.json'}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (sd,) = [r for r in json.loads((tmp_path / "bench.json").read_text())["results"] if r["method"] != "ar"]
+  assert sd["method"].startswith("sd/eagle3:") and sd["differs_from_ar"] == []

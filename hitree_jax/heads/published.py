@@ -122,3 +122,18 @@ def decoder_layer(tensors: Tensors, prefix: str, c: ModelConfig, in_width: int, 
     else:
       layer[key] = tensors.take(f"{prefix}{names[key]}.{'bias' if key.endswith('_bias') else 'weight'}", shape)
   return layer
+
+
+def layer_tensors(layer: dict, prefix: str, extra_norms=None) -> dict[str, np.ndarray]:
+  """decoder_layer's inverse: a layer in heads/' layout -> HF's tensors under `prefix` (kernels
+  stored [out, in]), as a published draft holds them."""
+  names = {**_PROJECTIONS, **{f"{key}_bias": _PROJECTIONS[key] for key in "qkvo"}, **_NORMS, **_QK_NORMS,
+           **(extra_norms or {})}
+  out = {}
+  for key, value in layer.items():
+    value = np.asarray(value)
+    if key in _PROJECTIONS:
+      out[f"{prefix}{names[key]}.weight"] = np.ascontiguousarray(value.T)
+    else:
+      out[f"{prefix}{names[key]}.{'bias' if key.endswith('_bias') else 'weight'}"] = value
+  return out

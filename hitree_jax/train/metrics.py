@@ -154,3 +154,44 @@ def evaluate_medusa(target, medusa_params, vocab: ReducedVocab | None, windows: 
           "expected_acceptance_per_head": [round(mean(1, h), 5) for h in range(heads)],
           "greedy_agreement": mean(0, 0), "expected_acceptance": mean(1, 0),
           "vocab_coverage": 1.0 if vocab is None else vocab.coverage(windows)}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3, 4, 8, 9))
+def _chain_window_metrics(target_params, target_config: ModelConfig, draft_params, net, draft_config: ModelConfig,
+                          tokens, target_ids, sampling, taps: tuple[int, ...], steps: int):
+  from hitree_jax.train.eagle3 import chain_logits
+  target, hidden = full_sequence(target_params, target_config, tokens, taps)
+  embedding = target_params["embed_tokens"]["embedding"]
+  out = []
+  for k, logits in enumerate(chain_logits(net, draft_params, draft_config, embedding, tokens, hidden, steps,
+                                          target_ids is not None)):
+    logits = logits[:, :tokens.shape[1] - k]     # step k at p guesses x_{p+k+1}, the target's at p + k
+    q = probabilities(logits, sampling)
+    ranked = jax.lax.top_k(logits, PROFILE_RANKS)[1]
+    if target_ids is not None:
+      q, ranked = spread_probs(q, target_ids, target_config.vocab_size), target_ids[ranked]
+    out.append(position_metrics(target[:, k:], q, ranked, sampling))
+  return out
+
+
+def evaluate_chain(target, draft_params, net, draft_config: ModelConfig, vocab: ReducedVocab | None,
+                   windows: np.ndarray, sampling: SamplingParams, taps: tuple[int, ...], steps: int = 3,
+                   batch: int = 4) -> dict:
+  """evaluate_draft's figures for an EAGLE-3 draft (train/eagle3.py's chains, the true tokens fed
+  in) at depth 1, and its greedy agreement and expected acceptance at each depth of the chain
+  (`*_per_depth`): depth d reads the states the draft made at depth d-1."""
+  ids = None if vocab is None else jnp.asarray(vocab.target_ids)
+  parts = [[] for _ in range(steps)]
+  for i in range(0, len(windows), batch):
+    for store, metrics in zip(parts, _chain_window_metrics(target.params, target.config, draft_params, net,
+                                                            draft_config, jnp.asarray(windows[i:i + batch]), ids,
+                                                            sampling, tuple(taps), steps)):
+      store.append([np.asarray(m).reshape(-1, *np.shape(m)[2:]) for m in metrics])
+  depths = [[np.concatenate([m[j] for m in store]) for j in range(4)] for store in parts]
+  (a1, e1, r1, g1) = depths[0]
+  return {"greedy_agreement": float(a1.mean()), "expected_acceptance": float(e1.mean()),
+          "acceptance_profile": r1.mean(0).round(5).tolist(),
+          "greedy_acceptance_profile": g1.mean(0).round(5).tolist(),
+          "greedy_agreement_per_depth": [round(float(d[0].mean()), 5) for d in depths],
+          "expected_acceptance_per_depth": [round(float(d[1].mean()), 5) for d in depths],
+          "positions": int(a1.size), "vocab_coverage": 1.0 if vocab is None else vocab.coverage(windows)}
