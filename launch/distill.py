@@ -8,6 +8,8 @@ Train EAGLE's one-layer feature draft, or Medusa's heads, on the target's featur
 Train an EAGLE-3 draft (three teacher layers, its own head over a draft vocabulary, trained along
 chains) and write it in vLLM's speculators format, which vLLM and SGLang serve as well:
   python -m launch.distill --kind=eagle3 --text=chat --workdir=runs/eagle3   # runs/eagle3/eagle3/
+A DFlash block drafter (one forward proposes a block of 16), in the same format:
+  python -m launch.distill --kind=dflash --text=chat --workdir=runs/eagle3   # runs/eagle3/dflash/
 The export goes under the workdir unless --out names a place: no default command writes over
 a shipped draft (--out=drafts/smollm2-draft.gguf does, when you mean it).
 Evaluate a draft on held-out books (agreement, acceptance, cost ratio):
@@ -34,14 +36,14 @@ from .progress import Progress
 
 common.define_config_flag()
 
-flags.DEFINE_enum("kind", "draft", ["draft", "eagle", "eagle3", "medusa"], "What to train: a small "
-                  "draft model made of teacher layers (GGUF), or on the teacher's features (a folder): "
-                  "EAGLE's feature draft, an EAGLE-3 draft (written in vLLM's speculators format) or "
-                  "Medusa's heads.")
+flags.DEFINE_enum("kind", "draft", ["draft", "eagle", "eagle3", "dflash", "medusa"], "What to train: a "
+                  "small draft model made of teacher layers (GGUF), or on the teacher's features (a "
+                  "folder): EAGLE's feature draft, an EAGLE-3 draft or a DFlash block drafter (both "
+                  "written in vLLM's speculators format), or Medusa's heads.")
 flags.DEFINE_string("teacher", "smollm2", "The target model to imitate (any --model spec).")
 flags.DEFINE_string("workdir", "runs/draft", "Labels, orbax checkpoints and logs (resumable).")
 flags.DEFINE_string("out", None, "Where the trained draft is written: a GGUF (--kind=draft) or a "
-                    "folder (eagle, eagle3, medusa); by default WORKDIR/draft.gguf or WORKDIR/KIND, never "
+                    "folder (eagle, eagle3, dflash, medusa); by default WORKDIR/draft.gguf or WORKDIR/KIND, never "
                     "over a shipped draft.")
 flags.DEFINE_list("layers", ["0", "1", "29"], "--kind=draft: teacher layers the student starts from, in order.")
 flags.DEFINE_integer("vocab_size", 8192, "Draft vocabulary: most frequent training tokens (+ other).")
@@ -62,7 +64,16 @@ flags.DEFINE_bool("unroll", True, "--kind=eagle: also train a second pass on the
 flags.DEFINE_list("taps", [], "--kind=eagle: teacher layers whose outputs the draft reads beside the "
                   "final states, fused (a low, a middle and a high layer, e.g. 2,15,27); none: EAGLE's "
                   "final states only. --kind=eagle3: the layers whose outputs it reads (none: EAGLE-3's "
-                  "default, the outputs of layers 1, L/2 - 1 and L - 4, i.e. the inputs of 2, L/2, L - 3).")
+                  "default, the outputs of layers 1, L/2 - 1 and L - 4, i.e. the inputs of 2, L/2, L - 3). "
+                  "--kind=dflash: its context (none: one per draft layer, spread from 1 to L - 3).")
+flags.DEFINE_integer("block_size", 16, "--kind=dflash: the block one forward proposes (its root and "
+                     "block_size - 1 guesses).")
+flags.DEFINE_integer("draft_layers", 3, "--kind=dflash: the draft's layers (by default it reads as many "
+                     "teacher layers, spread evenly: --taps).")
+flags.DEFINE_integer("anchors", 32, "--kind=dflash: blocks trained per window, rooted at random positions.")
+flags.DEFINE_integer("mask_token_id", None, "--kind=dflash: the token whose embedding fills a block (by "
+                     "default the teacher's last id).")
+flags.DEFINE_float("gamma", 7.0, "--kind=dflash: row d of a block weighs exp(-(d-1)/gamma) in the loss.")
 flags.DEFINE_integer("ttt_steps", 3, "--kind=eagle3: depths of the chain trained at once (EAGLE-3's "
                      "training-time test), each weighted 0.8 times the one before.")
 flags.DEFINE_integer("num_heads", 4, "--kind=medusa: heads (the deepest tree they can fill).")
@@ -78,8 +89,8 @@ flags.DEFINE_integer("own_prompt_tokens", 64, "--text=own|chat: prompt tokens be
 flags.DEFINE_bool("eval", False, "Evaluate --draft against --teacher instead of training: on held-out "
                   "books, or with --text=chat on the held-out chat windows.")
 flags.DEFINE_string("draft", None, "--eval: the draft, as --draft of launch.generate: PATH (a GGUF "
-                    "from this launcher), eagle:PATH, eagle3:PATH or medusa:PATH (a --kind=eagle|eagle3|medusa "
-                    "folder, or a published EAGLE-3 or Medusa draft) "
+                    "from this launcher), eagle:PATH, eagle3:PATH, dflash:PATH or medusa:PATH (a --kind "
+                    "folder, or a published EAGLE-3, DFlash or Medusa draft) "
                     "or self:K (the teacher's first K layers).")
 flags.DEFINE_float("temperature", 0.6, "Sampling temperature of the acceptance metric (and of "
                    "--text=own's continuations).")
@@ -156,43 +167,84 @@ def held_out(labels: dict) -> np.ndarray | None:
 
 
 def taps() -> tuple[int, ...]:
-  """--taps as layer indices (check_flags has checked them); for --kind=eagle3 without them,
-  EAGLE-3's default (train/eagle3.py)."""
+  """--taps as layer indices (check_flags has checked them); for --kind=eagle3 or dflash without
+  them, its authors' default (train/eagle3.py, train/dflash.py)."""
   if FLAGS.kind == "eagle3" and not FLAGS.taps:
     from hitree_jax.train import eagle3
     return tuple(i - 1 for i in eagle3.default_aux_layers(teacher_config()))
+  if FLAGS.kind == "dflash" and not FLAGS.taps:
+    from hitree_jax.train import dflash
+    return dflash.default_target_layers(teacher_config().num_layers, FLAGS.draft_layers)
   return tuple(int(x) for x in FLAGS.taps)
 
 
-def train_heads_main():
-  """--kind=eagle|eagle3|medusa: labels with features, training, the folder, and its evaluation."""
+def dflash_spec():
+  """--kind=dflash's block: its size, its mask token (by default the teacher's last id) and taps."""
+  from hitree_jax.heads.dflash import BlockSpec
+  mask = FLAGS.mask_token_id if FLAGS.mask_token_id is not None else teacher_config().vocab_size - 1
+  return BlockSpec(FLAGS.block_size, mask, taps())
+
+
+def heads_recipe(teacher, labels: dict, vocab):
+  """What --kind trains on the teacher's features: (layer config, initial params, objective, the
+  teacher's arrays it reads frozen, data per split in the objective's order)."""
   import jax
   from hitree_jax.heads import eagle, medusa
+  from hitree_jax.heads import saved
+  from hitree_jax.train import dflash, distill, eagle3, heads
+  key, target = jax.random.key(FLAGS.seed), teacher.config
+  frozen = saved.frozen_arrays(teacher.params, vocab)
+  if FLAGS.kind == "dflash":   # the whole vocabulary, through the target's head; blocks at anchors
+    config, width = dflash.layer_config(target, FLAGS.draft_layers), len(taps()) * target.hidden_size
+    data = {split: (l["tokens"], l["features"][..., :width],
+                    dflash.anchors(len(l["tokens"]), FLAGS.window, FLAGS.block_size, FLAGS.anchors,
+                                   FLAGS.seed + (split == "eval")),
+                    *dflash.full_targets(l["ids"], l["log_probs"])) for split, l in labels.items()}
+    return (config, dflash.init_params(config, len(taps()), key),
+            dflash.objective(config, dflash_spec(), FLAGS.gamma), frozen, data)
+  data = {split: (l["tokens"], l["features"], *distill.sparse_targets(l["ids"], l["log_probs"], vocab))
+          for split, l in labels.items()}
+  if FLAGS.kind == "eagle3":   # its own lm_head trains
+    config = eagle3.layer_config(target)
+    return (config, eagle3.init_params(target, teacher.params, vocab, key, len(taps())),
+            eagle3.objective(eagle3_net(), config, FLAGS.ttt_steps), {"embedding": frozen["embedding"]}, data)
+  config = eagle.layer_config(target, vocab.size)
+  if FLAGS.kind == "eagle":
+    return (config, eagle.init_params(config, key, len(taps())),
+            heads.eagle_objective(config, True, FLAGS.feature_weight, FLAGS.unroll), frozen, data)
+  return (config, medusa.init_params(FLAGS.num_heads, config.hidden_size),
+          heads.medusa_objective(FLAGS.num_heads, True), frozen, data)
+
+
+def write_heads(folder: pathlib.Path, params, teacher, vocab, made: dict) -> None:
+  """The trained draft: EAGLE-3 and DFlash in vLLM's speculators format with heads.json (how it
+  was made) beside it; our EAGLE and Medusa as an orbax checkpoint and heads.json."""
+  from hitree_jax.heads import saved
+  from hitree_jax.train import speculators
+  if FLAGS.kind in ("eagle3", "dflash"):
+    if FLAGS.kind == "eagle3":
+      speculators.write_eagle3(folder, params, teacher.config, vocab, [t + 1 for t in taps()], teacher.path,
+                               FLAGS.ttt_steps)
+    else:
+      speculators.write_dflash(folder, params, teacher.config, dflash_spec(), teacher.path)
+    (folder / saved.META).write_text(json.dumps({**saved.read_meta(folder, FLAGS.kind), **made}, indent=1))
+  else:
+    saved.save(folder, FLAGS.kind, params, teacher.config, vocab, {**made, **({"taps": list(taps())} if taps() else {})})
+
+
+def train_heads_main():
+  """--kind=eagle|eagle3|dflash|medusa: labels with features, training, the folder, its evaluation."""
   from hitree_jax.loading import load_model
   from hitree_jax.tokenizer import load_tokenizer
   from hitree_jax.heads import saved
-  from hitree_jax.train import distill, eagle3, export, heads, speculators
+  from hitree_jax.train import distill, export
 
   workdir = pathlib.Path(FLAGS.workdir)
   teacher = load_model(FLAGS.teacher)
   tokenizer = load_tokenizer(teacher.path)
   labels = {split: split_labels(teacher, tokenizer, split, features=True, taps=taps()) for split in ("train", "eval")}
-  vocab = draft_vocabulary(tokenizer, teacher.config, labels["train"]["tokens"])
-  data = {split: (l["tokens"], l["features"], *distill.sparse_targets(l["ids"], l["log_probs"], vocab))
-          for split, l in labels.items()}
-  config = eagle.layer_config(teacher.config, vocab.size)
-  frozen = saved.frozen_arrays(teacher.params, vocab)
-  if FLAGS.kind == "eagle3":
-    config = eagle3.layer_config(teacher.config)
-    objective = eagle3.objective(eagle3_net(), config, FLAGS.ttt_steps)
-    params = eagle3.init_params(teacher.config, teacher.params, vocab, jax.random.key(FLAGS.seed), len(taps()))
-    frozen = {"embedding": frozen["embedding"]}   # its own lm_head trains
-  elif FLAGS.kind == "eagle":
-    objective = heads.eagle_objective(config, True, FLAGS.feature_weight, FLAGS.unroll)
-    params = eagle.init_params(config, jax.random.key(FLAGS.seed), len(taps()))
-  else:
-    objective = heads.medusa_objective(FLAGS.num_heads, True)
-    params = medusa.init_params(FLAGS.num_heads, config.hidden_size)
+  vocab = None if FLAGS.kind == "dflash" else draft_vocabulary(tokenizer, teacher.config, labels["train"]["tokens"])
+  config, params, objective, frozen, data = heads_recipe(teacher, labels, vocab)
   start = time.perf_counter()
   # Labels are shared by the kinds (one workdir); each kind's checkpoints are its own.
   run = FLAGS.kind + distill.taps_suffix(taps())
@@ -201,23 +253,17 @@ def train_heads_main():
                                   data["train"], data["eval"], steps=FLAGS.steps, batch=FLAGS.batch,
                                   lr=FLAGS.lr, warmup=FLAGS.warmup, seed=FLAGS.seed, until=FLAGS.until,
                                   progress=Progress("training", min_interval_s=30).update,
-                                  objective=objective, frozen=frozen,
-                                  settings=run_settings())
-  record = {"train_s_this_run": time.perf_counter() - start, "history": history, "vocab_size": vocab.size}
+                                  objective=objective, frozen=frozen, settings=run_settings())
+  record = {"train_s_this_run": time.perf_counter() - start, "history": history,
+            "vocab_size": vocab.size if vocab else teacher.config.vocab_size}
   if FLAGS.until is not None and FLAGS.until < FLAGS.steps:
     return record
   out = out_path()
   final = history[-1] if history else {}
   with export.replacing(out) as partial:   # the old folder stays whole until this one is
-    made = {"command": command(), "steps": FLAGS.steps,
-            **{k: final[k] for k in ("eval_loss", "eval_agreement") if k in final}}
-    if FLAGS.kind == "eagle3":   # the speculators folder, and heads.json with how it was made
-      speculators.write_eagle3(partial, params, teacher.config, vocab, [t + 1 for t in taps()],
-                               teacher.path, FLAGS.ttt_steps)
-      (partial / saved.META).write_text(json.dumps({**saved.read_meta(partial, "eagle3"), **made}, indent=1))
-    else:
-      saved.save(partial, FLAGS.kind, params, teacher.config, vocab,
-                 {**made, **({"taps": list(taps())} if taps() else {})})
+    write_heads(partial, params, teacher, vocab, {
+        "command": command(), "steps": FLAGS.steps,
+        **{k: final[k] for k in ("eval_loss", "eval_agreement") if k in final}})
     logging.info("%s draft written; evaluating it", FLAGS.kind)
     record.update(out=str(out))
     record.update(evaluate_heads(teacher, tokenizer, f"{FLAGS.kind}:{partial}", held_out(labels)))
@@ -271,13 +317,18 @@ def train_main():
 
 _TRAIN_FLAGS = ("kind", "teacher", "workdir", "out", "layers", "vocab_size", "window", "train_windows",
                 "eval_windows", "topk", "steps", "batch", "lr", "warmup", "seed", "quantize",
-                "feature_weight", "unroll", "taps", "num_heads", "text", "own_prompt_tokens", "ttt_steps")
+                "feature_weight", "unroll", "taps", "num_heads", "text", "own_prompt_tokens", "ttt_steps",
+                "block_size", "draft_layers", "anchors", "mask_token_id", "gamma")
+
+
+_DFLASH_FLAGS = ("block_size", "draft_layers", "anchors", "mask_token_id", "gamma")
 
 
 def run_settings() -> dict:
   """The flags that define a training run (all of _TRAIN_FLAGS but where it is kept and written),
   and what the teacher holds."""
-  kept = lambda name: name not in ("workdir", "out") and (name != "ttt_steps" or FLAGS.kind == "eagle3")
+  own = {"ttt_steps": "eagle3", **{name: "dflash" for name in _DFLASH_FLAGS}}   # a kind's own flags
+  kept = lambda name: name not in ("workdir", "out") and own.get(name, FLAGS.kind) == FLAGS.kind
   return {**{name: FLAGS[name].value for name in _TRAIN_FLAGS if kept(name)},
           "teacher_contents": teacher_contents()}
 
@@ -351,7 +402,9 @@ def evaluate_heads(teacher, tokenizer, spec: str, windows: np.ndarray | None = N
   sampling = SamplingParams.create(FLAGS.temperature, FLAGS.top_p)
   if windows is None:
     windows = corpus.token_windows(tokenizer, "eval", FLAGS.window, FLAGS.eval_windows)
-  if heads.kind == "eagle3":
+  if heads.kind == "dflash":
+    record = metrics.evaluate_block(teacher, params, drafter.config, drafter.spec, windows, sampling)
+  elif heads.kind == "eagle3":
     record = metrics.evaluate_chain(teacher, params, drafter.net, drafter.config, vocab, windows, sampling,
                                     drafter.taps)
   elif heads.kind == "eagle":
@@ -423,16 +476,36 @@ def check_flags() -> None:
   n = teacher_num_layers()
   if FLAGS.kind == "draft":   # EAGLE and Medusa start from no teacher layers
     check_layers("layers", FLAGS.layers, n, allow_empty=False)
-  if FLAGS.taps and FLAGS.kind not in ("eagle", "eagle3"):
-    raise app.UsageError(f"--taps={','.join(FLAGS.taps)} is for --kind=eagle or eagle3 (got --kind={FLAGS.kind})")
+  if FLAGS.taps and FLAGS.kind not in ("eagle", "eagle3", "dflash"):
+    raise app.UsageError(f"--taps={','.join(FLAGS.taps)} is for --kind=eagle, eagle3 or dflash (got "
+                         f"--kind={FLAGS.kind})")
+  if FLAGS.kind == "dflash":
+    check_dflash_flags()
   if FLAGS.ttt_steps < 1:
     raise app.UsageError(f"--ttt_steps={FLAGS.ttt_steps} must be >= 1")
-  if FLAGS.kind == "eagle3" and not FLAGS.taps:
+  if FLAGS.kind in ("eagle3", "dflash") and not FLAGS.taps:
     try:
       taps()
     except ValueError as e:
-      raise app.UsageError(f"--kind=eagle3 --teacher={FLAGS.teacher}: {e} with --taps") from None
+      raise app.UsageError(f"--kind={FLAGS.kind} --teacher={FLAGS.teacher}: {e} with --taps") from None
   check_layers("taps", FLAGS.taps, n - 1, allow_empty=True)
+
+
+def check_dflash_flags() -> None:
+  """--kind=dflash's block, layers, anchors, mask token and loss weights."""
+  if FLAGS.block_size < 2:
+    raise app.UsageError(f"--block_size={FLAGS.block_size} must be >= 2 (the root and one guess)")
+  if FLAGS.draft_layers < 1:
+    raise app.UsageError(f"--draft_layers={FLAGS.draft_layers} must be >= 1")
+  blocks = FLAGS.window - FLAGS.block_size + 1
+  if not 1 <= FLAGS.anchors <= blocks:
+    raise app.UsageError(f"--anchors={FLAGS.anchors}: a window of {FLAGS.window} tokens holds 1 .. {blocks} "
+                         f"blocks of {FLAGS.block_size}")
+  vocab = teacher_config().vocab_size
+  if FLAGS.mask_token_id is not None and not 0 <= FLAGS.mask_token_id < vocab:
+    raise app.UsageError(f"--mask_token_id={FLAGS.mask_token_id}: expected a teacher id in 0..{vocab - 1}")
+  if not FLAGS.gamma > 0:
+    raise app.UsageError(f"--gamma={FLAGS.gamma} must be > 0")
 
 
 def check_layers(name: str, values, n: int, allow_empty: bool) -> None:
@@ -473,12 +546,13 @@ def check_draft() -> None:
   from hitree_jax.decode import spec
   from hitree_jax.loading import resolve
   if not FLAGS.draft:
-    raise app.UsageError("--eval needs --draft=PATH (or self:K, eagle:PATH, eagle3:PATH, medusa:PATH)")
+    raise app.UsageError("--eval needs --draft=PATH (or self:K, eagle:PATH, eagle3:PATH, dflash:PATH, "
+                         "medusa:PATH)")
   try:
     source = spec.parse_level(FLAGS.draft).source
   except ValueError as e:
     raise app.UsageError(f"--draft: {e}") from None
-  if isinstance(source, spec.FeatureDraft) and source.kind in ("eagle", "eagle3", "medusa"):
+  if isinstance(source, spec.FeatureDraft) and source.kind in ("eagle", "eagle3", "dflash", "medusa"):
     from hitree_jax.heads import saved
     try:
       saved.read_meta(source.path, source.kind)
@@ -487,7 +561,7 @@ def check_draft() -> None:
     return
   if not isinstance(source, (spec.SelfDraft, spec.DraftModel)):
     raise app.UsageError(f"--draft={FLAGS.draft}: --eval measures a draft model (PATH or self:K) or "
-                         "EAGLE's, EAGLE-3's or Medusa's heads (eagle:PATH, eagle3:PATH, medusa:PATH); "
+                         "heads on its features (eagle:PATH, eagle3:PATH, dflash:PATH, medusa:PATH); "
                          "this one has no distribution of its own to compare")
   if isinstance(source, spec.SelfDraft):
     n = teacher_num_layers()

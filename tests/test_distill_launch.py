@@ -153,3 +153,41 @@ def test_distill_trains_an_eagle3_draft_in_the_speculators_format(teacher, tmp_p
   assert proc.returncode == 0, proc.stderr[-3000:]
   (sd,) = [r for r in json.loads((tmp_path / "bench.json").read_text())["results"] if r["method"] != "ar"]
   assert sd["method"].startswith("sd/eagle3:") and sd["differs_from_ar"] == []
+
+
+@pytest.mark.slow
+def test_distill_trains_a_dflash_draft_in_the_speculators_format(teacher, tmp_path):
+  """--kind=dflash trains a block drafter at random anchors and writes a speculators folder with
+  heads.json beside it; --eval reads it as dflash:PATH (per row of the block, and the rows a greedy
+  chain accepts); its block decodes ar's tokens. Bad block settings are refused before any load."""
+  from hitree_jax.heads import saved
+  out, work = tmp_path / "dflash", tmp_path / "work"
+  for args, message in ((["--draft_layers=2"], "(1, 1): not distinct; name the ones to read with --taps"),
+                        (["--taps=0,2", "--anchors=30"], "--anchors=30: a window of 32 tokens holds 1 .. 29 blocks of 4"),
+                        (["--taps=0,2", "--mask_token_id=49152"], "--mask_token_id=49152: expected a teacher id"),
+                        (["--taps=0,2", "--block_size=1"], "--block_size=1 must be >= 2")):
+    proc = launch("distill", "--kind=dflash", f"--teacher={teacher}", f"--workdir={work}", "--window=32",
+                  "--block_size=4", "--anchors=8", *args, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr[-2000:])
+  args = [f"--teacher={teacher}", f"--workdir={work}", "--window=32", "--eval_windows=1", "--cost_context=32", "--json"]
+  proc = launch("distill", "--kind=dflash", f"--out={out}", "--taps=0,2", "--draft_layers=1", "--block_size=4",
+                "--anchors=8", "--train_windows=4", "--steps=2", "--batch=2", *args)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  record = json.loads(proc.stdout.strip().splitlines()[-1])
+  config = json.loads((out / "config.json").read_text())
+  assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == [1, 3]
+  assert config["block_size"] == 4 and config["mask_token_id"] == 49151
+  meta = json.loads((out / "heads.json").read_text())
+  assert meta["format"] == "speculators" and "--kind=dflash" in meta["command"] and "--anchors=8" in meta["command"]
+  assert len(record["greedy_agreement_per_depth"]) == 3 and 0 <= record["greedy_block_accepted"] <= 3
+  assert meta["evaluation"]["greedy_agreement"] == record["greedy_agreement"]
+  assert saved.read_meta(str(out), "dflash")["target_layer_ids"] == [0, 2]
+  proc = launch("distill", "--eval", f"--draft=dflash:{out}", *args)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads(proc.stdout.strip().splitlines()[-1])["greedy_agreement"] == record["greedy_agreement"]
+  proc = launch("benchmark", f"--model={teacher}", "--methods=ar,sd", f"--draft=dflash:{out}", "--gamma=3",
+                "--text=austen", "--prompt_tokens=64", "--max_new_tokens=12", "--n_prompts=1", "--time_levels=false",
+                f"--out={tmp_path / 'bench.json'}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (sd,) = [r for r in json.loads((tmp_path / "bench.json").read_text())["results"] if r["method"] != "ar"]
+  assert sd["method"].startswith("sd/dflash:") and sd["differs_from_ar"] == []

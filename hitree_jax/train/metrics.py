@@ -195,3 +195,40 @@ def evaluate_chain(target, draft_params, net, draft_config: ModelConfig, vocab: 
           "greedy_agreement_per_depth": [round(float(d[0].mean()), 5) for d in depths],
           "expected_acceptance_per_depth": [round(float(d[1].mean()), 5) for d in depths],
           "positions": int(a1.size), "vocab_coverage": 1.0 if vocab is None else vocab.coverage(windows)}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3, 4, 8))
+def _block_window_metrics(target_params, target_config: ModelConfig, draft_params, draft_config: ModelConfig,
+                          spec, tokens, at, sampling, taps: tuple[int, ...]):
+  from hitree_jax.train.dflash import anchor_logits, block_labels
+  target, hidden = full_sequence(target_params, target_config, tokens, taps)
+  features = hidden[..., :len(taps) * target_config.hidden_size]
+  logits = anchor_logits(draft_params, draft_config, spec, target_params["embed_tokens"]["embedding"], tokens,
+                         features, at)                                        # [W, A, B-1, V]
+  target = block_labels(target, at, spec.block_size)                        # row d: the target's at a+d-1
+  hits, accept, _, _ = position_metrics(target, probabilities(logits, sampling),
+                                        jax.lax.top_k(logits, PROFILE_RANKS)[1], sampling)
+  accepted = jnp.sum(jnp.cumprod(hits, axis=-1), axis=-1)                   # a greedy chain's accepted rows
+  return hits, accept, accepted
+
+
+def evaluate_block(target, draft_params, draft_config: ModelConfig, spec, windows: np.ndarray,
+                   sampling: SamplingParams, stride: int = 4, batch: int = 2) -> dict:
+  """A DFlash draft's blocks rooted every `stride` positions of windows [N, T] (the true tokens
+  before each root): per row, its greedy agreement with the target and its expected acceptance;
+  and the rows a greedy chain of the block accepts on average (`greedy_block_accepted`)."""
+  t = windows.shape[1]
+  at = np.arange(0, t - spec.block_size + 1, stride, dtype=np.int32)
+  hits, accept, accepted = [], [], []
+  for i in range(0, len(windows), batch):
+    chunk = jnp.asarray(windows[i:i + batch])
+    h, e, a = _block_window_metrics(target.params, target.config, draft_params, draft_config, spec, chunk,
+                                    jnp.broadcast_to(at, (len(chunk), at.size)), sampling, spec.target_layer_ids)
+    hits.append(np.asarray(h).reshape(-1, spec.block_size - 1))
+    accept.append(np.asarray(e).reshape(-1, spec.block_size - 1))
+    accepted.append(np.asarray(a).ravel())
+  hits, accept = np.concatenate(hits), np.concatenate(accept)
+  return {"greedy_agreement": float(hits[:, 0].mean()), "expected_acceptance": float(accept[:, 0].mean()),
+          "greedy_agreement_per_depth": hits.mean(0).round(5).tolist(),
+          "expected_acceptance_per_depth": accept.mean(0).round(5).tolist(),
+          "greedy_block_accepted": float(np.concatenate(accepted).mean()), "blocks": int(hits.shape[0])}

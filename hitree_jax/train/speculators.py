@@ -16,7 +16,8 @@ import pathlib
 import numpy as np
 import safetensors.numpy
 
-from hitree_jax.heads import eagle3, published
+from hitree_jax.heads import dflash_format, eagle3, published
+from hitree_jax.heads.dflash import BlockSpec
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.vocab import ReducedVocab
 
@@ -73,6 +74,36 @@ def write_eagle3(folder, params, target: ModelConfig, vocab: ReducedVocab, aux_l
                                            eagle3.FIRST_LAYER_NORMS if i == 0 else None))
   safetensors.numpy.save_file(tensors, str(folder / eagle3.WEIGHTS))
   (folder / eagle3.CONFIG).write_text(json.dumps(config, indent=2))
+  return folder
+
+
+def write_dflash(folder, params, target: ModelConfig, spec: BlockSpec, target_path: str) -> pathlib.Path:
+  """A DFlash draft (heads/dflash.py's layout, float32; the target's head is not written) as a
+  speculators folder: Qwen3 layers of the target's width, the block, its mask token, and the
+  target layers it reads (speculators counts a layer's output as the next one's input: +1)."""
+  folder = pathlib.Path(folder)
+  folder.mkdir(parents=True, exist_ok=True)
+  layers = params["layers"]
+  layer = {**hf_config(target.replace(num_layers=len(layers), qk_norm=True)), "use_sliding_window": False,
+           "layer_types": ["full_attention"] * len(layers)}
+  config = {
+      "architectures": ["DFlashDraftModel"], "speculators_model_type": "dflash", "speculators_version": VERSION,
+      "transformer_layer_config": layer, "draft_vocab_size": target.vocab_size, "block_size": spec.block_size,
+      "aux_hidden_state_layer_ids": [int(i) + 1 for i in spec.target_layer_ids],
+      "mask_token_id": int(spec.mask_token_id), "sample_from_anchor": False, "sliding_window_non_causal": False,
+      "target_hidden_size": None, "tie_word_embeddings": False,
+      "speculators_config": {
+          "algorithm": "dflash", "default_proposal_method": "greedy",
+          "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.block_size - 1,
+                                "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+          "verifier": _verifier(target_path, target)}}
+  tensors = {"fc.weight": np.ascontiguousarray(np.asarray(params["fc"], np.float32).T),
+             "hidden_norm.weight": np.asarray(params["hidden_norm"], np.float32),
+             "norm.weight": np.asarray(params["norm"], np.float32)}
+  for i, one in enumerate(layers):
+    tensors.update(published.layer_tensors(_as_float32(one), f"layers.{i}."))
+  safetensors.numpy.save_file(tensors, str(folder / dflash_format.WEIGHTS))
+  (folder / dflash_format.CONFIG).write_text(json.dumps(config, indent=2))
   return folder
 
 
