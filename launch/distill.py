@@ -76,6 +76,9 @@ flags.DEFINE_integer("mask_token_id", None, "--kind=dflash: the token whose embe
 flags.DEFINE_float("gamma", 7.0, "--kind=dflash: row d of a block weighs exp(-(d-1)/gamma) in the loss.")
 flags.DEFINE_integer("ttt_steps", 3, "--kind=eagle3: depths of the chain trained at once (EAGLE-3's "
                      "training-time test), each weighted 0.8 times the one before.")
+flags.DEFINE_string("verifier", None, "--kind=eagle3|dflash: the target as the export's readers (vLLM, "
+                    "speculators) load it, an HF id or folder, written into its config.json; by default "
+                    "--teacher where it is an HF folder (a GGUF teacher: none).")
 flags.DEFINE_integer("num_heads", 4, "--kind=medusa: heads (the deepest tree they can fill).")
 flags.DEFINE_enum("text", "books", ["books", "own", "chat"], "Training text: book windows; "
                   "own: windows whose first --own_prompt_tokens are a book's and the rest the "
@@ -222,11 +225,16 @@ def write_heads(folder: pathlib.Path, params, teacher, vocab, made: dict) -> Non
   from hitree_jax.heads import saved
   from hitree_jax.train import speculators
   if FLAGS.kind in ("eagle3", "dflash"):
+    verifier = FLAGS.verifier or (str(teacher.path) if pathlib.Path(teacher.path).is_dir() else None)
+    if verifier is None:
+      logging.warning("the export names no verifier (--teacher=%s is not an HF folder): give --verifier, "
+                      "e.g. the target's HF id, for the readers that load the target's embedding by it",
+                      FLAGS.teacher)
     if FLAGS.kind == "eagle3":
-      speculators.write_eagle3(folder, params, teacher.config, vocab, [t + 1 for t in taps()], teacher.path,
+      speculators.write_eagle3(folder, params, teacher.config, vocab, [t + 1 for t in taps()], verifier,
                                FLAGS.ttt_steps)
     else:
-      speculators.write_dflash(folder, params, teacher.config, dflash_spec(), teacher.path)
+      speculators.write_dflash(folder, params, teacher.config, dflash_spec(), verifier)
     (folder / saved.META).write_text(json.dumps({**saved.read_meta(folder, FLAGS.kind), **made}, indent=1))
   else:
     saved.save(folder, FLAGS.kind, params, teacher.config, vocab, {**made, **({"taps": list(taps())} if taps() else {})})
@@ -266,7 +274,8 @@ def train_heads_main():
         **{k: final[k] for k in ("eval_loss", "eval_agreement") if k in final}})
     logging.info("%s draft written; evaluating it", FLAGS.kind)
     record.update(out=str(out))
-    record.update(evaluate_heads(teacher, tokenizer, f"{FLAGS.kind}:{partial}", held_out(labels)))
+    record.update(evaluate_heads(teacher, tokenizer, f"{FLAGS.kind}:{partial}", held_out(labels)),
+                  draft=f"{FLAGS.kind}:{out}")
     meta = saved.read_meta(partial)
     meta["evaluation"] = {k: v for k, v in record.items() if k not in ("history", "train_s_this_run")}
     (partial / saved.META).write_text(json.dumps(meta, indent=1))

@@ -229,6 +229,6 @@ def evaluate_block(target, draft_params, draft_config: ModelConfig, spec, window
     accepted.append(np.asarray(a).ravel())
   hits, accept = np.concatenate(hits), np.concatenate(accept)
   return {"greedy_agreement": float(hits[:, 0].mean()), "expected_acceptance": float(accept[:, 0].mean()),
-          "greedy_agreement_per_depth": hits.mean(0).round(5).tolist(),
-          "expected_acceptance_per_depth": accept.mean(0).round(5).tolist(),
+          "greedy_agreement_per_depth": hits.mean(0, dtype=np.float64).round(5).tolist(),
+          "expected_acceptance_per_depth": accept.mean(0, dtype=np.float64).round(5).tolist(),
           "greedy_block_accepted": float(np.concatenate(accepted).mean()), "blocks": int(hits.shape[0])}

@@ -39,12 +39,13 @@ def hf_config(config: ModelConfig) -> dict:
           "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
 
 
-def _verifier(target_path: str, target: ModelConfig) -> dict:
-  return {"name_or_path": str(target_path),
+def _verifier(target_path: str | None, target: ModelConfig) -> dict:
+  """The verifier: its name as the format's readers load it (an HF id or folder; None unknown)."""
+  return {"name_or_path": None if target_path is None else str(target_path),
           "architectures": ["Qwen3ForCausalLM" if target.qk_norm else "LlamaForCausalLM"]}
 
 
-def write_eagle3(folder, params, target: ModelConfig, vocab: ReducedVocab, aux_layers, target_path: str,
+def write_eagle3(folder, params, target: ModelConfig, vocab: ReducedVocab, aux_layers, target_path: str | None,
                  speculative_tokens: int = 3) -> pathlib.Path:
   """An EAGLE-3 draft (heads/eagle3.load's layout, float32) as a speculators folder: its layers
   after `layer_config`'s shape, its vocabulary as d2t (draft id -> target id - draft id) and t2d
@@ -77,7 +78,8 @@ def write_eagle3(folder, params, target: ModelConfig, vocab: ReducedVocab, aux_l
   return folder
 
 
-def write_dflash(folder, params, target: ModelConfig, spec: BlockSpec, target_path: str) -> pathlib.Path:
+def write_dflash(folder, params, target: ModelConfig, spec: BlockSpec,
+                 target_path: str | None) -> pathlib.Path:
   """A DFlash draft (heads/dflash.py's layout, float32; the target's head is not written) as a
   speculators folder: Qwen3 layers of the target's width, the block, its mask token, and the
   target layers it reads (speculators counts a layer's output as the next one's input: +1)."""
