@@ -73,7 +73,8 @@ flags.DEFINE_integer("draft_layers", 3, "--kind=dflash: the draft's layers (by d
 flags.DEFINE_integer("anchors", 32, "--kind=dflash: blocks trained per window, rooted at random positions.")
 flags.DEFINE_integer("mask_token_id", None, "--kind=dflash: the token whose embedding fills a block (by "
                      "default the teacher's last id).")
-flags.DEFINE_float("gamma", 7.0, "--kind=dflash: row d of a block weighs exp(-(d-1)/gamma) in the loss.")
+flags.DEFINE_float("loss_gamma", 7.0, "--kind=dflash: DFlash's gamma: row d of a block weighs "
+                   "exp(-(d-1)/gamma) in the loss.")
 flags.DEFINE_integer("ttt_steps", 3, "--kind=eagle3: depths of the chain trained at once (EAGLE-3's "
                      "training-time test), each weighted 0.8 times the one before.")
 flags.DEFINE_string("verifier", None, "--kind=eagle3|dflash: the target as the export's readers (vLLM, "
@@ -204,7 +205,7 @@ def heads_recipe(teacher, labels: dict, vocab):
                                    FLAGS.seed + (split == "eval")),
                     *dflash.full_targets(l["ids"], l["log_probs"])) for split, l in labels.items()}
     return (config, dflash.init_params(config, len(taps()), key),
-            dflash.objective(config, dflash_spec(), FLAGS.gamma), frozen, data)
+            dflash.objective(config, dflash_spec(), FLAGS.loss_gamma), frozen, data)
   data = {split: (l["tokens"], l["features"], *distill.sparse_targets(l["ids"], l["log_probs"], vocab))
           for split, l in labels.items()}
   if FLAGS.kind == "eagle3":   # its own lm_head trains
@@ -324,13 +325,11 @@ def train_main():
   return record
 
 
+_DFLASH_FLAGS = ("block_size", "draft_layers", "anchors", "mask_token_id", "loss_gamma")
 _TRAIN_FLAGS = ("kind", "teacher", "workdir", "out", "layers", "vocab_size", "window", "train_windows",
                 "eval_windows", "topk", "steps", "batch", "lr", "warmup", "seed", "quantize",
                 "feature_weight", "unroll", "taps", "num_heads", "text", "own_prompt_tokens", "ttt_steps",
-                "block_size", "draft_layers", "anchors", "mask_token_id", "gamma")
-
-
-_DFLASH_FLAGS = ("block_size", "draft_layers", "anchors", "mask_token_id", "gamma")
+                *_DFLASH_FLAGS)
 
 
 def run_settings() -> dict:
@@ -513,8 +512,8 @@ def check_dflash_flags() -> None:
   vocab = teacher_config().vocab_size
   if FLAGS.mask_token_id is not None and not 0 <= FLAGS.mask_token_id < vocab:
     raise app.UsageError(f"--mask_token_id={FLAGS.mask_token_id}: expected a teacher id in 0..{vocab - 1}")
-  if not FLAGS.gamma > 0:
-    raise app.UsageError(f"--gamma={FLAGS.gamma} must be > 0")
+  if not FLAGS.loss_gamma > 0:
+    raise app.UsageError(f"--loss_gamma={FLAGS.loss_gamma} must be > 0")
 
 
 def check_layers(name: str, values, n: int, allow_empty: bool) -> None:
