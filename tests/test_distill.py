@@ -63,6 +63,39 @@ def test_a_token_draft_reuses_a_feature_drafts_labels(tmp_path, teacher_params, 
     distill.prepare_labels(tmp_path, "train", None, None, window=windows.shape[1], n_windows=len(windows), k=4)
 
 
+def test_the_teachers_own_text_is_written_once_for_every_kind_of_labels(tmp_path, monkeypatch, teacher_params,
+                                                                      distill_data):
+  """The teacher's answers depend on the windows and the sampling, not on what is labelled on
+  them: a DFlash draft's labels (its taps) after an EAGLE draft's (other taps, another top-k) in
+  the same workdir read the answers already written, and so does a file an earlier version named
+  after one kind's labels."""
+  import types
+  windows = distill_data[0][:6]
+  written = []
+  def own_continuations(params, config, windows, prompt_tokens, sampling, progress=None):
+    written.append(len(windows))
+    return (windows + 1) % TEACHER.vocab_size
+  monkeypatch.setattr(distill.corpus, "token_windows", lambda tokenizer, split, window, n: windows)
+  monkeypatch.setattr(teacher, "own_continuations", own_continuations)
+  model = types.SimpleNamespace(params=teacher_params, config=TEACHER)
+  shape = dict(window=windows.shape[1], n_windows=len(windows), own_text=(8, SamplingParams.create(0.6, 0.9)),
+               features=True, teacher_key="aaaa")
+  first = distill.prepare_labels(tmp_path, "train", model, None, k=8, taps=(0,), **shape)
+  second = distill.prepare_labels(tmp_path, "train", model, None, k=4, taps=(0, 1), **shape)
+  assert written == [6]
+  np.testing.assert_array_equal(first["tokens"], (windows + 1) % TEACHER.vocab_size)
+  np.testing.assert_array_equal(second["tokens"], first["tokens"])
+  assert second["features"].shape[-1] == 3 * TEACHER.hidden_size
+  (text,) = tmp_path.glob("*_text.npy")
+  assert text.name == f"labels_aaaa_train_6x{windows.shape[1]}_own8_t0.6_p0.9_text.npy"
+  older = tmp_path / "earlier"   # an earlier version's name: beside one kind's labels
+  older.mkdir()
+  np.save(older / f"labels_aaaa_train_6x{windows.shape[1]}_top32_features_taps1_own8_t0.6_p0.9_text.npy",
+          np.load(text))
+  distill.prepare_labels(older, "train", model, None, k=8, **shape)
+  assert written == [6]
+
+
 def test_another_teachers_labels_are_never_taken(tmp_path, distill_data):
   """Labels are named by what their teacher holds: those of another teacher in the same workdir
   are not read (the teacher is asked: None here), and the same teacher's are."""

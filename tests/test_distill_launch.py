@@ -90,7 +90,7 @@ def test_distill_trains_eagle3_chat_heads_that_generate_like_ar(teacher, tmp_pat
   # the recipe, then what overrode it
   assert meta["command"].startswith("python -m launch.distill --config=configs/distill_eagle_chat.py --batch=2 ")
   for split, n in (("train", 4), ("eval", 1)):   # both splits are chat windows, answered by the teacher
-    (text,) = work.glob(f"labels_*_{split}_{n}x80_top32_features*_chat64_t0.6_p0.9_text.npy")
+    (text,) = work.glob(f"labels_*_{split}_{n}x80_chat64_t0.6_p0.9_text.npy")
     answers = np.load(text)
     assert answers.shape == (n, 80) and answers[:, 64:].any()
   # --eval judges a draft on the same held-out chat windows (the labels are kept): the figure the run wrote

@@ -70,7 +70,7 @@ def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, 
   else:
     windows = corpus.token_windows(tokenizer, split, window, n_windows)
   if own_text is not None:
-    text_path = path.with_name(f"{name}_text.npy")
+    text_path = _teachers_text(path.parent, f"labels_{keyed}{split}_{n_windows}x{window}", text)
     if not text_path.is_file():
       logging.info("the teacher continues %d %s windows after %d %s tokens", n_windows, split, own_text[0],
                    "instruction" if chat else "book")
@@ -82,6 +82,15 @@ def prepare_labels(workdir: pathlib.Path, split: str, teacher_model, tokenizer, 
                window, k)
   return label_windows(path, windows, teacher_model.params, teacher_model.config, k,
                        progress=progress, features=features, taps=taps)
+
+
+def _teachers_text(workdir: pathlib.Path, windows: str, text: str) -> pathlib.Path:
+  """Where the teacher's own text for these windows is kept: one file whatever is labelled on it
+  (top-k, features, taps), so a second kind of draft in the workdir does not make the teacher
+  write it again; the file an earlier version kept beside one kind's labels serves too."""
+  path = workdir / f"{windows}{text}_text.npy"
+  older = sorted(workdir.glob(f"{windows}_top*{text}_text.npy"))
+  return older[0] if not path.is_file() and older else path
 
 
 def taps_suffix(taps) -> str:
