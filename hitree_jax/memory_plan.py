@@ -106,14 +106,22 @@ def abstract_settings() -> tuple:
 
 
 def abstract_draft_weights(stack: Stack, config: ModelConfig, draft_config, mesh) -> DraftWeights | None:
-  """The draft's weights as shapes, replicated: a draft model's, or an EAGLE layer's or Medusa's
-  heads with the target's LM head they read (heads/saved.py loads the same), or None."""
+  """The draft's weights as shapes, placed as the engine places them (sharding.place_draft): a
+  draft model's, or an EAGLE layer's or Medusa's heads with the target's LM head they read
+  (heads/saved.py loads the same), or None."""
   if not stack.uses_draft_weights:
     return None
   shapes = stack.drafter.abstract_heads(config) if stack.drafter is not None else None
   if shapes is None:
-    return DraftWeights(abstract_params(draft_config, mesh, split=False))
-  return DraftWeights(abstract(shapes, params_axes(shapes, split=False), mesh))
+    return DraftWeights(abstract_draft_model(draft_config, mesh))
+  own = stack.drafter.level_config(config, draft_config)
+  return DraftWeights(abstract(shapes, sharding.draft_axes(shapes, own, mesh), mesh))
+
+
+def abstract_draft_model(config: ModelConfig, mesh):
+  """A draft model's params as shapes, placed as the engine places them (sharding.draft_axes)."""
+  shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  return abstract(shapes, sharding.draft_axes(shapes, config, mesh), mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +223,7 @@ def decode_arguments(config: ModelConfig, stack: Stack, mesh, prompt_tokens: int
   draft_full = None
   if draft_config is not None:
     shape = jax.eval_shape(lambda: KVCache.init(draft_config, batch, slots))
-    draft_full = abstract(shape, sharding.cache_axes(shape, heads=False), mesh)
+    draft_full = abstract(shape, sharding.cache_axes(shape, heads=sharding.splits(draft_config, mesh)), mesh)
   lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)   # also each row's last token
   longs = []
   for level in sizes.levels:

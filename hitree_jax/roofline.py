@@ -169,7 +169,7 @@ class Levels:
   def __init__(self, target: ModelConfig, draft: ModelConfig | None, mesh, chip: Chip):
     self.target, self.draft, self.mesh, self.chip = target, draft, mesh, chip
     self.params = memory_plan.abstract_params(target, mesh)
-    self.draft_params = None if draft is None else memory_plan.abstract_params(draft, mesh, split=False)
+    self.draft_params = None if draft is None else memory_plan.abstract_draft_model(draft, mesh)
 
   def _full(self, config: ModelConfig, slots: int, heads: bool):
     shape = jax.eval_shape(lambda: KVCache.init(config, 1, slots))
@@ -201,7 +201,8 @@ class Levels:
     """The draft over a StreamingLLM cache of `sinks` + `window` slots of a `context`-slot prompt."""
     full = jax.eval_shape(lambda: KVCache.init(self.draft, 1, context))
     shape = jax.eval_shape(lambda f: StreamingCache.from_prefill(f, sinks, window), full)
-    long = memory_plan.abstract(shape, sharding.cache_axes(shape, heads=False, slots=False), self.mesh)
+    split = sharding.splits(self.draft, self.mesh)
+    long = memory_plan.abstract(shape, sharding.cache_axes(shape, heads=split, slots=False), self.mesh)
     ideal = weights_read(self.draft_params, self.draft) + kv_bytes(long)
     return self._cost(str(spec.Level.of(spec.DraftModel(), Streaming(sinks, window))), widths, _forward(self.draft),
                       lambda t: (self.draft_params, t, long), ideal)
@@ -213,9 +214,9 @@ class Levels:
     dtype = jnp.dtype(config.dtype)
     shapes = dict(jax.eval_shape(lambda: eagle_lib.init_params(config, jax.random.key(0))),
                   head=jax.ShapeDtypeStruct((config.hidden_size, config.vocab_size), dtype))
-    params = memory_plan.abstract(shapes, memory_plan.params_axes(shapes, split=False), self.mesh)
+    params = memory_plan.abstract(shapes, sharding.draft_axes(shapes, config, self.mesh), self.mesh)
     embedding = self.params["embed_tokens"]["embedding"]
-    long = self._full(config, context, heads=False)
+    long = self._full(config, context, heads=sharding.splits(config, self.mesh))
     ideal = memory_plan.per_device_bytes(params) + kv_bytes(long)
     return self._cost("eagle", widths, _eagle_forward(config), lambda t: (params, embedding, t, long), ideal)
 

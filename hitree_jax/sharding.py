@@ -198,6 +198,52 @@ def describe(mesh: Mesh | None) -> str:
   return ",".join(f"{k}:{v}" for k, v in mesh.shape.items() if v > 1) or "one device"
 
 
+def splits(config: ModelConfig, mesh: Mesh | None) -> bool:
+  """Whether a draft of `config` is split over the mesh's `model` axis as the target is (by head,
+  KV head and MLP width): where the axis divides all three. Otherwise it is whole on every device."""
+  model = 1 if mesh is None else mesh.shape["model"]
+  return model > 1 and not any(n % model for n in (config.num_heads, config.num_kv_heads,
+                                                   config.intermediate_size))
+
+
+# A draft's parameters beyond a Llama's (PARAM_AXES): heads/' layout (kernels [in, out]) by name.
+# Anything else (fc, the fusion, norms, Medusa's blocks) is small and stays whole.
+DRAFT_AXES = {
+    "q": ("embed", "heads"), "k": ("embed", "kv_heads"), "v": ("embed", "kv_heads"), "o": ("heads", "embed"),
+    "q_bias": ("heads",), "k_bias": ("kv_heads",), "v_bias": ("kv_heads",),
+    "gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed"),
+    "lm_head": ("embed", "vocab"), "head": ("embed", "vocab"), "embedding": ("vocab", "embed"),
+    "heads": (None, "embed", "vocab"),   # Medusa's output matrices [K, E, V]
+}
+
+
+def draft_axes(params, config: ModelConfig, mesh: Mesh | None):
+  """The logical axes of a draft's parameters (a Llama's, or heads/' layout): split like the
+  target's where `splits(config, mesh)`, an axis kept only where the mesh divides it (a reduced
+  vocabulary with its OTHER slot, say); else every array whole."""
+  split = splits(config, mesh)
+  sizes = {} if mesh is None else {logical: mesh.shape[axis] for logical, axis in RULES if axis}
+
+  def axes(path, leaf):
+    names = tuple(getattr(k, "key", str(k)) for k in path)
+    declared = PARAM_AXES.get(names[-2:]) or DRAFT_AXES.get(names[-1])
+    if not split or declared is None or len(declared) != np.ndim(leaf):
+      return (None,) * np.ndim(leaf)
+    return tuple(a if a is None or np.shape(leaf)[d] % sizes.get(a, 1) == 0 else None
+                 for d, a in enumerate(declared))
+
+  return jax.tree_util.tree_map_with_path(axes, params)
+
+
+def place_draft(draft, config: ModelConfig, mesh: Mesh | None):
+  """A draft's weights (decode.drafters.DraftWeights) on the mesh: its parameters by draft_axes,
+  its vocabulary maps whole."""
+  if mesh is None or draft is None:
+    return draft
+  return draft.replace(params=place(draft.params, draft_axes(draft.params, config, mesh), mesh),
+                       target_ids=replicate(draft.target_ids, mesh), draft_ids=replicate(draft.draft_ids, mesh))
+
+
 def replicate(tree, mesh: Mesh | None):
   """Every array of tree whole on every device of the mesh (a small draft's weights)."""
   if mesh is None or tree is None:

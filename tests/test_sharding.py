@@ -460,3 +460,63 @@ def test_every_parameter_has_declared_axes_and_an_undeclared_one_is_refused():
   assert axes["norm"]["weight"] == ("embed",) and axes["lm_head"]["kernel"] == ("embed", "vocab")
   with pytest.raises(ValueError, match="parameter layers_0/adapter/kernel .* has no logical axes declared"):
     sharding.param_axes(dict(params, layers_0=dict(params["layers_0"], adapter={"kernel": jnp.zeros((4, 4))})))
+
+
+# ---- drafts split like the target where the mesh divides them ----
+
+SPLIT_DRAFT = CONFIG.replace(num_layers=1)   # 8 heads over 4 KV heads, as the target: model:4 splits it
+
+
+def split_drafts(params):
+  """{name: (stack, DraftWeights)}: a draft model, an EAGLE-3 draft and a DFlash draft whose heads,
+  KV heads and MLP width model:4 divides (the feature drafts trained here, random weights)."""
+  from hitree_jax.heads import eagle3
+  from hitree_jax.heads.dflash import BlockSpec
+  from hitree_jax.heads.drafter import DFlashDrafter, EagleDrafter
+  from hitree_jax.model.vocab import ReducedVocab
+  from hitree_jax.train import dflash as train_dflash, eagle3 as train_eagle3
+  vocab = ReducedVocab(np.array([-1, *range(0, 62, 2)], np.int32), CONFIG.vocab_size)   # a head of 31: whole
+  layer = train_eagle3.layer_config(CONFIG)
+  eagle = train_eagle3.init_params(CONFIG, params, vocab, jax.random.key(1), aux=2, scale=0.3)
+  eagle_drafter = EagleDrafter(layer.replace(vocab_size=vocab.size), "deterministic", CONFIG.vocab_size,
+                               taps=(0, 1), net=eagle3.Eagle3Net(aux=2, eps=CONFIG.rms_norm_eps))
+  block = train_dflash.layer_config(CONFIG, 1)
+  dflash = dict(train_dflash.init_params(block, 2, jax.random.key(2), scale=0.3),
+                head=params["embed_tokens"]["embedding"].T)   # the target's (tied) head
+  truncated = {name: params[name] for name in ("embed_tokens", "layers_0", "norm", "lm_head")}   # the target's first layer
+  return {"draft model": (Stack(ModelDrafter(SPLIT_DRAFT), tree_lib.kary(2, 2)), DraftWeights.create(truncated)),
+          "eagle3": (Stack(eagle_drafter, tree_lib.DynamicTree(6, 3, 2)), DraftWeights.create(eagle, vocab)),
+          "dflash": (Stack(DFlashDrafter(block, BlockSpec(4, 63, (0, 1))), tree_lib.kary(4, 2)),
+                     DraftWeights.create(dflash))}
+
+
+@pytest.mark.slow
+def test_a_draft_the_mesh_divides_is_split_and_decodes_as_on_one_device(params):
+  """Draft weights are read by every round: split by head, MLP width and vocabulary over `model`
+  (as the target's are) where the mesh divides them, each device reads its share. Each axis that
+  does not divide (a reduced vocabulary with its OTHER slot) stays whole; the tokens are one
+  device's, for a draft model, an EAGLE-3 tree and a DFlash block."""
+  mesh = sharding.make_mesh("data:2,model:4")
+  for name, (stack, weights) in split_drafts(params).items():
+    stack_sizes = sizes.StackSizes(stack, CONFIG, stack.draft_config, mesh)
+    placed = sharding.place_draft(weights, stack_sizes.draft_weights_config, mesh)
+    if name == "draft model":
+      expect(placed.params["layers_0"]["self_attn"]["k_proj"]["kernel"], mesh, (None, "model"))
+      expect(placed.params["lm_head"]["kernel"], mesh, (None, "model"))
+    else:
+      layer = placed.params["layers"][0]
+      expect(layer["q"], mesh, (None, "model"))
+      expect(layer["down"], mesh, ("model", None))
+      expect(placed.params["fc"], mesh, (None, None))
+      head = "lm_head" if name == "eagle3" else "head"
+      expect(placed.params[head], mesh, (None, None) if name == "eagle3" else (None, "model"))
+    assert all(level.splits_heads for level in stack_sizes.levels)   # its caches by KV head too
+    one = engine.generate(params, CONFIG, PROMPTS, stack=stack, draft=weights, max_new_tokens=24)
+    split = engine.generate(params, CONFIG, PROMPTS, stack=stack, draft=weights, max_new_tokens=24, mesh=mesh)
+    assert split.tokens == one.tokens, name
+    # the same proposals accepted: the split draft computes what the whole one does (and some are)
+    assert split.accepted_per_depth == one.accepted_per_depth and sum(one.accepted_per_depth) > 0, name
+  unsplit = sizes.StackSizes(STACKS["tree"], CONFIG, DRAFT, mesh)
+  assert not unsplit.levels[0].splits_heads      # DRAFT's 2 heads: whole on every device
+  placed = sharding.place_draft(DraftWeights.create(peaked(DRAFT, 1)), DRAFT, mesh)
+  expect(placed.params["layers_0"]["self_attn"]["q_proj"]["kernel"], mesh, (None, None))

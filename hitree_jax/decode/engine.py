@@ -76,7 +76,7 @@ def prefill(params, config: ModelConfig, prompts, max_new_tokens: int, stack: St
   batch = prefill_lib.make_batch(prompts, config, max_new_tokens)
   shapes = decode_shapes(stack, config, batch.tokens.shape[1], max_new_tokens, batch.batch, mesh)
   sizes = shapes.sizes
-  weights = Weights(sharding.place_params(params, mesh), sharding.replicate(draft, mesh))
+  weights = Weights(sharding.place_params(params, mesh), sharding.place_draft(draft, sizes.draft_weights_config, mesh))
   start = time.perf_counter()
   prefilled, longs = prefill_levels(sizes, weights, config, batch, shapes.slots, shapes.tail, programs)
   # Every level's cache, not only the target's first logits: a draft's prefill still running

@@ -36,7 +36,8 @@ def prefill_levels(sizes: StackSizes, weights: Weights, config: ModelConfig, bat
   if sizes.stack.draft_config is not None:
     draft = weights.draft
     draft_batch = dataclasses.replace(batch, tokens=np.asarray(draft.to_draft(batch.tokens)))
-    draft_empty = sharding.place_cache(KVCache.init(sizes.draft, batch.batch, slots), mesh, heads=False)
+    draft_empty = sharding.place_cache(KVCache.init(sizes.draft, batch.batch, slots), mesh,
+                                       heads=sharding.splits(sizes.draft, mesh))
     _, draft_full = prefill_lib.prefill(draft.params, sizes.draft, draft_empty, draft_batch, programs)
   last_tokens = jnp.asarray(batch.tokens[np.arange(batch.batch), batch.lengths - 1])
   longs = []

@@ -36,11 +36,9 @@ class LevelPlan:
   buffer: int | None         # a middle level's buffer slots: it stops at >= gamma, after a round
   proposal_depth: int | None   # most tokens one of its proposals holds on a path
   proposal_size: int | None    # tokens one of its proposals holds
-
-  @property
-  def splits_heads(self) -> bool:
-    """Whether its caches are split by KV head: those of the target's weights, which are."""
-    return self.weights == "target"
+  # Whether its caches are split by KV head over the mesh's `model` axis: those of the target's
+  # weights, which are; a draft's where its weights are (sharding.splits).
+  splits_heads: bool = False
 
   def long_axes(self, cache):
     """The logical axes of its long cache: split by KV head (splits_heads), and by slot if it is
@@ -101,8 +99,17 @@ class StackSizes:
     config = lambda j: (self.drafter.level_config(self.target, self.draft) if drafter(j) else
                         self.draft if weights[j] == "draft" else self.target)
     leads = [self._lead(j, caches) for j in range(top + 1)]
+    split = lambda j: weights[j] == "target" or sharding.splits(config(j), self.mesh)
     return tuple(LevelPlan(j, config(j), weights[j], caches[j], drafter(j), leads[j], gammas[j], buffers[j],
-                           depths[j], sizes[j]) for j in range(top + 1))
+                           depths[j], sizes[j], split(j)) for j in range(top + 1))
+
+  @property
+  def draft_weights_config(self) -> ModelConfig | None:
+    """The shape of the draft weights the stack reads (DraftWeights): a draft model's, or a
+    feature drafter's own layers'; None without any."""
+    if self.draft is not None:
+      return self.draft
+    return self.levels[0].config if self.drafter is not None and self.top > 0 else None
 
   def _lead(self, j: int, caches) -> int:
     """Most pending tokens level j can have: its root, one more for each level above that may
