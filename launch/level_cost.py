@@ -126,12 +126,19 @@ class Arrays:
   """Weights and caches of a config's shapes, of arbitrary numbers (`noise`): the abstract ones
   (for their per-device bytes, before anything is made) and the made ones."""
 
-  def __init__(self, config, mesh, split: bool):
+  def __init__(self, config, mesh, draft: bool = False):
+    """The target's (tensor-parallel over `model`), or a draft's (split as the engine splits
+    it: where the mesh divides it, sharding.splits)."""
     import jax
-    from hitree_jax import memory_plan
-    self.config, self.mesh, self.split = config, mesh, split
-    self.abstract_params = memory_plan.abstract_params(config, mesh, split)
-    self._param_axes = memory_plan.params_axes(self.abstract_params, split)
+    from hitree_jax import memory_plan, sharding
+    self.config, self.mesh = config, mesh
+    self.split = not draft or sharding.splits(config, mesh)
+    if draft:
+      self.abstract_params = memory_plan.abstract_draft_model(config, mesh)
+      self._param_axes = sharding.draft_axes(self.abstract_params, config, mesh)
+    else:
+      self.abstract_params = memory_plan.abstract_params(config, mesh)
+      self._param_axes = memory_plan.params_axes(self.abstract_params)
     leaves, tree = jax.tree.flatten(self.abstract_params)
     self._init = lambda seed: jax.tree.unflatten(tree, [noise(a.shape, a.dtype, seed * 1000 + i, scale=0.02)
                                                         for i, a in enumerate(leaves)])
@@ -348,7 +355,7 @@ def main(argv):
   device = jax.devices()[0]
   bandwidth = FLAGS.bandwidth_gb_s or memory_plan.device_bandwidth_gb_s(device.device_kind)
   memory = device_memory_bytes(device)
-  target, draft = Arrays(target_config, mesh, split=True), Arrays(draft_config, mesh, split=False)
+  target, draft = Arrays(target_config, mesh), Arrays(draft_config, mesh, draft=True)
   from hitree_jax import provenance
   record = {**provenance.stamp(), "config": config_flags.get_config_filename(FLAGS["shapes"]),
             "device_kind": device.device_kind,

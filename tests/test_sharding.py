@@ -276,14 +276,14 @@ def tiny_shapes_bytes(slots: int, model: int) -> tuple[int, int, int]:
   """By hand, for TINY_SHAPES in bfloat16, the target split model-ways by head, per device: (the
   target's weights a step reads, without its embedding table; what level_cost holds at a context
   of `slots`: both models' weights, the target's full caches of `slots` and of the retrieval
-  budget, and the draft's full cache, the draft whole)."""
+  budget, and the draft's full cache; the draft, of the target's heads, split as the target is)."""
   e, f, h, kvh, d, v = 64, 128, 8, 4, 8, 256
   layer = lambda split: 2 * ((e * h * d * 2 + 2 * e * kvh * d + 3 * e * f) // split + 2 * e)  # + 2 norms
   read = 2 * layer(model) + 2 * (e * v // model + e)                     # 2 layers, the head, the final norm
   cache = lambda layers, heads, n: layers * 2 * 2 * heads * d * n + 4    # keys + values, + the lengths
-  draft = layer(1) + 2 * (2 * e * v + e)                                 # 1 layer, embedding, head, norm
+  draft = layer(model) + 2 * (2 * e * v // model + e)                    # 1 layer, embedding, head, norm
   held = (read + 2 * e * v // model + draft + cache(2, kvh // model, slots) + cache(2, kvh // model, 256)
-          + cache(1, kvh, slots))
+          + cache(1, kvh // model, slots))
   return read, held, cache(2, kvh // model, slots)
 
 
@@ -298,7 +298,7 @@ def test_level_cost_times_every_level_against_the_floor_and_skips_what_does_not_
   env = with_devices(4)
   proc = subprocess.run([sys.executable, "-m", "launch.level_cost", f"--shapes={config}", "--mesh=model:4",
                          "--prompt_tokens=512,1024", "--widths=1,3", "--repeats=2", "--bandwidth_gb_s=10",
-                         "--memory_gib=0.00035", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+                         "--memory_gib=0.00018", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   record = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -311,7 +311,7 @@ def test_level_cost_times_every_level_against_the_floor_and_skips_what_does_not_
   assert fits["ar_over_floor"] == pytest.approx(fits["target_ms"]["1"] / fits["floor_ms"])
   assert fits["select_ms"] > 0 and set(record["baseline_ms"]) == {"1", "3"}
   assert fits["bytes_per_device"] == held_512 and too_big["bytes_per_device"] == tiny_shapes_bytes(1024, 4)[1]
-  assert held_512 < 0.92 * 0.00035 * 2**30 < too_big["bytes_per_device"]
+  assert held_512 < 0.92 * 0.00018 * 2**30 < too_big["bytes_per_device"]
   assert too_big["context"] == 1024 and "needs" in too_big["skipped"] and "target_ms" not in too_big
   assert "| 1024 | skipped: needs" in proc.stdout
   assert "context 512, target: 1 tok" in proc.stdout   # each level said as it is timed
@@ -329,7 +329,7 @@ def test_level_cost_times_caches_of_the_engines_shape():
   cache every step, at 2.5x the time of a 131,072-slot one). In a process of its own: importing a
   launcher defines its flags, which other launchers the tests import define too (--mesh)."""
   code = ("from launch import level_cost; from tests.test_sharding import CONFIG; "
-          "cache = level_cost.Arrays(CONFIG, None, split=True).cache(600, seed=0); "
+          "cache = level_cost.Arrays(CONFIG, None).cache(600, seed=0); "
           "print(cache.keys[0].shape[-1], cache.lengths.tolist(), level_cost.engine_slots(768))")
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -62,7 +62,7 @@ def main(out, contexts):
     target.update(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=4,
                   head_dim=64, vocab_size=1000)
   config = ModelConfig.from_dict(target)
-  arrays = level_cost.Arrays(config, None, split=True)
+  arrays = level_cost.Arrays(config, None)
   params = arrays.params()
   sizes, weights = StackSizes(stacks.PLAIN, config, None, None), loop.Weights(params, None)
   record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "runs": []}
