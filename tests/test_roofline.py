@@ -97,7 +97,8 @@ def test_each_levels_forward_on_a_v5e_reads_its_weights_and_its_own_cache_once(l
   check(levels.draft_streaming(CONTEXT, 4, 60, WIDTHS), draft_weights + kv_bytes(DRAFT, 64), chip, fixed=2**16)
   eagle = levels.eagle(CONTEXT, WIDTHS)
   layer = TARGET.replace(num_layers=1)
-  assert eagle[0].ideal_bytes > kv_bytes(layer, CONTEXT)   # its cache, whole on each device, and weights
+  # its cache (split by KV head over model:4, as its weights are: it has the target's heads) and weights
+  assert eagle[0].ideal_bytes > kv_bytes(layer, CONTEXT, heads_split=4)
   check(eagle, eagle[0].ideal_bytes, chip)
 
 
@@ -121,8 +122,11 @@ def published_drafts(folder) -> dict[str, str]:
 @pytest.mark.slow
 def test_a_published_drafters_round_reads_its_weights_and_its_cache(levels, tmp_path):
   """draft_round compiles the drafter's own proposal of a round: it must read the draft's weights
-  and its own cache of the context, whole on each device (as the engine places a draft), and the
-  verification is the target's forward of the round's pending tokens and nodes."""
+  and its own cache of the context, a quarter of each on each device of model:4 (the engine splits
+  a draft the mesh divides by head, MLP width and vocabulary; fc and the norms stay whole), and
+  the verification is the target's forward of the round's pending tokens and nodes."""
+  split = {"q", "k", "v", "o", "gate", "up", "down", "lm_head", "head"}
+  share = lambda path, x: x.size * x.dtype.itemsize // (4 if getattr(path[-1], "key", None) in split else 1)
   drafts = published_drafts(tmp_path)
   layer = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8,
                       num_kv_heads=4, head_dim=8, max_position_embeddings=4096)
@@ -130,8 +134,8 @@ def test_a_published_drafters_round_reads_its_weights_and_its_cache(levels, tmp_
     stack = stacks.build(levels_text, TARGET)
     cost = levels.draft_round(stack, CONTEXT)
     slots = decode_shapes(stack, TARGET, CONTEXT, 1).slots   # the engine's cache of that prompt
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(stack.drafter.abstract_heads(TARGET)))
-    assert cost.ideal_bytes == weights + kv_bytes(layer, slots), levels_text
+    weights = sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(share, stack.drafter.abstract_heads(TARGET))))
+    assert cost.ideal_bytes == weights + kv_bytes(layer, slots, heads_split=4), levels_text
     assert cost.width == nodes and cost.hbm_bytes >= 0.98 * cost.ideal_bytes and cost.flops > 0
     # the target verifies its root and the nodes: one token pending in a two-level stack
     assert levels.verify_width(stack) == 1 + nodes
