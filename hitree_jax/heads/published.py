@@ -7,6 +7,8 @@ from __future__ import annotations
 import pathlib
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import safetensors
 
@@ -109,6 +111,16 @@ def layer_shapes(c: ModelConfig, in_width: int, extra_norms=None) -> dict[str, t
     shapes |= {f"{key}_bias": shapes[key][1:] for key in "qkvo"}
   norms = {**_NORMS, **(_QK_NORMS if c.qk_norm else {}), **(extra_norms or {})}
   return shapes | {key: (c.head_dim,) if key in _QK_NORMS else (e,) for key in norms}
+
+
+def random_layer(c: ModelConfig, in_width: int, key, scale: float, extra_norms=None) -> dict:
+  """A layer of layer_shapes' layout to train from: its matrices and biases normal(0, scale),
+  float32; its norms ones."""
+  shapes = layer_shapes(c, in_width, extra_norms)
+  keys = jax.random.split(key, len(shapes))
+  return {name: (jnp.ones(shape, jnp.float32) if len(shape) == 1 and not name.endswith("_bias")
+                 else scale * jax.random.normal(k, shape, jnp.float32))
+          for k, (name, shape) in zip(keys, shapes.items())}
 
 
 def decoder_layer(tensors: Tensors, prefix: str, c: ModelConfig, in_width: int, extra_norms=None) -> dict:

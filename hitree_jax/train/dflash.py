@@ -28,6 +28,7 @@ from hitree_jax.errors import UsageError
 from hitree_jax.heads import dflash, published
 from hitree_jax.heads.dflash import BlockSpec
 from hitree_jax.model.config import ModelConfig
+from hitree_jax.train.heads import token_cross_entropy
 
 
 def default_target_layers(num_target_layers: int, draft_layers: int) -> tuple[int, ...]:
@@ -52,12 +53,8 @@ def init_params(config: ModelConfig, taps: int, key, scale: float = 0.02) -> dic
   """heads/dflash.py's layout (kernels [in, out]), float32, without the target's head: random
   `fc` and layers (normal, `scale`; the norms ones)."""
   e = config.hidden_size
-  shapes = published.layer_shapes(config, e)
   keys = jax.random.split(key, config.num_layers + 1)
-  layers = tuple({name: (jnp.ones(shape, jnp.float32) if len(shape) == 1
-                         else scale * jax.random.normal(k, shape, jnp.float32))
-                  for k, (name, shape) in zip(jax.random.split(layer_key, len(shapes)), shapes.items())}
-                 for layer_key in keys[1:])
+  layers = tuple(published.random_layer(config, e, layer_key, scale) for layer_key in keys[1:])
   return {"fc": scale * jax.random.normal(keys[0], (taps * e, e), jnp.float32),
           "hidden_norm": jnp.ones((e,), jnp.float32), "norm": jnp.ones((e,), jnp.float32), "layers": layers}
 
@@ -121,9 +118,7 @@ def objective(config: ModelConfig, spec: BlockSpec, gamma: float = 4.0):
     logits = anchor_logits(dict(params, head=frozen["head"]), config, spec, frozen["embedding"], tokens,
                            features.astype(jnp.float32), at)
     ids, probs = block_labels(ids, at, spec.block_size), block_labels(probs, at, spec.block_size)
-    log_q = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(log_q, ids, axis=-1)
-    per_row = -jnp.sum(jnp.where(probs > 0, probs * picked, 0.0), axis=-1).mean(axis=(0, 1))   # [B-1]
+    per_row = token_cross_entropy(logits, ids, probs).mean(axis=(0, 1))   # [B-1]
     agree = jnp.mean(jnp.argmax(logits[:, :, 0], axis=-1) == ids[:, :, 0, 0])
     return jnp.sum(weights * per_row) / jnp.sum(weights), agree
 

@@ -30,6 +30,7 @@ from hitree_jax.errors import UsageError
 from hitree_jax.heads import eagle, eagle3, published
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.vocab import ReducedVocab
+from hitree_jax.train.heads import token_cross_entropy
 
 
 def default_aux_layers(target: ModelConfig) -> tuple[int, ...]:
@@ -54,13 +55,10 @@ def init_params(target: ModelConfig, target_params, vocab: ReducedVocab, key, au
   """heads/eagle3.load's layout (kernels [in, out]), float32: random `fc` and layer (normal,
   `scale`; the norms ones), `lm_head` the target's head on the draft's ids (OTHER dropped)."""
   config, e = layer_config(target), target.hidden_size
-  shapes = published.layer_shapes(config, 2 * e, eagle3.FIRST_LAYER_NORMS)
-  keys = jax.random.split(key, len(shapes) + 1)
-  layer = {name: (jnp.ones(shape, jnp.float32) if len(shape) == 1 and "bias" not in name
-                  else scale * jax.random.normal(k, shape, jnp.float32))
-           for k, (name, shape) in zip(keys[1:], shapes.items())}
+  fc_key, layer_key = jax.random.split(key)
+  layer = published.random_layer(config, 2 * e, layer_key, scale, eagle3.FIRST_LAYER_NORMS)
   head = eagle.head_from_target(target_params, vocab.target_ids[1:])
-  return {"fc": scale * jax.random.normal(keys[0], (aux * e, e), jnp.float32),
+  return {"fc": scale * jax.random.normal(fc_key, (aux * e, e), jnp.float32),
           "norm": jnp.ones((e,), jnp.float32), "layers": (layer,),
           "lm_head": jnp.asarray(head, jnp.float32)}
 
@@ -89,13 +87,6 @@ def chain_logits(net: eagle3.Eagle3Net, params, config: ModelConfig, embedding, 
   return out
 
 
-def _cross_entropy(logits, ids, probs):
-  """Mean over positions of the cross-entropy to the teacher's top-k (ids, probs [.., k])."""
-  log_q = jax.nn.log_softmax(logits, axis=-1)
-  picked = jnp.take_along_axis(log_q, ids, axis=-1)
-  return -jnp.sum(jnp.where(probs > 0, probs * picked, 0.0), axis=-1).mean()
-
-
 @functools.lru_cache(maxsize=None)
 def objective(net: eagle3.Eagle3Net, config: ModelConfig, steps: int = 3, decay: float = 0.8):
   """loss(params, frozen, tokens [B,T], features [B,T,(aux+1)E], ids [B,T,k] draft ids,
@@ -106,7 +97,7 @@ def objective(net: eagle3.Eagle3Net, config: ModelConfig, steps: int = 3, decay:
     total = 0.0
     for k, logits in enumerate(every):   # step k at p guesses x_{p+k+1}: the labels of p + k
       t = tokens.shape[1] - k
-      total = total + decay ** k * _cross_entropy(logits[:, :t], ids[:, k:], probs[:, k:])
+      total = total + decay ** k * token_cross_entropy(logits[:, :t], ids[:, k:], probs[:, k:]).mean()
     agree = jnp.mean(jnp.argmax(every[0], axis=-1) == ids[..., 0])
     return total, agree
 

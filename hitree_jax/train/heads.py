@@ -36,11 +36,16 @@ from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import final_states
 
 
+def token_cross_entropy(logits, ids, probs):
+  """[...] per position: the cross-entropy of logits [..., V'] to the teacher's top-k (ids, probs
+  [..., k]; a zero probability, e.g. a token outside a reduced vocabulary, counts nothing)."""
+  picked = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), ids, axis=-1)
+  return -jnp.sum(jnp.where(probs > 0, probs * picked, 0.0), axis=-1)
+
+
 def _cross_entropy(logits, ids, probs):
-  log_q = jax.nn.log_softmax(logits, axis=-1)
-  picked = jnp.take_along_axis(log_q, ids, axis=-1)
-  loss = -jnp.sum(jnp.where(probs > 0, probs * picked, 0.0), axis=-1).mean()
-  return loss, jnp.mean(jnp.argmax(log_q, axis=-1) == ids[..., 0])
+  """(mean token_cross_entropy, top-1 agreement with the teacher)."""
+  return token_cross_entropy(logits, ids, probs).mean(), jnp.mean(jnp.argmax(logits, axis=-1) == ids[..., 0])
 
 
 def two_passes(params, config: ModelConfig, embedding, tokens, features, unroll: bool = True, *,

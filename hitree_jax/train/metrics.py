@@ -44,17 +44,25 @@ def position_metrics(target_logits, draft_probs_full, draft_ranked, sampling: Sa
   return hits[..., 0], jnp.sum(jnp.minimum(p, draft_probs_full), axis=-1), profile, hits
 
 
+def draft_metrics(target_logits, logits, target_ids, target_vocab_size: int, sampling):
+  """position_metrics of a draft's logits [..., V'] over its ids (target_ids [V'] maps them to the
+  target's, OTHER first; None: the target's own vocabulary)."""
+  q = probabilities(logits, sampling)
+  ranked = jax.lax.top_k(logits, PROFILE_RANKS)[1]
+  if target_ids is not None:
+    q, ranked = spread_probs(q, target_ids, target_vocab_size), target_ids[ranked]
+  return position_metrics(target_logits, q, ranked, sampling)
+
+
 @functools.partial(jax.jit, static_argnums=(1, 3, 7))
 def _window_metrics(target_params, target_config: ModelConfig, draft_params, draft_config: ModelConfig,
                     target_tokens, target_ids, draft_ids, target_vocab_size: int, sampling):
   target = full_sequence_logits(target_params, target_config, target_tokens)
   if target_ids is None:  # the draft shares the target's vocabulary
     logits = full_sequence_logits(draft_params, draft_config, target_tokens)
-    return position_metrics(target, probabilities(logits, sampling),
-                            jax.lax.top_k(logits, PROFILE_RANKS)[1], sampling)
-  logits = draft_logits(draft_params, draft_config, draft_ids[target_tokens])
-  q = spread_probs(probabilities(logits, sampling), target_ids, target_vocab_size)
-  return position_metrics(target, q, target_ids[jax.lax.top_k(logits, PROFILE_RANKS)[1]], sampling)
+  else:
+    logits = draft_logits(draft_params, draft_config, draft_ids[target_tokens])
+  return draft_metrics(target, logits, target_ids, target_vocab_size, sampling)
 
 
 def evaluate_draft(target, draft, vocab: ReducedVocab | None, windows: np.ndarray,
@@ -92,11 +100,7 @@ def _eagle_window_metrics(target_params, target_config: ModelConfig, eagle_param
   out = []
   for predicted in two_passes(eagle_params, eagle_config, embedding, tokens, hidden):
     logits = eagle.logits(eagle_params, predicted, target_ids is not None)
-    q = probabilities(logits, sampling)
-    ranked = jax.lax.top_k(logits, PROFILE_RANKS)[1]
-    if target_ids is not None:
-      q, ranked = spread_probs(q, target_ids, target_config.vocab_size), target_ids[ranked]
-    out.append(position_metrics(target, q, ranked, sampling))
+    out.append(draft_metrics(target, logits, target_ids, target_config.vocab_size, sampling))
   return out
 
 
@@ -131,11 +135,8 @@ def _medusa_window_metrics(target_params, target_config: ModelConfig, medusa_par
   out = []
   for h in range(logits.shape[2]):  # head h + 1 at position i guesses what the target says at i + h + 1
     k = h + 1
-    q = probabilities(logits[:, :-k, h], sampling)
-    ranked = jax.lax.top_k(logits[:, :-k, h], PROFILE_RANKS)[1]
-    if target_ids is not None:
-      q, ranked = spread_probs(q, target_ids, target_config.vocab_size), target_ids[ranked]
-    hits, accept, _, _ = position_metrics(target[:, k:], q, ranked, sampling)
+    hits, accept, _, _ = draft_metrics(target[:, k:], logits[:, :-k, h], target_ids, target_config.vocab_size,
+                                       sampling)
     out.append((jnp.mean(hits), jnp.mean(accept)))
   return out
 
@@ -166,11 +167,7 @@ def _chain_window_metrics(target_params, target_config: ModelConfig, draft_param
   for k, logits in enumerate(chain_logits(net, draft_params, draft_config, embedding, tokens, hidden, steps,
                                           target_ids is not None)):
     logits = logits[:, :tokens.shape[1] - k]     # step k at p guesses x_{p+k+1}, the target's at p + k
-    q = probabilities(logits, sampling)
-    ranked = jax.lax.top_k(logits, PROFILE_RANKS)[1]
-    if target_ids is not None:
-      q, ranked = spread_probs(q, target_ids, target_config.vocab_size), target_ids[ranked]
-    out.append(position_metrics(target[:, k:], q, ranked, sampling))
+    out.append(draft_metrics(target[:, k:], logits, target_ids, target_config.vocab_size, sampling))
   return out
 
 
@@ -206,8 +203,7 @@ def _block_window_metrics(target_params, target_config: ModelConfig, draft_param
   logits = anchor_logits(draft_params, draft_config, spec, target_params["embed_tokens"]["embedding"], tokens,
                          features, at)                                        # [W, A, B-1, V]
   target = block_labels(target, at, spec.block_size)                        # row d: the target's at a+d-1
-  hits, accept, _, _ = position_metrics(target, probabilities(logits, sampling),
-                                        jax.lax.top_k(logits, PROFILE_RANKS)[1], sampling)
+  hits, accept, _, _ = draft_metrics(target, logits, None, target_config.vocab_size, sampling)
   accepted = jnp.sum(jnp.cumprod(hits, axis=-1), axis=-1)                   # a greedy chain's accepted rows
   return hits, accept, accepted
 
