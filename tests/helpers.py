@@ -62,6 +62,19 @@ def tiny_model_gguf(path: pathlib.Path, max_positions: int = 1024, num_layers: i
   return save_gguf(path, config, peaked(config, 0), quantize=False, tokenizer_from=resolve("smollm2"))
 
 
+def hf_llama(folder: pathlib.Path, num_layers: int, **shape):
+  """Our load of transformers' random Llama of `shape` (seed 0, initializer_range 0.1), saved as an
+  HF folder: a target whose folder a published draft's config can name as its verifier."""
+  import torch
+  import transformers
+  from hitree_jax.loading import load_model
+  torch.manual_seed(0)
+  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=num_layers,
+                                                                  initializer_range=0.1, **shape)).eval()
+  model.save_pretrained(folder)
+  return load_model(str(folder))
+
+
 def our_logits(model, tokens):
   """Logits [T, V] of one cache-free causal forward of a loaded model over `tokens`."""
   from hitree_jax.cache.full import KVCache, causal_attend

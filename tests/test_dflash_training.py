@@ -9,16 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 from speculators.models.dflash import DFlashSpeculatorConfig
 from speculators.models.dflash.core import DFlashDraftModel
 
 from hitree_jax.decode import engine
 from hitree_jax.heads import saved
 from hitree_jax.heads.dflash import BlockSpec
-from hitree_jax.loading import load_model
 from hitree_jax.train import distill, dflash as train_dflash, speculators
 from hitree_jax.train.teacher import full_sequence
+from tests.helpers import hf_llama
 
 E, VOCAB, LAYERS, BLOCK, TAPS = 64, 97, 6, 4, (1, 3)
 SHAPE = dict(vocab_size=VOCAB, hidden_size=E, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -29,12 +28,7 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=E, intermediate_size=96, num_attentio
 def target(tmp_path_factory):
   """Our load of transformers' tiny random Llama (a DFlash draft's layers are Qwen3's whatever its
   target), saved as an HF folder: the verifier speculators reads the embedding and head from."""
-  torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=LAYERS, initializer_range=0.1,
-                                                                  **SHAPE)).eval()
-  folder = tmp_path_factory.mktemp("target")
-  model.save_pretrained(folder)
-  return load_model(str(folder))
+  return hf_llama(tmp_path_factory.mktemp("target"), LAYERS, **SHAPE)
 
 
 @pytest.fixture(scope="module")

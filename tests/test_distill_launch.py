@@ -144,15 +144,7 @@ def test_distill_trains_an_eagle3_draft_in_the_speculators_format(teacher, tmp_p
   assert len(record["greedy_agreement_per_depth"]) == 3 and 0 < record["cost_ratio"] < 1
   assert meta["evaluation"]["greedy_agreement"] == record["greedy_agreement"]
   assert saved.read_meta(str(out), "eagle3")["aux_layers"] == [1, 2, 3]
-  proc = launch("distill", "--eval", f"--draft=eagle3:{out}", *args)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert json.loads(proc.stdout.strip().splitlines()[-1])["greedy_agreement"] == record["greedy_agreement"]
-  proc = launch("benchmark", f"--model={teacher}", "--methods=ar,sd", f"--draft=eagle3:{out}", "--gamma=2",
-                "--text=austen", "--prompt_tokens=64", "--max_new_tokens=12", "--n_prompts=1", "--time_levels=false",
-                f"--out={tmp_path / 'bench.json'}")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  (sd,) = [r for r in json.loads((tmp_path / "bench.json").read_text())["results"] if r["method"] != "ar"]
-  assert sd["method"].startswith("sd/eagle3:") and sd["differs_from_ar"] == []
+  evaluates_and_decodes_like_ar(f"eagle3:{out}", args, record, teacher, tmp_path, gamma=2)
 
 
 @pytest.mark.slow
@@ -182,12 +174,19 @@ def test_distill_trains_a_dflash_draft_in_the_speculators_format(teacher, tmp_pa
   assert len(record["greedy_agreement_per_depth"]) == 3 and 0 <= record["greedy_block_accepted"] <= 3
   assert meta["evaluation"]["greedy_agreement"] == record["greedy_agreement"]
   assert saved.read_meta(str(out), "dflash")["target_layer_ids"] == [0, 2]
-  proc = launch("distill", "--eval", f"--draft=dflash:{out}", *args)
+  evaluates_and_decodes_like_ar(f"dflash:{out}", args, record, teacher, tmp_path, gamma=3)
+
+
+def evaluates_and_decodes_like_ar(draft: str, args, record: dict, teacher, tmp_path, gamma: int) -> None:
+  """`--eval --draft=KIND:PATH` gives the figure training recorded, and a chain of `gamma` of it in
+  launch.benchmark gives ar's tokens (the benchmark compares them)."""
+  proc = launch("distill", "--eval", f"--draft={draft}", *args)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert json.loads(proc.stdout.strip().splitlines()[-1])["greedy_agreement"] == record["greedy_agreement"]
-  proc = launch("benchmark", f"--model={teacher}", "--methods=ar,sd", f"--draft=dflash:{out}", "--gamma=3",
+  proc = launch("benchmark", f"--model={teacher}", "--methods=ar,sd", f"--draft={draft}", f"--gamma={gamma}",
                 "--text=austen", "--prompt_tokens=64", "--max_new_tokens=12", "--n_prompts=1", "--time_levels=false",
                 f"--out={tmp_path / 'bench.json'}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   (sd,) = [r for r in json.loads((tmp_path / "bench.json").read_text())["results"] if r["method"] != "ar"]
-  assert sd["method"].startswith("sd/dflash:") and sd["differs_from_ar"] == []
+  assert sd["method"].startswith(f"sd/{draft.split(':')[0]}:") and sd["differs_from_ar"] == []
+

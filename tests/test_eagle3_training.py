@@ -8,16 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 from speculators.models.eagle3 import Eagle3SpeculatorConfig
 from speculators.models.eagle3.core import Eagle3DraftModel
 
 from hitree_jax.decode import engine
 from hitree_jax.heads import saved
-from hitree_jax.loading import load_model
 from hitree_jax.model.vocab import ReducedVocab
 from hitree_jax.train import distill, eagle3 as train_eagle3, speculators
 from hitree_jax.train.teacher import full_sequence
+from tests.helpers import hf_llama
 
 E, VOCAB, DRAFT_VOCAB, LAYERS, STEPS = 64, 97, 40, 8, 3
 SHAPE = dict(vocab_size=VOCAB, hidden_size=E, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -27,12 +26,7 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=E, intermediate_size=96, num_attentio
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
   """Our load of transformers' tiny random Llama, saved as an HF folder (the verifier's path)."""
-  torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=LAYERS, initializer_range=0.1,
-                                                                  **SHAPE)).eval()
-  folder = tmp_path_factory.mktemp("target")
-  model.save_pretrained(folder)
-  return load_model(str(folder))
+  return hf_llama(tmp_path_factory.mktemp("target"), LAYERS, **SHAPE)
 
 
 @pytest.fixture(scope="module")
