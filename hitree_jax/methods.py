@@ -34,7 +34,7 @@ OPTIONS = {
     "retrieval": ("gamma", "budget", "reselect"),
     "triforce": ("draft", "budget", "reselect", "sinks", "window", "gamma1", "gamma2"),
     "hitree": ("draft", "tree", "acceptance", "budget", "reselect", "sinks", "window", "gamma2"),
-    "hsd": ("draft", "levels", "acceptance"),
+    "hsd": ("draft", "levels", "acceptance", "step_aside"),
     "auto": ("draft", "feature_draft"),
 }
 
@@ -53,7 +53,7 @@ class Knobs:
   gamma1: int | None = None
   gamma2: int | None = None
   levels: str | None = None
-  step_aside: str | None = None   # BELOW[:ROUNDS] (decode/step_aside.py), for sd and tree
+  step_aside: str | None = None   # BELOW[:ROUNDS] (decode/step_aside.py): a drafter under the target
 
 
 def method(spec: str = "ar", greedy: bool = True, **options) -> "Method":
@@ -239,9 +239,9 @@ def _retrieval(knobs: Knobs):
 
 def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Method:
   """`ar`, `sd[/DRAFT[/GAMMA]]`, `tree[/DRAFT[/TREE]]`, `retrieval[/GAMMA]`, `triforce[/DRAFT]`,
-  `hitree[/DRAFT[/TREE]]` or `hsd[/LEVELS]`; missing parts come from the flags (`knobs`). sd and
-  tree take a last part `aside:BELOW[:ROUNDS]` (or knobs.step_aside): rows step aside while their
-  drafts do not pay (decode/step_aside.py).
+  `hitree[/DRAFT[/TREE]]` or `hsd[/LEVELS]`; missing parts come from the flags (`knobs`). sd,
+  tree and hsd with a drafter right under the target take a last part `aside:BELOW[:ROUNDS]` (or
+  knobs.step_aside): rows step aside while their drafts do not pay (decode/step_aside.py).
 
   e.g. sd/ngram/4, tree/self:8/kary:2x2, tree/self:4,without_replacement/chain:6,
   sd/drafts/smollm2-draft.gguf/3 (a draft model: any path the loaders read, [,mode]),
@@ -262,8 +262,8 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
   step_aside = None
   if aside_text is not None:
     from hitree_jax.decode.step_aside import StepAside
-    if name not in ("sd", "tree"):
-      raise UsageError(f"stepping aside (aside:{aside_text}) applies to sd and tree, a drafter right "
+    if name not in ("sd", "tree", "hsd"):
+      raise UsageError(f"stepping aside (aside:{aside_text}) applies to sd, tree and hsd, a drafter right "
                        f"under the target, not to {name}")
     step_aside = StepAside.parse(aside_text)
   if name == "hsd":
@@ -273,6 +273,9 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
     parsed = spec_lib.parse(rest or knobs.levels)
   else:
     parsed = _levels_of(name, rest, knobs)
+  if step_aside is not None and parsed.middles:
+    raise UsageError(f"stepping aside (aside:{step_aside}) applies to a drafter right under the target, "
+                     f"not to the hierarchy {str(parsed)!r}")
   shape, mode = parsed.tree, parsed.drafter.mode
   model_named = [level.name for level in parsed.levels if level.kind == "draft"]
   heads = parsed.drafter.source if isinstance(parsed.drafter.source, spec_lib.FeatureDraft) else None
@@ -355,8 +358,8 @@ def auto_method(model: str, draft: str, prompt_length: int, sampling, loaded: tu
   if choice.levels is None:
     return Method("ar", label="auto=ar")
   flags = choice.flags(draft, eagle)
-  method = parse_method("hsd", Knobs(draft=draft, levels=flags["levels"], acceptance=flags.get("acceptance")),
-                        float(sampling.temperature) == 0)
+  method = parse_method("hsd", Knobs(draft=draft, levels=flags["levels"], acceptance=flags.get("acceptance"),
+                                     step_aside=flags.get("step_aside")), float(sampling.temperature) == 0)
   return dataclasses.replace(method, label=f"auto={method.label}")
 
 

@@ -63,6 +63,12 @@ def published_kind(folder: pathlib.Path) -> str | None:
   return "medusa" if "medusa_num_heads" in config else None
 
 
+def file(folder: str, name: str) -> pathlib.Path:
+  """The file NAME the repository ships in `folder` (the clone's, else the installed package's),
+  whatever the working directory holds."""
+  return ROOT / folder / name if (ROOT / folder / name).exists() else PACKAGED / folder / name
+
+
 def names(folder: str, suffix: str = "") -> list[str]:
   """The names of the `suffix` files the repository ships in `folder` (configs, ".py": methods,
   models, ...), for an error to list."""

@@ -44,7 +44,8 @@ def _fail(error) -> None:
 # Flags that were renamed, and what to give instead (one name per thing in every launcher).
 RENAMED_FLAGS = {"book": "--text=BOOK", "chat": "--text=chat", "nochat": "no --text (plain text)",
                  "prompts": "--text=chat (Spec-Bench's questions; --questions=FILE for your own)",
-                 "train_text": "--text"}
+                 "train_text": "--text", "reuse_overheads": "--full_profile (a full measurement)",
+                 "noreuse_overheads": "--full_profile (a full measurement)"}
 
 
 def _renamed(arg: str) -> None:
@@ -262,7 +263,8 @@ def define_speculation_flags():
                       "eagle:drafts/smollm2-eagle), or PATH[,mode]: a separate draft model (e.g. "
                       "drafts/smollm2-draft.gguf).")
   flags.DEFINE_integer("gamma", knobs.gamma, "Draft tokens per round for --method=sd and --method=retrieval.")
-  flags.DEFINE_string("step_aside", knobs.step_aside, "--method=sd and tree: BELOW[:ROUNDS]. A row whose running "
+  flags.DEFINE_string("step_aside", knobs.step_aside, "--method=sd, tree, and hsd with one level under the target "
+                      "(--method=auto sets it from its plan): BELOW[:ROUNDS]. A row whose running "
                       "mean of accepted tokens per round falls below BELOW runs ROUNDS (default 16) "
                       "plain one-token rounds, then tries its drafter again; the output is unchanged.")
   flags.DEFINE_string("tree", knobs.tree, "Tree for --method=tree (default kary:2x2) and --method=hitree "

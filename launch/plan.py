@@ -65,9 +65,9 @@ flags.DEFINE_multi_string("predict", [], "Also print the prediction for this sta
                           "grammar); repeatable.")
 flags.DEFINE_float("min_gain", 0.10, "Choose a stack only if it is predicted this much faster than ar "
                    "(the model's error here is about 10%; 0: the fastest prediction wins).")
-flags.DEFINE_bool("reuse_overheads", True, "Take a round's overheads from a profile of these models "
-                  "at another context where one is kept (the dearest part of a profile); "
-                  "--noreuse_overheads fits them at this context, as a full measurement.")
+flags.DEFINE_bool("full_profile", False, "Measure a profile in full: every level's forward at five "
+                  "widths, and a round's overheads fitted at this context, not taken from a kept "
+                  "profile of these models or from the fits shipped with the shipped drafts.")
 flags.DEFINE_string("out", None, "Write the chosen stack here as a config (.py) for launch.generate "
                     "and launch.benchmark, with the plan and its prediction in a .json beside it. "
                     "On paper (--topology): the predictions as FILE.json and a table as FILE.md.")
@@ -227,7 +227,7 @@ def plan_for(context: int, batch: int, eagle):
   return auto.plan_for(FLAGS.model, FLAGS.draft, context, common.sampling_from_flags(FLAGS), FLAGS.profile_dir,
                        FLAGS.text, log=logging.info, min_gain=FLAGS.min_gain, eagle=eagle,
                        dtype=common.model_dtype(), key_dtype=FLAGS.key_dtype, batch=batch,
-                       reuse_overheads=FLAGS.reuse_overheads)
+                       full=FLAGS.full_profile)
 
 
 def plan_grid(contexts: list[int], batches: list[int], eagle) -> None:

@@ -115,6 +115,14 @@ def synthetic_profile(context=512, space=None):
           "overheads": {"draft_forward": 0.0005, "verify": 0.002, "tree": 0.006}, "ar_seconds": 0.05}
 
 
+def planned_label(choice, draft: str, eagle: str | None = None) -> str:
+  """How a run labels the plan `choice` after its method's name: its levels, then the step aside at
+  its break-even (a drafter right under the target)."""
+  from hitree_jax.decode.step_aside import StepAside
+  aside = StepAside.parse(choice.flags(draft, eagle)["step_aside"])
+  return f"{str(choice.levels).split('/', 1)[1]}/aside:{aside}"
+
+
 # A tiny target and draft, as a shapes config (launch.level_cost, launch.plan_memory --shapes).
 TINY_SHAPES = """
 from ml_collections import config_dict

@@ -199,6 +199,12 @@ def test_a_missing_config_is_one_line_in_every_launcher(module):
       f"config's name: {', '.join(shipped.names('configs', '.py'))})"]
 
 
+def test_the_old_overheads_flag_names_the_full_profile():
+  proc = launch("plan", "--draft=smollm2-draft", "--noreuse_overheads")
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines() == ["error: --noreuse_overheads is now --full_profile (a full measurement)"]
+
+
 def test_a_mistake_is_the_only_line_even_where_libtpu_is_installed():
   """With libtpu installed (a test package here) and no TPU, jax's start-up would print
   libtpu's failure to find one before the error; the launcher keeps jax to the CPU instead."""

@@ -469,7 +469,7 @@ def test_benchmark_runs_spec_bench_and_checks_every_turn_against_ar(tiny_model, 
   from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.loading import resolve
   from hitree_jax.planner import auto
-  from tests.helpers import synthetic_profile
+  from tests.helpers import planned_label, synthetic_profile
   draft = "drafts/smollm2-draft.gguf"
   # Chat questions of about 80 tokens are planned from a chat profile at 128.
   key = (str(tiny_model), str(resolve(draft)), 128, SamplingParams.create())
@@ -490,7 +490,7 @@ def test_benchmark_runs_spec_bench_and_checks_every_turn_against_ar(tiny_model, 
   results = {r["method"]: r for r in record["results"] if r["batch_size"] == 1}
   planned = next(m for m in results if m.startswith("auto="))
   label, _, note = planned.partition(" (planned for ")
-  assert label.startswith("auto=hsd/") and label.endswith(str(chosen.levels).split("/", 1)[1]) and note.endswith("prompt tokens)")
+  assert label.startswith("auto=hsd/") and label.endswith(planned_label(chosen, draft)) and note.endswith("prompt tokens)")
   assert set(results) == {"ar", "sd/ngram/4", planned}
   assert results["sd/ngram/4"]["differs_from_ar"] == results[planned]["differs_from_ar"] == []
   for r in results.values():

@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hitree_jax import methods
 from hitree_jax.decode import engine
 from hitree_jax.decode.drafters import Drafter, NGramDrafter, SelfDrafter, _static_proposal
 from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.decode.stack import Stack, Verifier
-from hitree_jax.decode.step_aside import StepAside
+from hitree_jax.decode.step_aside import Resting, StepAside
 from hitree_jax.cache.kinds import Full
 from hitree_jax.errors import UsageError
 from hitree_jax.tree import shapes as tree_lib
@@ -108,10 +109,28 @@ def test_stepping_aside_is_refused_where_it_does_not_apply_and_named_when_bad():
     Stack(step_aside=StepAside(0.5))
   with pytest.raises(UsageError, match="right under the target"):
     Stack(NGramDrafter(2), tree_lib.chain(2), (Verifier("target", Full(), 3),), step_aside=StepAside(0.5))
+  with pytest.raises(UsageError, match="not to the hierarchy 'ngram:3/chain:2\\+draft/3'"):
+    methods.method("hsd/ngram:3/chain:2+draft/3/aside:0.5")
+  assert methods.method("hsd/ngram:3/chain:2/aside:0.5").step_aside == StepAside(0.5)
   for text, message in (("x", "expected BELOW"), ("0", "below=0.0 must be a positive"), ("1:0", "rounds=0")):
     with pytest.raises(UsageError, match=message):
       StepAside.parse(text)
   assert StepAside.parse("0.5:32") == StepAside(0.5, 32) and str(StepAside(0.5, 32)) == "0.5:32"
+
+
+def test_a_round_that_offered_nothing_is_not_counted():
+  """Prompt lookup offers nothing where no suffix matched: that round is a plain one already, so
+  it neither lowers the row's mean nor sends it aside; a round that offered and accepted nothing
+  does both."""
+  rule = StepAside(below=1.0, memory=1)
+  live = jnp.array([True, True])
+  state = Resting.start(2, rule)
+  entries = []
+  for _ in range(3):
+    state, entered = state.after(rule, jnp.array([0, 0]), live, offered=jnp.array([False, True]))
+    entries.append(entered.tolist())
+  assert entries == [[False, True], [False, False], [False, False]]   # row 1 then rests
+  assert float(state.mean[0]) == 2 * rule.below and state.left.tolist() == [0, rule.rounds - 2]
 
 
 @pytest.mark.slow

@@ -282,10 +282,11 @@ class Decoder:
       else:
         resting = st.resting.left > 0
         st, prop, mode, length = self._propose_unless_resting(st, k_propose, jnp.all(resting | ~live))
+        offered = None if prop.offered is None else prop.offered > 0
         prop, length, widths = self._rest(prop, length, resting)
       st, emitted, n_acc, _ = self._verify_and_commit(top, st, prop, mode, length, k_verify, live, widths)
       if st.resting is not None:
-        resting, entered = st.resting.after(sizes.stack.step_aside, n_acc, live)
+        resting, entered = st.resting.after(sizes.stack.step_aside, n_acc, live, offered)
         stats = st.stats.replace(aside=st.stats.aside + (live & (st.resting.left > 0)).astype(jnp.int32),
                                  stepped_aside=st.stats.stepped_aside + entered.astype(jnp.int32))
         st = st.replace(resting=resting, stats=stats)

@@ -71,8 +71,8 @@ class Stack:
       raise UsageError("a level with the draft's weights needs the draft's config: "
                        "Stack(draft=config) or a ModelDrafter at the bottom")
     if self.step_aside is not None and (self.drafter is None or self.verifiers):
-      raise UsageError("stepping aside applies to a drafter right under the target (sd, tree), "
-                       "not to `ar` or a hierarchy")
+      raise UsageError("stepping aside applies to a drafter right under the target (sd, tree, hsd "
+                       "with one level), not to `ar` or a hierarchy")
     if self.verifiers and isinstance(self.tree, tree_lib.DynamicTree):
       raise UsageError("a dynamic tree is grown right under the target; in a hierarchy use a "
                        "static tree (chain:N, kary:KxD, sequoia:B,D) at the bottom")

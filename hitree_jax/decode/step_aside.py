@@ -1,7 +1,9 @@
 """Stepping aside: a row whose drafter stops paying runs plain rounds, then tries again.
 
 Each row keeps a running mean of the tokens the target accepts per speculative round (an
-exponential mean, weight 1/`memory` on the newest round), starting at twice `below`. When it
+exponential mean, weight 1/`memory` on the newest round; a round in which its drafter offered
+nothing, as prompt lookup does without a match, is a plain one and not counted), starting at
+twice `below`. When it
 falls below `below` (the break-even: a wide round must commit that many more tokens than a
 plain one to pay for itself), the row's next rounds offer nothing: `rounds` of them, twice as
 many after each probe that fails (at most MAX_DOUBLINGS times), `rounds` again after a round
@@ -88,11 +90,13 @@ class Resting:
     return cls(jnp.zeros((batch,), jnp.int32), jnp.full((batch,), 2.0 * rule.below, jnp.float32),
                jnp.full((batch,), rule.rounds, jnp.int32))
 
-  def after(self, rule: StepAside, n_accepted, live) -> tuple["Resting", jax.Array]:
+  def after(self, rule: StepAside, n_accepted, live, offered=None) -> tuple["Resting", jax.Array]:
     """The state after a round in which live rows accepted n_accepted [B]; and [B] whether each
-    row stepped aside in it."""
+    row stepped aside in it. offered [B]: whether each row's drafter offered anything (prompt
+    lookup offers nothing where no suffix matched); a round offering nothing is a plain one
+    already, so it moves neither the mean nor the rest (None: every row offered)."""
     resting = self.left > 0
-    speculated = live & ~resting
+    speculated = live & ~resting & (True if offered is None else offered)
     mean = jnp.where(speculated, self.mean + (n_accepted - self.mean) / rule.memory, self.mean)
     left = jnp.where(live & resting, self.left - 1, self.left)
     mean = jnp.where(live & resting & (left == 0), rule.below, mean)  # a probe next round

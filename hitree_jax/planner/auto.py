@@ -30,6 +30,13 @@ CONTEXTS = (128, 512, 1024, 2048, 4096, 7680)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
+# A level's forwards are timed at these widths in a full profile (`profiled(full=True)`, launch.plan
+# --full_profile), at Space.widths otherwise: the model reads a level's cost as the line fitted
+# through its points (latency.affine), and three points give the line the five give within the
+# fits' own noise, in 60% of the time (docs/results/planner/quick_profile.md).
+FULL_WIDTHS = (1, 2, 4, 8, 16)
+
+
 # A profile's levels: the target, EAGLE (its EAGLE draft, whatever the path), the grammar's others.
 TARGET, EAGLE = profile_lib.TARGET, profile_lib.EAGLE
 Level, level_named = profile_lib.Level, profile_lib.level_named
@@ -49,7 +56,7 @@ class Space:
   chains: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
   trees: tuple[spec.TreeSpec, ...] = ("kary:2x2", "kary:2x3", "kary:3x2", "sequoia:8,4", "sequoia:16,5")
   gammas: tuple[int, ...] = (2, 3, 4, 6, 8, 12)
-  widths: tuple[int, ...] = (1, 2, 4, 8, 16)
+  widths: tuple[int, ...] = (1, 4, 16)   # timed per level; FULL_WIDTHS for a full profile
 
   def __post_init__(self):
     typed = lambda parse, values: tuple(parse(v) if isinstance(v, str) else v for v in values)
@@ -114,29 +121,33 @@ GENERATED = 96   # tokens of each generation the overheads and `ar` are timed on
 
 
 def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
-            sampling, space: Space = Space(), repeats: int = 10, eagle=None, overheads: dict | None = None) -> dict:
+            sampling, space: Space = Space(), repeats: int = 10, eagle=None, overheads: dict | None = None,
+            ar_seconds: float | None = None) -> dict:
   """A profile: costs {level: {width: s}}, acceptance {"v<-p": ...}, overheads {field: s},
   ar_seconds (per token of plain decoding, measured). Acceptance is the mean over the prompts;
   the timings are taken after the first, at its length (the profile's context).
   target, draft: loading.LoadedModel; continuations: the target's own tokens after each prompt;
   eagle: profile.load_eagle's EAGLE draft, measured as the level 'eagle' (the space gets it).
   The overheads are fitted to the draft model's stacks; an EAGLE forward is charged the draft
-  model's per-forward overhead. overheads: fitted already (`stored_overheads`), not fitted here."""
+  model's per-forward overhead. overheads: fitted already (`stored_overheads`), not fitted here;
+  ar_seconds: timed already (the continuations' own decoding: `ar_from`), not timed here."""
   space = space.measured(len(prompts[0]), eagle)
   per_passage = [profile_lib.pair_acceptance(target, draft, space.pairs(), p, c, sampling, eagle)
                  for p, c in zip(prompts, continuations)]
   return {"context": len(prompts[0]), "passages": len(prompts),
           "acceptance": {pair: _mean([a[pair] for a in per_passage]) for pair in per_passage[0]},
-          **measure_costs(target, draft, prompts[0], sampling, space, repeats, eagle, overheads=overheads)}
+          **measure_costs(target, draft, prompts[0], sampling, space, repeats, eagle, overheads=overheads,
+                          ar_seconds=ar_seconds)}
 
 
 def measure_costs(target, draft, prompt: Sequence[int], sampling, space: Space = Space(), repeats: int = 10,
-                  eagle=None, rows: int = 1, overheads: dict | None = None) -> dict:
+                  eagle=None, rows: int = 1, overheads: dict | None = None, ar_seconds: float | None = None) -> dict:
   """A profile's timings at a batch of `rows` copies of `prompt`: costs {level: {width: s}} of a
   forward of all rows, overheads {field: s} of a round of all rows, ar_seconds (a step of all
-  rows: a row's seconds per token). A row's acceptance is the same at any batch (each row
-  accepts its own tokens), so a batch's profile takes it from batch 1's (`profiled`). overheads:
-  {"fields": ..., "from": path} of another profile (`stored_overheads`): not fitted again."""
+  rows at this sampling: a row's seconds per token). A row's acceptance is the same at any batch
+  (each row accepts its own tokens), so a batch's profile takes it from batch 1's (`profiled`).
+  overheads: {"fields": ..., "from": where} of another profile or of the shipped fits
+  (`stored_overheads`): not fitted again; ar_seconds: timed already, not timed again."""
   space = space.measured(len(prompt), eagle)
   budgets = [m.budget for m in space.middles if _is_retrieval(m)]
   costs = profile_lib.level_costs(target, draft, space.model_levels(), prompt, space.widths, repeats, eagle, rows)
@@ -146,7 +157,20 @@ def measure_costs(target, draft, prompt: Sequence[int], sampling, space: Space =
                                                       max_new_tokens=new_tokens, costs=costs, rows=rows)}
   else:
     fitted = {"overheads": overheads["fields"], "overheads_from": overheads["from"]}
-  return {"costs": costs, **fitted, "ar_seconds": profile_lib.ar_seconds(target, prompt, new_tokens, rows)}
+  if ar_seconds is None:
+    ar_seconds = profile_lib.ar_seconds(target, prompt, new_tokens, rows, sampling)
+  return {"costs": costs, **fitted, "ar_seconds": ar_seconds}
+
+
+def ar_from(runs: Sequence) -> float | None:
+  """Seconds per token of plain decoding from the target's own continuations (engine.Results of
+  one row each, at the profile's sampling and context): over every run but the first, whose
+  decode loop pays its first execution (0.3-0.9 s here: docs/results/cpu/first_execution.md).
+  They are `ar` itself, so a profile need not time it again (9-13 s of a first profile). None
+  where they decoded nothing (answers that ended at once): it is timed then."""
+  warm = runs[1:] or runs
+  decoded = sum(len(r.tokens[0]) - 1 for r in warm)   # each row's first token is the prefill's
+  return sum(r.decode_s for r in warm) / decoded if decoded > 0 else None
 
 
 def _mean(records: Sequence[dict]) -> dict:
@@ -195,12 +219,15 @@ def candidates(profile: dict, greedy: bool, space: Space = Space()) -> optimize.
 class Choice:
   """A plan in the launchers' terms: the stack's levels in the profile's names (None: plain
   decoding, `ar`, when no stack is predicted to beat it), and for a Sequoia tree the per-rank
-  acceptance it was built from (--acceptance). best_stack: the fastest stack, chosen or not."""
+  acceptance it was built from (--acceptance). best_stack: the fastest stack, chosen or not.
+  step_aside: for a drafter right under the target, the accepted tokens per round under which a
+  row's round loses to a plain one (`step_aside_below`): its rows step aside there."""
   best_stack: optimize.Plan
   levels: spec.Levels | None
   acceptance: tuple[float, ...] | None
   predicted_tokens_per_s: float
   ar_tokens_per_s: float
+  step_aside: float | None = None
 
   def flags(self, draft: str, eagle: str | None = None) -> dict:
     """The launchers' flags: draft is the draft model's path, eagle the EAGLE draft's (a plan
@@ -216,6 +243,8 @@ class Choice:
     out = {"method": "hsd", "levels": str(levels), "draft": draft}
     if self.acceptance is not None:
       out["acceptance"] = ",".join(f"{a:.4f}" for a in self.acceptance)
+    if self.step_aside is not None:
+      out["step_aside"] = f"{self.step_aside:.3g}"
     return out
 
 
@@ -225,6 +254,30 @@ def levels_of(plan: optimize.Plan) -> spec.Levels:
 
 
 MIN_GAIN = 0.10  # a stack must be predicted this much faster than `ar` to be chosen over it
+MIN_BELOW = 0.05   # the least break-even a plan's rows step aside under (StepAside's must be > 0)
+
+
+def _drafts_while_resting(level: Level) -> bool:
+  """Whether the drafter runs in a round its rows rest (step_aside.py): one with a cache of its own
+  keeps it in step; prompt lookup and the target's own layers do not run."""
+  return level.kind not in ("ngram", "self", "medusa")
+
+
+def step_aside_below(c: optimize.Candidates, plan: optimize.Plan, ar_seconds: float) -> float | None:
+  """The accepted tokens per round under which a row of `plan` (a drafter right under the target)
+  decodes slower than it would resting: a round offering the drafter's whole tree costs its
+  proposal, the target's forward over it and a verifying round's overheads, and commits one token
+  more than it accepts; a resting round commits one, at `ar`'s step (the drafter idle), or at the
+  drafter's proposal and a one-token forward (a drafter whose cache must see every round). None
+  for a hierarchy (its rows do not step aside)."""
+  if plan.middles:
+    return None
+  drafter = next(d for d in c.drafters if d.name == plan.drafter)
+  tree = dict(drafter.trees)[plan.tree]
+  proposal = latency.tree_draft_seconds(tree, drafter.cost) + (c.overheads.propose(tree) if drafter.cost else 0.0)
+  speculating = proposal + c.target(tree.size + 1) + c.overheads.check(tree)
+  resting = proposal + c.target(1) + c.overheads.check(None) if _drafts_while_resting(plan.drafter) else ar_seconds
+  return max(speculating / resting - 1.0, MIN_BELOW)
 
 
 def choose(profile: dict, greedy: bool, space: Space = Space(), min_gain: float = MIN_GAIN) -> Choice:
@@ -239,7 +292,8 @@ def choose(profile: dict, greedy: bool, space: Space = Space(), min_gain: float 
     return Choice(plan, None, None, ar_speed, ar_speed)
   # A Sequoia tree is built from the drafter's profile against the target (`candidates`).
   acceptance = tuple(c.profile(TARGET, plan.drafter)) if isinstance(plan.tree, spec.Sequoia) else None
-  return Choice(plan, levels_of(plan), acceptance, stack_speed, ar_speed)
+  return Choice(plan, levels_of(plan), acceptance, stack_speed, ar_speed,
+                step_aside_below(c, plan, profile["ar_seconds"]))
 
 
 def predict(profile: dict, greedy: bool, levels: spec.Levels | str, tree: shapes.TokenTree | None = None,
@@ -357,21 +411,24 @@ def profile_key(model_path: str, draft_path: str, context: int, sampling, text: 
 def profiled(model: str, draft: str, context: int, sampling, directory: str | pathlib.Path | None = None,
              text: str = "austen", space: Space = Space(), loaded: tuple = (None, None),
              log=lambda message: None, eagle: str | None = None, dtype: str = "float32",
-             key_dtype: str | None = None, batch: int = 1, reuse_overheads: bool = True) -> tuple[dict, pathlib.Path]:
+             key_dtype: str | None = None, batch: int = 1, full: bool = False) -> tuple[dict, pathlib.Path]:
   """The profile of (model, draft) at `context` tokens of `text` (a corpus, or CHAT) and this sampling, with the
   target in `dtype` and its caches' keys in `key_dtype`, for a batch of `batch` rows: stored, or
-  measured and stored (a few minutes on a CPU). loaded: the models if already in memory (the
-  target in that precision); eagle: an EAGLE draft's folder, profiled too (a profile of its own).
-  A batch's profile is batch 1's acceptance (profiled first, or read) with its own timings.
-  reuse_overheads: a round's overheads come from a stored profile of these models at another
-  context or text where there is one (`stored_overheads`); False fits them again (and measures
-  again a stored profile whose overheads came from another)."""
+  measured and stored (one to three minutes on a 2-core CPU). loaded: the models if already in
+  memory (the target in that precision); eagle: an EAGLE draft's folder, profiled too (a profile
+  of its own). A batch's profile is batch 1's acceptance (profiled first, or read) with its own
+  timings. A round's overheads come from a stored profile of these models at another context or
+  text where there is one, else from the fits shipped for the shipped models (`stored_overheads`).
+  full: the full measurement, every width of FULL_WIDTHS timed and the overheads fitted here (a
+  stored profile that is not one is measured again)."""
   from hitree_jax.loading import load_model
   if loaded[0] is not None and precision(loaded[0].config.dtype, loaded[0].config.key_dtype) != precision(dtype, key_dtype):
     raise UsageError(f"the loaded target is in {loaded[0].config.dtype} with keys in "
                      f"{loaded[0].config.cache_key_dtype}, not the profile's {dtype} and {key_dtype or dtype}")
   path, key = where_kept(model, draft, context, sampling, directory, text, eagle, dtype, key_dtype, batch)
   model_path, draft_path, eagle_path = key["model"], key["draft"], key.get("eagle")
+  if full:
+    space = dataclasses.replace(space, widths=FULL_WIDTHS)
 
   @functools.cache
   def models_and_prompts():
@@ -384,7 +441,7 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
     return target, drafter, feature_draft, measured_prompts(load_tokenizer(target.path), text, context)
 
   def reused(at: pathlib.Path, at_key: dict) -> dict | None:
-    return stored_overheads(at, at_key, log) if reuse_overheads else None
+    return None if full else stored_overheads(at, at_key, log)
 
   def run():
     from hitree_jax.decode import engine
@@ -393,11 +450,11 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
     target, drafter, feature_draft, prompts = models_and_prompts()
     # The target's own text, as a stack meets it: sampled when the plan is for sampling.
     chat = text == CHAT
-    continuations = [engine.generate(target.params, target.config, [p], sampling=sampling, seed=i,
-                                     max_new_tokens=CHAT_ANSWER if chat else CONTINUATION,
-                                     stop_at_eos=chat).tokens[0] for i, p in enumerate(prompts)]
-    return measure(target, drafter, prompts, continuations, sampling, space, eagle=feature_draft,
-                   overheads=reused(single_path, single_key))
+    runs = [engine.generate(target.params, target.config, [p], sampling=sampling, seed=i,
+                            max_new_tokens=CHAT_ANSWER if chat else CONTINUATION, stop_at_eos=chat)
+            for i, p in enumerate(prompts)]
+    return measure(target, drafter, prompts, [r.tokens[0] for r in runs], sampling, space, eagle=feature_draft,
+                   overheads=reused(single_path, single_key), ar_seconds=ar_from(runs))
 
   def run_batch():
     log(f"timing {model} + {draft} at a batch of {batch} (once; kept in {path})")
@@ -406,7 +463,8 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
             **measure_costs(target, drafter, prompts[0], sampling, space, eagle=feature_draft, rows=batch,
                             overheads=reused(path, key))}
 
-  keep = lambda profile: reuse_overheads or "overheads_from" not in profile
+  keep = lambda profile: not full or ("overheads_from" not in profile
+                                      and all(str(w) in profile["costs"][str(TARGET)] for w in FULL_WIDTHS))
   if batch == 1:
     single_path, single_key = path, key
     return profile_lib.cached(path, key, run, keep), path
@@ -420,15 +478,19 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
 # A round's overheads are the engine's own bookkeeping on this machine: the same whatever the
 # text, and close whatever the context. They are noisy (`verify` 1.1-2.2 ms in three fits at 512
 # tokens); borrowed from 512 at 2,048 they moved every prediction by 9% or less and left the
-# choice (docs/planner.md). The fit is the dearest part of a profile (six generations, each
-# compiled: 96 of the 204 s of a first profile at 512 tokens).
+# choice (docs/planner.md). The fit is the dearest part of a first profile (six generations, each
+# compiled: 84 of the 183 s of a first profile at 512 tokens).
 OVERHEADS_IGNORE = ("context", "book", "prompts", "answer_tokens", "eagle", "eagle_contents")
+# Fits shipped for the shipped target and drafts (drafts/overheads.json: their machine, jax and
+# command with each), for a first profile of them on a machine that has kept none.
+SHIPPED_OVERHEADS = "overheads.json"
 
 
 def stored_overheads(path: pathlib.Path, key: dict, log=lambda message: None) -> dict | None:
-  """{"fields": the overheads, "from": its path} of the stored profile beside `path` whose key is
+  """{"fields": the overheads, "from": where} of the stored profile beside `path` whose key is
   `key`'s but for the context and the text (OVERHEADS_IGNORE: the same models, machine, jax,
-  sampling, precision and batch), at the nearest context; None where there is none."""
+  sampling, precision and batch), at the nearest context; where there is none, the shipped fit
+  for these models' contents, sampling, precision and batch (`shipped_overheads`); else None."""
   same = lambda k: {name: value for name, value in k.items() if name not in OVERHEADS_IGNORE}
   found = []
   for other in path.parent.glob("ctx*.json"):
@@ -441,10 +503,33 @@ def stored_overheads(path: pathlib.Path, key: dict, log=lambda message: None) ->
     except (*profile_lib.TORN, AttributeError):   # torn or not a profile: not a source
       continue
   if not found:
-    return None
+    return shipped_overheads(key, log)
   _, source, fields = min(found)
   log(f"a round's overheads from {source} (fitted at another context of these models)")
   return {"fields": fields, "from": source}
+
+
+def shipped_key(key: dict) -> dict:
+  """What a shipped fit must match of a profile's key: the models' contents (not their paths, nor
+  the machine or jax: the fit names those), the sampling, the precision and the batch."""
+  return {"contents": key["contents"], "sampling": key["sampling"], "batch": key.get("batch", 1),
+          **{name: key[name] for name in ("dtype", "key_dtype") if name in key}}
+
+
+def shipped_overheads(key: dict, log=lambda message: None) -> dict | None:
+  """{"fields", "from"} of the shipped fit (drafts/overheads.json) for `key`'s models, sampling,
+  precision and batch, naming the machine it was fitted on; None where none was shipped."""
+  import json
+  from hitree_jax import shipped
+  where = shipped.file("drafts", SHIPPED_OVERHEADS)
+  if not where.is_file():
+    return None
+  for fit in json.loads(where.read_text())["fits"]:
+    if fit["key"] == shipped_key(key):
+      source = f"{where.name}, shipped: fitted on {fit['measured']['cpu']} with jax {fit['measured']['jax']}"
+      log(f"a round's overheads from {source} (none fitted on this machine yet: launch.plan --full_profile fits them)")
+      return {"fields": fit["overheads"], "from": source}
+  return None
 
 
 def measured_prompts(tokenizer, text: str, context: int) -> list[list[int]]:
@@ -493,15 +578,15 @@ def stored_plan(model: str, draft: str, prompt_length: int, sampling, directory=
 def plan_for(model: str, draft: str, prompt_length: int, sampling, directory=None, text: str = "austen",
              loaded: tuple = (None, None), log=lambda message: None,
              min_gain: float = MIN_GAIN, eagle: str | None = None, dtype: str = "float32",
-             key_dtype: str | None = None, batch: int = 1, reuse_overheads: bool = True
+             key_dtype: str | None = None, batch: int = 1, full: bool = False
              ) -> tuple[Choice, dict, pathlib.Path]:
   """(the fastest stack, the profile, its path) for a batch of `batch` prompts of `prompt_length`
   tokens: planned from the profile at the nearest of CONTEXTS and of BATCHES (and the target's
   precision, as in `profiled`), measured on first use; eagle: an EAGLE draft's folder, a
-  candidate drafter too; reuse_overheads: as in `profiled`."""
+  candidate drafter too; full: the full measurement, as in `profiled`."""
   profile, path = profiled(model, draft, nearest_context(prompt_length), sampling, directory, text,
                            loaded=loaded, log=log, eagle=eagle, dtype=dtype, key_dtype=key_dtype,
-                           batch=nearest_batch(batch), reuse_overheads=reuse_overheads)
+                           batch=nearest_batch(batch), full=full)
   return choose(profile, float(sampling.temperature) == 0, min_gain=min_gain), profile, path
 
 

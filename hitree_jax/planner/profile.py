@@ -72,11 +72,11 @@ def _is_ngram(level: Level) -> bool:
 
 
 FORWARDS_PER_CALL = 8  # a timed call runs this many forwards in one program
-# A level's timings stop after this many seconds once each width has MIN_REPEATS: a batch of 16
-# rows' 16-token forward takes 0.7 s here, and ten repeats of its five widths took minutes per
-# level. At batch 1 and 512 tokens SmolLM2's target takes about 19 s for its ten; a longer context
-# or a larger batch gets fewer (three at least).
-LEVEL_SECONDS = 20.0
+# A level's timings stop after this many seconds once each width has MIN_REPEATS (each repeat is
+# FORWARDS_PER_CALL forwards of every width): SmolLM2's target at 512 tokens takes about 4 s for
+# ten repeats of its three widths, 8 s at 2K; a longer context or a larger batch gets fewer (three
+# at least), a draft all ten. Ten repeats of five widths had taken minutes per level at batch 16.
+LEVEL_SECONDS = 3.0
 MIN_REPEATS = 3
 
 
@@ -318,21 +318,35 @@ def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
   return best
 
 
-def ar_seconds(target, prompt: Sequence[int], max_new_tokens: int = 96, rows: int = 1) -> float:
+def ar_seconds(target, prompt: Sequence[int], max_new_tokens: int = 96, rows: int = 1, sampling=None) -> float:
   """Seconds per token of a row of plain decoding (`ar`) after `prompt`, in a batch of `rows`
-  copies (a step's seconds: every row gains a token): what every stack must beat."""
+  copies (a step's seconds: every row gains a token), at `sampling` (default greedy; sampling
+  costs a step more than an argmax): what every stack at that sampling must beat."""
   programs = Programs()
   runs = [engine.generate(target.params, target.config, [list(prompt)] * rows, max_new_tokens=max_new_tokens,
-                          stop_at_eos=False, programs=programs) for _ in range(2)]
+                          sampling=sampling, stop_at_eos=False, programs=programs) for _ in range(2)]
   return rows / max(r.decode_tokens_per_s for r in runs)
+
+
+# A continuation is teacher-forced padded to a multiple of this: chat answers end where the target
+# ends its turn, and twelve lengths compiled each level's program twelve times (80 programs, 34 s of
+# a 2-minute chat profile). A position sees only those before it, so the padding changes none.
+CONTINUATION_BUCKET = 64
+
+
+def _padded(n: int) -> int:
+  return -(-n // CONTINUATION_BUCKET) * CONTINUATION_BUCKET
 
 
 def _continuation_probs(config, params, long, vocab, tokens, target_vocab: int, sampling, taps=()):
   """The level's sampling distribution [N, V_target], its top-R tokens [N, R] (target ids) and
   its features [1, N, E] (with taps, [1, N, (k+1)E]) at each of the N continuation tokens,
   teacher-forced in one chunk over its long cache."""
+  n = len(tokens)
+  tokens = list(tokens) + [tokens[-1]] * (_padded(n) - n)
   ids = jnp.asarray(tokens if vocab is None else vocab.to_draft(np.asarray(tokens)), jnp.int32)[None]
-  return _teacher_forced(config, params, long, vocab, ids, target_vocab, sampling, taps)
+  probs, ranked, hidden = _teacher_forced(config, params, long, vocab, ids, target_vocab, sampling, taps)
+  return probs[:n], ranked[:n], hidden[:, :n]
 
 
 # One program per level's shapes: run op by op, a profile compiled some 390 small programs (40 s
@@ -449,7 +463,7 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[Level, Level]], prompt:
   (load_eagle's) reads its verifier's features, so its rates are per verifier. The continuation
   runs as one chunk, so a StreamingLLM window holds it all (the window slides token by token in
   decoding): an approximation for continuations much shorter than the window."""
-  levels = _Levels(target, draft, prompt, len(continuation), eagle)
+  levels = _Levels(target, draft, prompt, _padded(len(continuation)), eagle)
   vocab_size = target.config.vocab_size
   dists, features, offered_counts = {}, {}, {}
   for level in {n for pair in pairs for n in pair} - {EAGLE}:
@@ -521,7 +535,8 @@ def _deeper(p, accept, hits, q_deep) -> dict:
 # (they were one token early, so prompt lookup measured near 0). 7: an n-gram level offers
 # nothing where no suffix matched (it proposed the last token), and its record says how often it offers.
 # 8: it offers at most 2**n tokens after a match of n, and its record has the law of how many.
-PROFILE_VERSION = 8
+# 9: `ar` is timed at the profile's sampling (it was greedy: a sampled plan's baseline was too fast).
+PROFILE_VERSION = 9
 
 
 def profile_key(model: str, draft: str | None) -> dict:

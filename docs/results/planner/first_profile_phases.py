@@ -1,14 +1,16 @@
 """Where a first plan's time goes: each phase of auto.profiled, its wall time and how much of it
 is XLA compiling (jax.monitoring's compile events), for SmolLM2-135M + drafts/smollm2-draft.gguf,
-greedy, on Austen.
+greedy, on Austen (or TEXT, DRAFT, and --full for launch.plan --full_profile).
 
   python docs/results/planner/first_profile_phases.py 512             # a fresh profile directory
   python docs/results/planner/first_profile_phases.py 2048 DIRECTORY  # profiles kept in DIRECTORY
+  python docs/results/planner/first_profile_phases.py 128 DIRECTORY chat smollm2-draft-chat
 
 The last line printed is the record as JSON (the phases, the machine, jax, the commit, the command).
 
 With a profile of the same models at another context in DIRECTORY, the round overheads are
-borrowed from it (auto.stored_overheads) and round_overheads does not run.
+borrowed from it, else from the fits shipped for the shipped models (auto.stored_overheads), and
+round_overheads does not run.
 """
 
 import collections
@@ -52,14 +54,18 @@ def timed(name: str):
 
 
 def main():
-  context = int(sys.argv[1])
-  directory = sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp()
+  full = "--full" in sys.argv
+  args = [arg for arg in sys.argv[1:] if arg != "--full"]
+  context = int(args[0])
+  directory = args[1] if len(args) > 1 else tempfile.mkdtemp()
+  text = args[2] if len(args) > 2 else "austen"
+  draft = args[3] if len(args) > 3 else "drafts/smollm2-draft.gguf"
   jax.monitoring.register_event_duration_secs_listener(on_event)
   for name in PHASES:
     setattr(profile_lib, name, timed(name))
   start = time.perf_counter()
-  choice, profile, path = auto.plan_for("smollm2", "drafts/smollm2-draft.gguf", context, SamplingParams.create(),
-                                        directory, "austen")
+  choice, profile, path = auto.plan_for("smollm2", draft, context, SamplingParams.create(), directory, text,
+                                        full=full)
   total = time.perf_counter() - start
   print(f"total {total:.1f} s, chose {choice.levels}, kept in {path}")
   spent["other"] = total - sum(spent.values())
@@ -67,7 +73,8 @@ def main():
     print(f"{name}: {spent[name]:.1f} s, of which compiling {compile_s[name]:.1f} s ({compiles[name]} programs)")
   print("overheads", {k: round(v * 1e3, 2) for k, v in profile["overheads"].items()}, "ms;",
         "from", profile.get("overheads_from", "this profile's own fit"))
-  print(json.dumps({**provenance.stamp(), "context": context, "chose": str(choice.levels), "total_s": total,
+  print(json.dumps({**provenance.stamp(), "context": context, "text": text, "draft": draft, "full": full,
+                    "chose": str(choice.levels), "total_s": total,
                     "phases": {name: {"seconds": spent[name], "compile_s": compile_s[name], "compiles": compiles[name]}
                                for name in (*PHASES, "other")},
                     "overheads": profile["overheads"], "overheads_from": profile.get("overheads_from")}))
