@@ -340,7 +340,9 @@ def main(argv):
                      "new_tokens": sum(map(len, r.tokens)), "decode_tokens_per_s": r.decode_tokens_per_s,
                      "compiles": r.compiles, "cache_loads": r.cache_loads, "target_forwards": r.target_forwards,
                      "mean_accepted": r.mean_accepted, "accepted_per_depth": r.accepted_per_depth,
-                     "levels": r.levels, **({"rows": size} if size != 1 else {})})
+                     "levels": r.levels, **({"rows": size} if size != 1 else {}),
+                     **({} if r.aside_per_row is None else {"rounds_aside": sum(r.aside_per_row),
+                                                            "stepped_aside": sum(r.stepped_aside_per_row)})})
         if method.label == "ar":
           ar_tokens[n_tokens, size, i] = r.tokens
         elif FLAGS.temperature == 0:

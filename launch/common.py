@@ -264,8 +264,8 @@ def define_speculation_flags():
                       "drafts/smollm2-draft.gguf).")
   flags.DEFINE_integer("gamma", knobs.gamma, "Draft tokens per round for --method=sd and --method=retrieval.")
   flags.DEFINE_string("step_aside", knobs.step_aside, "--method=sd, tree, and hsd with one level under the target "
-                      "(--method=auto sets it from its plan): BELOW[:ROUNDS]. A row whose running "
-                      "mean of accepted tokens per round falls below BELOW runs ROUNDS (default 16) "
+                      "(--method=auto sets it from its plan): BELOW[:ROUNDS[:MEMORY]]. A row whose running "
+                      "mean of accepted tokens per round (over MEMORY rounds, default 4) falls below BELOW runs ROUNDS (default 16) "
                       "plain one-token rounds, then tries its drafter again; the output is unchanged.")
   flags.DEFINE_string("tree", knobs.tree, "Tree for --method=tree (default kary:2x2) and --method=hitree "
                       "(default kary:2x4, HiTree's binary tree of depth 4): chain:N, kary:KxD, "

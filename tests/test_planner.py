@@ -584,7 +584,7 @@ def test_a_plan_under_the_target_steps_aside_at_its_break_even():
   proposal = 2 * cost("draft", 1) + 2 * over["draft_forward"]
   below = (proposal + cost("target", 3) + over["verify"]) / (proposal + cost("target", 1) + over["verify"]) - 1
   assert draft.step_aside == pytest.approx(below) and 0.05 < below < 0.5
-  assert draft.flags("d.gguf")["step_aside"] == f"{below:.3g}"
+  assert draft.flags("d.gguf")["step_aside"] == f"{below:.3g}:16:16"
   lookup = auto.choose(dict(profile, ar_seconds=0.0215), True,
                        auto.Space(drafters=("ngram:3",), middles=(), chains=(3,), trees=()), min_gain=0.0)
   assert str(lookup.levels) == "ngram:3/chain:3"

@@ -112,10 +112,15 @@ def test_stepping_aside_is_refused_where_it_does_not_apply_and_named_when_bad():
   with pytest.raises(UsageError, match="not to the hierarchy 'ngram:3/chain:2\\+draft/3'"):
     methods.method("hsd/ngram:3/chain:2+draft/3/aside:0.5")
   assert methods.method("hsd/ngram:3/chain:2/aside:0.5").step_aside == StepAside(0.5)
-  for text, message in (("x", "expected BELOW"), ("0", "below=0.0 must be a positive"), ("1:0", "rounds=0")):
+  for text, message in (("x", "expected BELOW"), ("0", "below=0.0 must be a positive"), ("1:0", "rounds=0"),
+                        ("1:4:0", "memory=0")):
     with pytest.raises(UsageError, match=message):
       StepAside.parse(text)
   assert StepAside.parse("0.5:32") == StepAside(0.5, 32) and str(StepAside(0.5, 32)) == "0.5:32"
+  assert StepAside.parse("0.5:16:16") == StepAside(0.5, 16, 16) and str(StepAside(0.5, 16, 16)) == "0.5:16:16"
+  assert StepAside(0.5, memory=16).rounds_to_switch() == 11
+  with pytest.raises(UsageError, match="expected BELOW"):
+    StepAside.parse("0.5:16:16:1")
 
 
 def test_a_round_that_offered_nothing_is_not_counted():

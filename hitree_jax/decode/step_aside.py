@@ -49,13 +49,15 @@ class StepAside:
 
   @classmethod
   def parse(cls, text: str) -> "StepAside":
-    """BELOW[:ROUNDS], e.g. 0.5 or 0.5:32."""
-    below, _, rounds = text.partition(":")
+    """BELOW[:ROUNDS[:MEMORY]], e.g. 0.5, 0.5:32 or 0.5:16:16."""
+    below, *rest = text.split(":")
     try:
-      numbers = float(below), int(rounds) if rounds else cls.rounds
+      if len(rest) > 2:
+        raise ValueError
+      numbers = float(below), *map(int, rest)
     except ValueError:
-      raise UsageError(f"--step_aside={text}: expected BELOW[:ROUNDS], accepted tokens per round "
-                       "and plain rounds (e.g. 0.5 or 0.5:32)") from None
+      raise UsageError(f"--step_aside={text}: expected BELOW[:ROUNDS[:MEMORY]], accepted tokens per round, "
+                       "plain rounds and the running mean's span in rounds (e.g. 0.5, 0.5:32 or 0.5:16:16)") from None
     return cls(*numbers)
 
   def rounds_to_switch(self, mean: float | None = None) -> int:
@@ -72,7 +74,7 @@ class StepAside:
     return self.rounds * 2 ** min(failures, MAX_DOUBLINGS)
 
   def __str__(self) -> str:
-    return f"{self.below:g}:{self.rounds}"
+    return f"{self.below:g}:{self.rounds}" + (f":{self.memory}" if self.memory != StepAside.memory else "")
 
 
 @flax.struct.dataclass

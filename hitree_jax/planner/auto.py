@@ -244,7 +244,7 @@ class Choice:
     if self.acceptance is not None:
       out["acceptance"] = ",".join(f"{a:.4f}" for a in self.acceptance)
     if self.step_aside is not None:
-      out["step_aside"] = f"{self.step_aside:.3g}"
+      out["step_aside"] = f"{self.step_aside:.3g}:{STEP_ASIDE_ROUNDS}:{STEP_ASIDE_MEMORY}"
     return out
 
 
@@ -255,6 +255,13 @@ def levels_of(plan: optimize.Plan) -> spec.Levels:
 
 MIN_GAIN = 0.10  # a stack must be predicted this much faster than `ar` to be chosen over it
 MIN_BELOW = 0.05   # the least break-even a plan's rows step aside under (StepAside's must be > 0)
+# A plan's rows step aside after `rounds` plain rounds when their mean over about this many rounds
+# falls below the break-even. Prompt lookup accepts in bursts (nothing, then three tokens): over 4
+# rounds its mean fell below a break-even of 0.49 often enough that its rows rested through
+# matches, 1.84 -> 1.38 tokens per target forward and 1.42x -> 1.29x `ar` on Austen at 512 tokens;
+# over 16 they never stepped aside there (1.39x) and a drafter that never pays still steps aside
+# after 11 rounds (docs/results/planner/step_aside_memory_512.md).
+STEP_ASIDE_ROUNDS, STEP_ASIDE_MEMORY = 16, 16
 
 
 def _drafts_while_resting(level: Level) -> bool:
