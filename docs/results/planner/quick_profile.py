@@ -8,10 +8,14 @@ default), the planner's choice and its predicted speed over `ar` for a list of s
   costs    the full profile with the quick one's forwards' costs alone (what the fewer widths and
            repeats change)
 
-  python docs/results/planner/quick_profile.py FULL.json QUICK.json [greedy|sampled]
+  python docs/results/planner/quick_profile.py FULL.json QUICK.json [BENCHMARK.json]
 
-Prints a markdown table, then the record as JSON (machine, jax, commit, command).
+Greedy. With a launch.benchmark record of the same setting (its methods `hsd/STACK`), also each
+profile's predicted speed over `ar` against the measured one. Prints markdown tables, then the
+record as JSON (machine, jax, commit, command).
 """
+
+import statistics
 
 import json
 import sys
@@ -25,7 +29,7 @@ STACKS = ("ngram:3/chain:2", "ngram:3/chain:3", "ngram:3/chain:6", "draft/chain:
 
 def main():
   full, quick = (json.load(open(path))["profile"] for path in sys.argv[1:3])
-  greedy = (sys.argv[3] if len(sys.argv) > 3 else "greedy") == "greedy"
+  greedy = True
   profiles = {"full": full, "quick": quick, "costs": dict(full, costs=quick["costs"])}
   speed = lambda profile, stack: profile["ar_seconds"] / auto.predict(profile, greedy, stack).seconds_per_token
   rows = {stack: {name: speed(profile, stack) for name, profile in profiles.items()} for stack in STACKS}
@@ -37,8 +41,28 @@ def main():
           f"| {x['costs'] / x['full']:.3f} |")
   print(f"| chosen | {chosen['full']} | {chosen['quick']} | | {chosen['costs']} | |")
   print(f"| `ar` ms/token | {full['ar_seconds'] * 1e3:.2f} | {quick['ar_seconds'] * 1e3:.2f} | | | |")
+  measured = against_measurement(json.load(open(sys.argv[3])), profiles, speed) if len(sys.argv) > 3 else None
   print(json.dumps({**provenance.stamp(), "profiles": sys.argv[1:3], "greedy": greedy, "predicted_x_ar": rows,
-                    "chosen": chosen, "ar_seconds": {"full": full["ar_seconds"], "quick": quick["ar_seconds"]}}))
+                    "chosen": chosen, "ar_seconds": {"full": full["ar_seconds"], "quick": quick["ar_seconds"]},
+                    "against_measurement": measured}))
+
+
+def against_measurement(record: dict, profiles: dict, speed) -> dict:
+  """Each hsd/STACK of a benchmark record: measured x `ar` (medians), and each profile's prediction."""
+  tok_s = {r["method"]: r["median_decode_tokens_per_s"] for r in record["results"]}
+  out = {}
+  print("\n| stack | measured x ar | full predicts | error | quick predicts | error |")
+  print("|---|---|---|---|---|---|")
+  for method, value in tok_s.items():
+    if not method.startswith("hsd/"):
+      continue
+    stack, x = method.removeprefix("hsd/"), value / tok_s["ar"]
+    full, quick = speed(profiles["full"], stack), speed(profiles["quick"], stack)
+    out[stack] = {"measured": x, "full": full, "quick": quick}
+    print(f"| {stack} | {x:.3f}x | {full:.3f}x | {full / x - 1:+.0%} | {quick:.3f}x | {quick / x - 1:+.0%} |")
+  for name in ("full", "quick"):
+    print(f"{name}: mean |error| {statistics.mean(abs(v[name] / v['measured'] - 1) for v in out.values()):.1%}")
+  return out
 
 
 if __name__ == "__main__":
