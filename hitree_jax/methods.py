@@ -53,7 +53,7 @@ class Knobs:
   gamma1: int | None = None
   gamma2: int | None = None
   levels: str | None = None
-  step_aside: str | None = None   # BELOW[:ROUNDS] (decode/step_aside.py): a drafter under the target
+  step_aside: str | None = None   # BELOW[:ROUNDS[:MEMORY]] (decode/step_aside.py): a drafter under the target
 
 
 def method(spec: str = "ar", greedy: bool = True, **options) -> "Method":
@@ -240,7 +240,7 @@ def _retrieval(knobs: Knobs):
 def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Method:
   """`ar`, `sd[/DRAFT[/GAMMA]]`, `tree[/DRAFT[/TREE]]`, `retrieval[/GAMMA]`, `triforce[/DRAFT]`,
   `hitree[/DRAFT[/TREE]]` or `hsd[/LEVELS]`; missing parts come from the flags (`knobs`). sd,
-  tree and hsd with a drafter right under the target take a last part `aside:BELOW[:ROUNDS]` (or
+  tree and hsd with a drafter right under the target take a last part `aside:BELOW[:ROUNDS[:MEMORY]]` (or
   knobs.step_aside): rows step aside while their drafts do not pay (decode/step_aside.py).
 
   e.g. sd/ngram/4, tree/self:8/kary:2x2, tree/self:4,without_replacement/chain:6,

@@ -3,11 +3,10 @@
 Each row keeps a running mean of the tokens the target accepts per speculative round (an
 exponential mean, weight 1/`memory` on the newest round; a round in which its drafter offered
 nothing, as prompt lookup does without a match, is a plain one and not counted), starting at
-twice `below`. When it
-falls below `below` (the break-even: a wide round must commit that many more tokens than a
-plain one to pay for itself), the row's next rounds offer nothing: `rounds` of them, twice as
-many after each probe that fails (at most MAX_DOUBLINGS times), `rounds` again after a round
-that pays. The target then runs the root alone, the one-token forward of `ar`
+twice `below`. When it falls below `below` (the break-even: a wide round must commit that many
+more tokens than a plain one to pay for itself), the row's next rounds offer nothing: `rounds`
+of them, twice as many after each probe that fails (at most MAX_DOUBLINGS times), `rounds` again
+after a round that pays. The target then runs the root alone, the one-token forward of `ar`
 (loop.Decoder's narrowest offer width, taken when every live row offers nothing), and the
 row's token is the target's, as in any round: the output is unchanged. Afterwards the row
 offers again, a probe, with its mean set to `below`: a probe that accepts nothing sends it

@@ -163,7 +163,7 @@ def measure_costs(target, draft, prompt: Sequence[int], sampling, space: Space =
 
 
 def ar_from(runs: Sequence) -> float | None:
-  """Seconds per token of plain decoding from the target's own continuations (engine.Results of
+  """Seconds per token of plain decoding from the target's own continuations (GenerationResults of
   one row each, at the profile's sampling and context): over every run but the first, whose
   decode loop pays its first execution (0.3-0.9 s here: docs/results/cpu/first_execution.md).
   They are `ar` itself, so a profile need not time it again (9-13 s of a first profile). None
@@ -258,9 +258,9 @@ MIN_BELOW = 0.05   # the least break-even a plan's rows step aside under (StepAs
 # A plan's rows step aside after `rounds` plain rounds when their mean over about this many rounds
 # falls below the break-even. Prompt lookup accepts in bursts (nothing, then three tokens): over 4
 # rounds its mean fell below a break-even of 0.49 often enough that its rows rested through
-# matches, 1.84 -> 1.38 tokens per target forward and 1.42x -> 1.29x `ar` on Austen at 512 tokens;
-# over 16 they never stepped aside there (1.39x) and a drafter that never pays still steps aside
-# after 11 rounds (docs/results/planner/step_aside_memory_512.md).
+# matches, 1.84 -> 1.38 tokens per target forward and 1.34x -> 1.24x `ar` on Austen at 512 tokens;
+# over 16 they kept 1.84 (1.29x, and 1.32x as `auto`), and a drafter that never pays still steps
+# aside after 11 rounds (docs/results/planner/step_aside_memory_512.md).
 STEP_ASIDE_ROUNDS, STEP_ASIDE_MEMORY = 16, 16
 
 
