@@ -117,10 +117,10 @@ def synthetic_profile(context=512, space=None):
 
 def planned_label(choice, draft: str, eagle: str | None = None) -> str:
   """How a run labels the plan `choice` after its method's name: its levels, then the step aside at
-  its break-even (a drafter right under the target)."""
+  its break-even where it has one (a model drafter right under the target)."""
   from hitree_jax.decode.step_aside import StepAside
-  aside = StepAside.parse(choice.flags(draft, eagle)["step_aside"])
-  return f"{str(choice.levels).split('/', 1)[1]}/aside:{aside}"
+  aside = choice.flags(draft, eagle).get("step_aside")
+  return str(choice.levels).split('/', 1)[1] + (f"/aside:{StepAside.parse(aside)}" if aside else "")
 
 
 # A tiny target and draft, as a shapes config (launch.level_cost, launch.plan_memory --shapes).

@@ -573,8 +573,9 @@ def test_a_new_context_takes_a_rounds_overheads_from_a_stored_profile(tmp_path, 
 def test_a_plan_under_the_target_steps_aside_at_its_break_even():
   """A plan whose drafter sits right under the target carries the accepted tokens per round under
   which its round loses to a resting one: for a draft model (which drafts while resting, to keep
-  its cache in step), its round over its own proposal plus a one-token forward; for prompt lookup,
-  over `ar`'s step (at least MIN_BELOW). The launchers get it as step_aside; a hierarchy has none."""
+  its cache in step), its round over its own proposal plus a one-token forward; for the target's
+  own layers (idle while resting), over `ar`'s step (at least MIN_BELOW). The launchers get it as
+  step_aside; a hierarchy and prompt lookup have none."""
   from hitree_jax.planner import auto, optimize
   profile = synthetic_profile(512)
   cost = lambda name, w: profile["costs"][name]["1"] * (1 + 0.08 * (w - 1))   # synthetic_profile's curve
@@ -585,10 +586,14 @@ def test_a_plan_under_the_target_steps_aside_at_its_break_even():
   below = (proposal + cost("target", 3) + over["verify"]) / (proposal + cost("target", 1) + over["verify"]) - 1
   assert draft.step_aside == pytest.approx(below) and 0.05 < below < 0.5
   assert draft.flags("d.gguf")["step_aside"] == f"{below:.3g}:16:16"
-  lookup = auto.choose(dict(profile, ar_seconds=0.0215), True,
-                       auto.Space(drafters=("ngram:3",), middles=(), chains=(3,), trees=()), min_gain=0.0)
-  assert str(lookup.levels) == "ngram:3/chain:3"
-  assert lookup.step_aside == pytest.approx((cost("target", 4) + over["verify"]) / 0.0215 - 1)
+  own = auto.choose(dict(profile, ar_seconds=0.0295), True,
+                    auto.Space(drafters=("self:8",), middles=(), chains=(1,), trees=()), min_gain=0.0)
+  assert str(own.levels) == "self:8/chain:1"
+  assert own.step_aside == pytest.approx(
+      (cost("self:8", 1) + over["draft_forward"] + cost("target", 2) + over["verify"]) / 0.0295 - 1)
+  lookup = auto.choose(profile, True, auto.Space(drafters=("ngram:3",), middles=(), chains=(3,), trees=()))
+  assert str(lookup.levels) == "ngram:3/chain:3" and lookup.step_aside is None
+  assert "step_aside" not in lookup.flags("d.gguf")
   deep = optimize.Plan(auto.level_named("ngram:3"), "chain:2", ((auto.level_named("draft"), 3),), 0.01)
   assert auto.step_aside_below(auto.candidates(profile, True), deep, 0.02) is None
   assert auto.choose(dict(profile, ar_seconds=0.001), True).flags("d.gguf") == {"method": "ar"}
