@@ -71,6 +71,26 @@ def test_a_drafter_offering_part_of_its_chain_pays_the_narrowest_width_that_hold
   assert whole == latency.predict(dataclasses.replace(model, offer=1.0))
 
 
+def test_a_replayed_chain_yields_its_rounds_law_and_pays_each_rounds_width():
+  """latency.Replayed: a chain's rounds[m, k] (offered m, accepted k) are its yield's law and its
+  widths' cost as they are, positions not taken as independent; a chain it did not replay falls
+  back to the law of what it offers and the per-rank profile."""
+  target, over = affine(0.020, 0.001), latency.Overheads(verify=0.002)
+  rounds = np.zeros((5, 5))
+  rounds[0, 0], rounds[2, 2], rounds[4, 1], rounds[4, 4] = 3.0, 1.0, 2.0, 4.0    # 10 rounds
+  replayed = latency.Replayed({4: rounds}, offer=(0.5, 0.0, 0.0, 0.0, 0.5))
+  law, seconds = latency.first_round(target, shapes.chain(4), [0.4], over, offer=replayed)
+  np.testing.assert_allclose(law, [0, 0.3, 0.2, 0.1, 0, 0.4])
+  assert seconds == pytest.approx(0.3 * target(1) + 0.1 * target(3) + 0.6 * target(5) + 0.002)
+  # The chain of 3 was not replayed: half the rounds offer it all, at the profile's acceptance.
+  fallback, seconds = latency.first_round(target, shapes.chain(3), [0.4], over, offer=replayed)
+  np.testing.assert_allclose(fallback, [0, 0.5 + 0.5 * 0.6, 0.5 * 0.4 * 0.6, 0.5 * 0.4 ** 2 * 0.6, 0.5 * 0.4 ** 3])
+  assert seconds == pytest.approx(0.5 * target(1) + 0.5 * target(4) + 0.002)
+  got = latency.predict(latency.StackModel(shapes.chain(4), 0.0, (target,), ([0.4],), overheads=over,
+                                           model_drafter=False, offer=replayed))
+  assert got.tokens_per_target_forward == pytest.approx(0.3 + 0.1 * 3 + 0.2 * 2 + 0.4 * 5)
+
+
 def test_deeper_nodes_of_a_chain_accept_at_the_deeper_rate():
   law = latency.accepted_law(shapes.chain(3), [0.6], deeper=0.8)
   at_least = law[::-1].cumsum()[::-1]                  # P(accepted >= k)
@@ -345,6 +365,48 @@ def test_prompt_lookups_acceptance_compares_its_proposal_with_the_targets_for_th
   copy = prompt[40:88]
   _, ranked = profile._ngram_probs(spec_lib.NGram(3), prompt, copy, 64)
   assert ranked[2:-1, 0].tolist() == copy[3:] != copy[2:-1]   # not the token one early
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_prompt_lookups_replayed_rounds_are_the_engines_greedy(tiny_pair, size):
+  """Greedy, prompt lookup's rounds replayed over the target's own text are the engine's: as many
+  rounds as it runs target forwards, as many accepting at least d tokens at each depth d. The
+  replay counts a round only where its chain lies within the continuation: over M + size - 2
+  tokens, every round the engine runs for M new tokens."""
+  from hitree_jax.decode import engine
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.decode.drafters import NGramDrafter
+  target, _ = tiny_pair
+  prompt, new = list(np.tile(np.arange(3, 19), 8)) + [5, 9], 40
+  text = engine.generate(target.params, target.config, [prompt], max_new_tokens=new + size,
+                         stop_at_eos=False).tokens[0]
+  run = engine.generate(target.params, target.config, [prompt], max_new_tokens=new, stop_at_eos=False,
+                        drafter=NGramDrafter(3), tree=shapes.chain(size))
+  assert run.tokens[0] == text[:new]
+  record = profile.pair_acceptance(target, None, typed([("target", "ngram:3")]), prompt, text[:new + size - 2],
+                                   SamplingParams.create(), chains=(size,))["target<-ngram:3"]
+  rounds = np.asarray(record["rounds"][str(size)])
+  assert rounds.sum() == run.target_forwards and 1 < run.target_forwards < new - 1
+  at_least = [rounds[:, d:].sum() for d in range(1, size + 1)]
+  assert at_least == list(run.accepted_per_depth)
+
+
+def test_a_replay_under_sampling_accepts_each_offered_token_with_its_probability():
+  """Under sampling a round accepts its i-th offered token with the verifier's probability of it:
+  a text that repeats its prompt, each token taken with probability a, replays as a chain of
+  independent positions at acceptance a, rounds starting wherever the last one left off."""
+  a, size, vocab = 0.6, 3, 32
+  prompt = list(np.tile(np.arange(8), 6))
+  text = list(np.tile(np.arange(8), 40))
+  continuation = text[:200]
+  probs = np.full((200, vocab), (1 - a) / (vocab - 1))
+  probs[np.arange(200), text[1:201]] = a                 # row j: the token after continuation[j]
+  rounds = np.asarray(profile.ngram_rounds(spec_lib.NGram(3), prompt, continuation, probs, (size,))[str(size)])
+  assert rounds[:size].sum() == 0                               # it always offers the whole chain
+  law = rounds[size] / rounds.sum()
+  np.testing.assert_allclose(law, latency.chain_law(size, a), atol=1e-6)   # float32 probabilities
+  assert rounds.sum() == pytest.approx(197 / latency.expected(latency.tree_yield(shapes.chain(size), [a]), float),
+                                       rel=0.02)
 
 
 @pytest.mark.parametrize("greedy", [True, False])

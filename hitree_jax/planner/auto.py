@@ -16,6 +16,8 @@ import math
 import pathlib
 from typing import Sequence
 
+import numpy as np
+
 from hitree_jax.data import CHAT  # a profile's text: instructions in the chat template
 from hitree_jax.decode import spec
 from hitree_jax.errors import UsageError
@@ -113,10 +115,21 @@ def _is_retrieval(level: Level) -> bool:
 
 
 PASSAGES = 3  # acceptance is averaged over this many passages: one passage's is off by up to 30%
-CONTINUATION = 64   # tokens of the target's own text after a book passage, where acceptance is taken
+# Tokens of the target's own text after a book passage, where acceptance is taken: as many as
+# launch.benchmark generates. Prompt lookup matches the answer's repeats of itself, more of them
+# later: replayed over the first 64 tokens of three 512-token passages it commits 1.53 tokens a
+# forward (chain of 3, greedy), over all 128 1.94, as the engine does over those 128
+# (docs/results/planner/ngram_replay.md).
+CONTINUATION = 128
 # After a chat prompt, the target's whole answer, to its end of turn or this many tokens (Spec-Bench's
 # max_new_tokens): prompt lookup accepts an answer's repeats of itself, which a short piece misses.
 CHAT_ANSWER = 256
+# A sampled profile takes acceptance over at least this many samples of the target's text. One
+# sample stands for the text's law: prompt lookup's chain of 4 replayed over one 128-token sample
+# of a 512-token Austen passage at T 0.6 committed 1.19-2.02 tokens a forward (1.50 on average
+# over 15), and three samples, one per passage, predicted 1.23 where the engine committed 1.49
+# (docs/results/planner/ngram_replay.md).
+SAMPLED_CONTINUATIONS = 9
 GENERATED = 96   # tokens of each generation the overheads and `ar` are timed on, at batch 1
 
 
@@ -132,9 +145,9 @@ def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequ
   model's per-forward overhead. overheads: fitted already (`stored_overheads`), not fitted here;
   ar_seconds: timed already (the continuations' own decoding: `ar_from`), not timed here."""
   space = space.measured(len(prompts[0]), eagle)
-  per_passage = [profile_lib.pair_acceptance(target, draft, space.pairs(), p, c, sampling, eagle)
+  per_passage = [profile_lib.pair_acceptance(target, draft, space.pairs(), p, c, sampling, eagle, space.chains)
                  for p, c in zip(prompts, continuations)]
-  return {"context": len(prompts[0]), "passages": len(prompts),
+  return {"context": len(prompts[0]), "passages": len({tuple(p) for p in prompts}), "continuations": len(prompts),
           "acceptance": {pair: _mean([a[pair] for a in per_passage]) for pair in per_passage[0]},
           **measure_costs(target, draft, prompts[0], sampling, space, repeats, eagle, overheads=overheads,
                           ar_seconds=ar_seconds)}
@@ -173,11 +186,14 @@ def ar_from(runs: Sequence) -> float | None:
   return sum(r.decode_s for r in warm) / decoded if decoded > 0 else None
 
 
-def _mean(records: Sequence[dict]) -> dict:
-  """Field by field (numbers, or lists of numbers element by element)."""
-  mean = lambda xs: sum(xs) / len(xs)
-  return {k: (list(map(mean, zip(*(r[k] for r in records)))) if isinstance(records[0][k], list)
-              else mean([r[k] for r in records])) for k in records[0]}
+def _mean(records: Sequence):
+  """Field by field, element by element: numbers, and dicts and lists of them, nested."""
+  first = records[0]
+  if isinstance(first, dict):
+    return {k: _mean([r[k] for r in records]) for k in first}
+  if isinstance(first, list):
+    return [_mean(column) for column in zip(*records)]
+  return sum(records) / len(records)
 
 
 def _tree(tree: spec.TreeSpec, profile: Sequence[float] | None) -> shapes.TokenTree:
@@ -198,6 +214,9 @@ def candidates(profile: dict, greedy: bool, space: Space = Space()) -> optimize.
     verifier, proposer = map(level_named, pair.split("<-"))
     offer = record.get("offered", 1.0)   # an n-gram's (profile.py), and the law of how much it offers
     offers[verifier, proposer] = tuple(record["offered_counts"]) if "offered_counts" in record else offer
+    if "rounds" in record:   # prompt lookup's rounds, replayed over the verifier's text
+      offers[verifier, proposer] = latency.Replayed({int(n): np.asarray(r) for n, r in record["rounds"].items()},
+                                                    offers[verifier, proposer])
     per_rank[verifier, proposer] = [r / max(offer, 1e-9) for r in record["greedy_profile" if greedy else "profile"]]
     per_token[verifier, proposer] = record["greedy" if greedy else "alpha"]
     if "deeper" in record:  # an EAGLE draft's (profile.pair_acceptance)
@@ -461,10 +480,18 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
     target, drafter, feature_draft, prompts = models_and_prompts()
     # The target's own text, as a stack meets it: sampled when the plan is for sampling.
     chat = text == CHAT
+    new_tokens = CHAT_ANSWER if chat else CONTINUATION
     runs = [engine.generate(target.params, target.config, [p], sampling=sampling, seed=i,
-                            max_new_tokens=CHAT_ANSWER if chat else CONTINUATION, stop_at_eos=chat)
+                            max_new_tokens=new_tokens, stop_at_eos=chat)
             for i, p in enumerate(prompts)]
-    return measure(target, drafter, prompts, [r.tokens[0] for r in runs], sampling, space, eagle=feature_draft,
+    continuations = [r.tokens[0] for r in runs]
+    more = 0 if sampling is None or sampling.greedy else -(-SAMPLED_CONTINUATIONS // len(prompts)) - 1
+    if more:   # more samples of each prompt's text, in one batch (rows sample apart)
+      extra = [p for p in prompts for _ in range(more)]
+      continuations += engine.generate(target.params, target.config, extra, sampling=sampling, seed=len(prompts),
+                                       max_new_tokens=new_tokens, stop_at_eos=chat).tokens
+      prompts = prompts + extra
+    return measure(target, drafter, prompts, continuations, sampling, space, eagle=feature_draft,
                    overheads=reused(single_path, single_key), ar_seconds=ar_from(runs))
 
   def run_batch():

@@ -61,7 +61,9 @@ probability `offer`; the level above answers a round without one by a
 forward of the root alone, which yields one token (`first_round`). Prompt
 lookup offers only the first m tokens of its chain, m by a law the profile
 measures, and a round offering m runs the narrowest of `offer_widths` that
-holds them.
+holds them. Its hits come in runs, against assumption 1; where the profile
+replayed its rounds over the verifier's own text (`Replayed`), a round's
+law of what it offers and accepts is that replay's.
 
 Two things the engine does that the model leaves out: a row that finishes
 stops early (a bounded end effect), and each level's forward also carries its
@@ -206,16 +208,37 @@ def predict(stack: StackModel, fixed_buffers: bool = False) -> Prediction:
   return Prediction(round_seconds / tokens, tokens, round_seconds, tuple(rounds))
 
 
+@dataclasses.dataclass(frozen=True)
+class Replayed:
+  """A chain drafter's rounds replayed over the verifier's own text (profile.ngram_rounds):
+  rounds[n][m, k] in proportion to how many rounds of its chain of n offered m tokens and had k
+  accepted. Prompt lookup hits in runs, so positions taken as independent mispredict it; for a
+  chain not replayed, first_round falls back to `offer` (its law of how much it offers) and the
+  per-rank profile."""
+  rounds: Mapping[int, np.ndarray]
+  offer: float | tuple[float, ...] = 1.0
+
+  def of(self, tree: TokenTree) -> np.ndarray | None:
+    rounds = self.rounds.get(tree.size) if tree.max_branching <= 1 else None
+    return None if rounds is None or rounds.sum() <= 0 else rounds / rounds.sum()
+
+
 def first_round(cost: Cost, tree: TokenTree, profile: Sequence[float], overheads: Overheads,
-                deeper: float = 1.0, offer: float | Sequence[float] = 1.0) -> tuple[np.ndarray, float]:
+                deeper: float = 1.0, offer: float | Sequence[float] | Replayed = 1.0) -> tuple[np.ndarray, float]:
   """(the law of the yield, the expected seconds) of a level verifying a drafter's `tree`
   (profile: its acceptance where offered). `offer`: the probability that the drafter offers the
   whole tree; or, for a chain, the law of how many of its first tokens it offers (index m: the
   share offering m, the last index m or more, as far as the chain goes), a round offering m
-  being verified at the narrowest of offer_widths that holds m. A round offering none is a
+  being verified at the narrowest of offer_widths that holds m; or its rounds replayed
+  (`Replayed`: the joint law of what a round offers and accepts). A round offering none is a
   forward of the root alone, yielding one token."""
   size, length = tree.size, tree.max_depth + 2
-  if isinstance(offer, (int, float)):
+  replayed = offer.of(tree) if isinstance(offer, Replayed) else None
+  if isinstance(offer, Replayed):
+    offer = offer.offer
+  if replayed is not None:
+    shares = {m: float(row.sum()) for m, row in enumerate(replayed) if row.sum() > 0}
+  elif isinstance(offer, (int, float)):
     if offer >= 1.0:
       return tree_yield(tree, profile, deeper), cost(size + 1) + overheads.check(tree)
     shares = {0: 1.0 - offer, size: offer}
@@ -230,8 +253,11 @@ def first_round(cost: Cost, tree: TokenTree, profile: Sequence[float], overheads
       seconds += share * (cost(1) + overheads.check(None))
       continue
     offered = tree if m == size else chain(m)
-    part = tree_yield(offered, profile, deeper)
-    law[:part.size] += share * part
+    if replayed is not None:
+      law[1:m + 2] += replayed[m, :m + 1]
+    else:
+      part = tree_yield(offered, profile, deeper)
+      law[:part.size] += share * part
     width = min(w for w in offer_widths(size) if w >= m)
     seconds += share * (cost(width + 1) + overheads.check(offered))
   return law, seconds

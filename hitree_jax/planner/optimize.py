@@ -65,8 +65,9 @@ class Candidates:
   # (verifier, drafter) -> latency.accepted_law's `deeper` (default 1: positions alike).
   deeper: Mapping[tuple[Name, Name], float] | None = None
   # (verifier, drafter) -> how often the drafter offers its tree, or the law of how much of its
-  # chain (latency.first_round; default 1), the profile then being its acceptance when it does.
-  offers: Mapping[tuple[Name, Name], float | tuple[float, ...]] | None = None
+  # chain (latency.first_round; default 1), the profile then being its acceptance when it does;
+  # or its rounds replayed (latency.Replayed).
+  offers: Mapping[tuple[Name, Name], float | tuple[float, ...] | latency.Replayed] | None = None
 
   def profile(self, verifier: Name, proposer: Name):
     return self.acceptance.get((verifier, proposer))
@@ -74,7 +75,7 @@ class Candidates:
   def deeper_of(self, verifier: Name, proposer: Name) -> float:
     return 1.0 if self.deeper is None else self.deeper.get((verifier, proposer), 1.0)
 
-  def offer_of(self, verifier: Name, proposer: Name) -> float | tuple[float, ...]:
+  def offer_of(self, verifier: Name, proposer: Name) -> float | tuple[float, ...] | latency.Replayed:
     return 1.0 if self.offers is None else self.offers.get((verifier, proposer), 1.0)
 
   def of_buffer(self, verifier: Name, proposer: Name) -> float | None:

@@ -448,8 +448,49 @@ def _offered_counts(lookup: spec.NGram, prompt, continuation) -> list[float]:
 MAX_OFFERED = 32   # offered counts beyond it are recorded as it (no chain the planner tries is longer)
 
 
+def ngram_rounds(lookup: spec.NGram, prompt, continuation, probs: jax.Array, chains: Sequence[int]) -> dict:
+  """{chain size n: rounds [n + 1][n + 1]}: prompt lookup's rounds replayed over the continuation
+  as the engine runs them, rounds[m][k] the expected number that offered m tokens and had k
+  accepted. Its hits come in runs (a repeat is matched token after token), so the law of a
+  round's accepted length is not that of independent positions: at 512 tokens of Austen those
+  predicted 1.69 tokens a forward for its chain of 3 where the engine committed 1.84
+  (docs/results/planner/continuation_length.md). A round starting after s tokens of the
+  continuation offers what followed the match there (ngram_offers), the verifier accepts its
+  i-th token with probs[s - 1 + i] of it (probs [N, V]: the verifier's sampling distribution,
+  teacher-forced: one-hot when greedy, where the replay is exact), and the next round starts
+  after the accepted ones and one more. Under sampling a round is taken to follow the
+  continuation, which one sample of the target's text stands for. Only rounds whose whole chain
+  lies within the continuation are counted (no edge effect at its end)."""
+  history, n_max, count = list(prompt) + list(continuation), max(chains), len(continuation)
+  tokens = np.full((count + 1, n_max), -1, np.int32)        # [state s, i]: the i-th offered token
+  offered = np.zeros(count + 1, np.int32)
+  for end, best, n in _ngram_matches(history, len(prompt) + 1, lookup.longest, lookup.shortest):
+    s = end - len(prompt)
+    if best >= 0:
+      offered[s] = min(end - 1 - best, 2 ** n)
+      take = min(offered[s], n_max)
+      tokens[s, :take] = history[best + 1:best + 1 + take]
+  rows = np.arange(count + 1)[:, None] - 1 + np.arange(n_max)[None, :]     # the row predicting it
+  valid = (tokens >= 0) & (rows < count) & (rows >= 0)
+  accept = np.where(valid, np.asarray(jnp.asarray(probs)[np.clip(rows, 0, count - 1), np.maximum(tokens, 0)]), 0.0)
+  out = {}
+  for n in chains:
+    rounds, visit = np.zeros((n + 1, n + 1)), np.zeros(count + n + 2)
+    visit[1] = 1.0
+    for s in range(1, count - n + 2):                       # the chain's last row is s + n - 2
+      if not visit[s]:
+        continue
+      m = min(int(offered[s]), n)
+      reach = np.cumprod(np.concatenate([[1.0], accept[s, :m]]))   # P(accepted >= k), k = 0 .. m
+      law = reach - np.append(reach[1:], 0.0)
+      rounds[m, :m + 1] += visit[s] * law
+      visit[s + 1:s + m + 2] += visit[s] * law
+    out[str(n)] = rounds.tolist()
+  return out
+
+
 def pair_acceptance(target, draft, pairs: Sequence[tuple[Level, Level]], prompt: Sequence[int],
-                    continuation: Sequence[int], sampling, eagle=None) -> dict:
+                    continuation: Sequence[int], sampling, eagle=None, chains: Sequence[int] = ()) -> dict:
   """{"verifier<-proposer": acceptance} over a continuation of `prompt` (the target's own, as a
   stack meets it), each level over its own caches of the prompt. Per pair: `alpha`, the expected
   acceptance of one proposed token, E sum_x min(p, q) (Leviathan et al.); `greedy`, how often the
@@ -459,7 +500,7 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[Level, Level]], prompt:
   (equal to alpha and greedy if positions are independent). A proposer `ngram[:N]` is the n-gram
   drafter over the prompt and the continuation so far (one rank: its proposal), and its record
   has `offered`, the share of positions where it proposes at all (the rates count the others as
-  misses); `eagle`
+  misses), and with `chains`, its rounds replayed for chains of those sizes (`ngram_rounds`); `eagle`
   (load_eagle's) reads its verifier's features, so its rates are per verifier. The continuation
   runs as one chunk, so a StreamingLLM window holds it all (the window slides token by token in
   decoding): an approximation for continuations much shorter than the window."""
@@ -488,6 +529,8 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[Level, Level]], prompt:
     record = {name: value.tolist() if value.ndim else float(value) for name, value in rates.items()}
     if _is_ngram(proposer):   # the rates count its silent positions as misses
       record["offered_counts"] = offered_counts[proposer]
+      if chains:
+        record["rounds"] = ngram_rounds(proposer.source, prompt, continuation, p, chains)
     else:
       del record["offered"]
     out[f"{verifier}<-{proposer}"] = record
@@ -536,7 +579,8 @@ def _deeper(p, accept, hits, q_deep) -> dict:
 # nothing where no suffix matched (it proposed the last token), and its record says how often it offers.
 # 8: it offers at most 2**n tokens after a match of n, and its record has the law of how many.
 # 9: `ar` is timed at the profile's sampling (it was greedy: a sampled plan's baseline was too fast).
-PROFILE_VERSION = 9
+# 10: prompt lookup's rounds replayed over the continuation (pair_acceptance's `rounds`).
+PROFILE_VERSION = 10
 
 
 def profile_key(model: str, draft: str | None) -> dict:
