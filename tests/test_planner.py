@@ -391,6 +391,28 @@ def test_prompt_lookups_replayed_rounds_are_the_engines_greedy(tiny_pair, size):
   assert at_least == list(run.accepted_per_depth)
 
 
+def test_acceptance_over_a_generations_own_cache_of_the_prompt_is_the_same(tiny_pair):
+  """A profile reads the target's cache of each prompt from the generation of its continuation
+  (engine.generate's keep_long_caches) instead of prefilling it again: decoding wrote past the
+  prompt, and every pair's acceptance is as over a fresh prefill."""
+  from hitree_jax.decode import engine
+  from hitree_jax.decode.sampling import SamplingParams
+  target, draft = tiny_pair
+  prompt = list(np.arange(300) * 7 % 64)
+  run = engine.generate(target.params, target.config, [prompt], max_new_tokens=24, stop_at_eos=False,
+                        keep_long_caches=True)
+  pairs = typed([("target", "draft"), ("target", "self:1"), ("target", "retrieval:64"), ("target", "ngram:3"),
+                 ("retrieval:64", "draft@streaming:4x28")])
+  kept = run.long_caches[0]
+  assert int(kept.lengths[0]) > len(prompt)                       # decoding wrote past the prompt
+  fresh, shared = (profile.pair_acceptance(target, draft, pairs, prompt, run.tokens[0], SamplingParams.create(),
+                                           chains=(2,), target_cache=cache) for cache in (None, kept))
+  assert fresh.keys() == shared.keys()
+  for pair in fresh:
+    assert fresh[pair].keys() == shared[pair].keys()
+    np.testing.assert_allclose(jax.tree.leaves(shared[pair]), jax.tree.leaves(fresh[pair]), atol=1e-5, err_msg=pair)
+
+
 def test_a_replay_under_sampling_accepts_each_offered_token_with_its_probability():
   """Under sampling a round accepts its i-th offered token with the verifier's probability of it:
   a text that repeats its prompt, each token taken with probability a, replays as a chain of

@@ -109,14 +109,17 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
              stack: Stack | None = None, tree: TokenTree | DynamicTree | None = None, drafter=None,
              sampling: SamplingParams | None = None, seed: int = 0, stop_at_eos: bool = True,
              draft: DraftWeights | None = None, programs: programs_lib.Programs | None = None,
-             time_levels: bool = False, mesh: Mesh | None = None) -> GenerationResult:
+             time_levels: bool = False, mesh: Mesh | None = None,
+             keep_long_caches: bool = False) -> GenerationResult:
   """Generation with any stack (stack.py): by default `ar`; `tree` + `drafter` is shorthand for
   the two-level Stack(drafter, tree). draft: a draft model's weights, for a stack that has one.
   programs: the memo of compiled programs to use and fill (default: programs.shared()).
   time_levels: also time one round of each level alone, after prefill and before decoding (it
   compiles a program per level), and report each level's estimated share of the decode time.
   mesh: the devices to run on (sharding.make_mesh): the target tensor-parallel over `model`, rows
-  over `data`, the full caches' slots over `sequence`; the tokens are the same as on one device."""
+  over `data`, the full caches' slots over `sequence`; the tokens are the same as on one device.
+  keep_long_caches: also return every level's long cache as decoding left it (its slots up to
+  the prompt's length as prefill wrote them: the planner's profile reads the prompt's again)."""
   if stack is None:
     stack = Stack(drafter, tree)
   programs = programs or programs_lib.shared()
@@ -129,7 +132,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
     round_s = timing.time_levels(programs, ready) if time_levels and sizes.top > 0 else None
     loop = decode_program(ready, programs)   # compiled before the clock starts
     start = time.perf_counter()
-    out, n_tokens, stats, _ = loop(ready.weights, ready.long_caches, ready.start)
+    out, n_tokens, stats, long_caches = loop(ready.weights, ready.long_caches, ready.start)
     out, n_tokens = sharding.fetch(out), sharding.fetch(n_tokens)
     decode_s = time.perf_counter() - start
     stats = jax.tree.map(sharding.fetch, stats)
@@ -141,6 +144,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
       rounds_per_row=stats.rounds.tolist() if speculative else None,
       accepted_per_depth=stats.per_depth.tolist() if speculative else None,
       levels=level_report(sizes, stats, round_s, decode_s) if speculative else None,
+      long_caches=long_caches if keep_long_caches else None,
       **({"aside_per_row": stats.aside.tolist(), "stepped_aside_per_row": stats.stepped_aside.tolist()}
          if stack.step_aside is not None else {}))
 

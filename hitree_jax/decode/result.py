@@ -22,6 +22,7 @@ class GenerationResult:
   # and how many times it stepped aside.
   aside_per_row: list[int] | None = None
   stepped_aside_per_row: list[int] | None = None
+  long_caches: tuple | None = None  # every level's, with keep_long_caches (engine.generate)
 
   @property
   def mean_accepted(self) -> float | None:

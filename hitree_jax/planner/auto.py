@@ -135,7 +135,7 @@ GENERATED = 96   # tokens of each generation the overheads and `ar` are timed on
 
 def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
             sampling, space: Space = Space(), repeats: int = 10, eagle=None, overheads: dict | None = None,
-            ar_seconds: float | None = None) -> dict:
+            ar_seconds: float | None = None, target_caches: Sequence | None = None) -> dict:
   """A profile: costs {level: {width: s}}, acceptance {"v<-p": ...}, overheads {field: s},
   ar_seconds (per token of plain decoding, measured). Acceptance is the mean over the prompts;
   the timings are taken after the first, at its length (the profile's context).
@@ -143,27 +143,33 @@ def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequ
   eagle: profile.load_eagle's EAGLE draft, measured as the level 'eagle' (the space gets it).
   The overheads are fitted to the draft model's stacks; an EAGLE forward is charged the draft
   model's per-forward overhead. overheads: fitted already (`stored_overheads`), not fitted here;
-  ar_seconds: timed already (the continuations' own decoding: `ar_from`), not timed here."""
+  ar_seconds: timed already (the continuations' own decoding: `ar_from`), not timed here;
+  target_caches: the target's cache of each prompt, from generating its continuation (not
+  prefilled again: profile.pair_acceptance's target_cache)."""
   space = space.measured(len(prompts[0]), eagle)
-  per_passage = [profile_lib.pair_acceptance(target, draft, space.pairs(), p, c, sampling, eagle, space.chains)
-                 for p, c in zip(prompts, continuations)]
+  caches = target_caches or [None] * len(prompts)
+  per_passage = [profile_lib.pair_acceptance(target, draft, space.pairs(), p, c, sampling, eagle, space.chains, cache)
+                 for p, c, cache in zip(prompts, continuations, caches)]
   return {"context": len(prompts[0]), "passages": len({tuple(p) for p in prompts}), "continuations": len(prompts),
           "acceptance": {pair: _mean([a[pair] for a in per_passage]) for pair in per_passage[0]},
           **measure_costs(target, draft, prompts[0], sampling, space, repeats, eagle, overheads=overheads,
-                          ar_seconds=ar_seconds)}
+                          ar_seconds=ar_seconds, target_cache=caches[0])}
 
 
 def measure_costs(target, draft, prompt: Sequence[int], sampling, space: Space = Space(), repeats: int = 10,
-                  eagle=None, rows: int = 1, overheads: dict | None = None, ar_seconds: float | None = None) -> dict:
+                  eagle=None, rows: int = 1, overheads: dict | None = None, ar_seconds: float | None = None,
+                  target_cache=None) -> dict:
   """A profile's timings at a batch of `rows` copies of `prompt`: costs {level: {width: s}} of a
   forward of all rows, overheads {field: s} of a round of all rows, ar_seconds (a step of all
   rows at this sampling: a row's seconds per token). A row's acceptance is the same at any batch
   (each row accepts its own tokens), so a batch's profile takes it from batch 1's (`profiled`).
   overheads: {"fields": ..., "from": where} of another profile or of the shipped fits
-  (`stored_overheads`): not fitted again; ar_seconds: timed already, not timed again."""
+  (`stored_overheads`): not fitted again; ar_seconds: timed already, not timed again;
+  target_cache: the target's cache of `prompt` already (profile.level_costs' full)."""
   space = space.measured(len(prompt), eagle)
   budgets = [m.budget for m in space.middles if _is_retrieval(m)]
-  costs = profile_lib.level_costs(target, draft, space.model_levels(), prompt, space.widths, repeats, eagle, rows)
+  costs = profile_lib.level_costs(target, draft, space.model_levels(), prompt, space.widths, repeats, eagle, rows,
+                                  full=target_cache)
   new_tokens = max(GENERATED // rows, 32)   # a batch's rows average its timings' noise too
   if overheads is None:
     fitted = {"overheads": profile_lib.round_overheads(target, draft, prompt, sampling, budget=min(budgets, default=256),
@@ -481,18 +487,19 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
     # The target's own text, as a stack meets it: sampled when the plan is for sampling.
     chat = text == CHAT
     new_tokens = CHAT_ANSWER if chat else CONTINUATION
+    # Each prompt's prefill is its acceptance's too (keep_long_caches).
     runs = [engine.generate(target.params, target.config, [p], sampling=sampling, seed=i,
-                            max_new_tokens=new_tokens, stop_at_eos=chat)
+                            max_new_tokens=new_tokens, stop_at_eos=chat, keep_long_caches=True)
             for i, p in enumerate(prompts)]
-    continuations = [r.tokens[0] for r in runs]
+    continuations, caches = [r.tokens[0] for r in runs], [r.long_caches[0] for r in runs]
     more = 0 if sampling is None or sampling.greedy else -(-SAMPLED_CONTINUATIONS // len(prompts)) - 1
     if more:   # more samples of each prompt's text, in one batch (rows sample apart)
       extra = [p for p in prompts for _ in range(more)]
       continuations += engine.generate(target.params, target.config, extra, sampling=sampling, seed=len(prompts),
                                        max_new_tokens=new_tokens, stop_at_eos=chat).tokens
-      prompts = prompts + extra
+      prompts, caches = prompts + extra, caches + [c for c in caches for _ in range(more)]
     return measure(target, drafter, prompts, continuations, sampling, space, eagle=feature_draft,
-                   overheads=reused(single_path, single_key), ar_seconds=ar_from(runs))
+                   overheads=reused(single_path, single_key), ar_seconds=ar_from(runs), target_caches=caches)
 
   def run_batch():
     log(f"timing {model} + {draft} at a batch of {batch} (once; kept in {path})")

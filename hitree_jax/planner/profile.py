@@ -136,16 +136,24 @@ class _Levels:
   in `rows` copies (a batch: what a round at that batch size reads); `timed` times a level's
   forward, `eagle_long` is an EAGLE draft's cache of the prompt."""
 
-  def __init__(self, target, draft, prompt: Sequence[int], extra: int, eagle=None, rows: int = 1):
+  def __init__(self, target, draft, prompt: Sequence[int], extra: int, eagle=None, rows: int = 1,
+               full: KVCache | None = None):
+    """full: the target's cache of the prompt, prefilled already (a generation's, `rows` rows;
+    its slots past the prompt are not read), for a level set without an EAGLE draft, which
+    reads the prefill's features: at 7.5K tokens a prefill is 15 s on 2 cores."""
     self.target, self.draft, self.eagle, self.prompt, self.rows = target, draft, eagle, list(prompt), rows
-    self.slots = prefill_lib.cache_slots(len(prompt), extra, extra=RECENT_SLOTS)
     self.programs = Programs()
     c = target.config
     self.batch = prefill_lib.make_batch([self.prompt] * rows, c, 1)
     self.taps = () if eagle is None else eagle.taps
-    _, self.full, *hidden = prefill_lib.prefill(target.params, c, KVCache.init(c, rows, self.slots), self.batch,
-                                                self.programs, all_hidden=eagle is not None, taps=self.taps)
-    self.prompt_hidden = hidden[0] if hidden else None   # [rows, P', E]: what an EAGLE draft's prefill reads
+    self.prompt_hidden = None   # [rows, P', E]: what an EAGLE draft's prefill reads
+    if full is not None and eagle is None:
+      self.slots, self.full = full.max_len, full.replace(lengths=jnp.full((rows,), len(prompt), jnp.int32))
+    else:
+      self.slots = prefill_lib.cache_slots(len(prompt), extra, extra=RECENT_SLOTS)
+      _, self.full, *hidden = prefill_lib.prefill(target.params, c, KVCache.init(c, rows, self.slots), self.batch,
+                                                  self.programs, all_hidden=eagle is not None, taps=self.taps)
+      self.prompt_hidden = hidden[0] if hidden else None
     self._draft_full = self._eagle_long = None
 
   def eagle_long(self) -> KVCache:
@@ -210,7 +218,7 @@ class _Levels:
 
 
 def level_costs(target, draft, levels: Sequence[Level], prompt: Sequence[int], widths: Sequence[int],
-                repeats: int = 10, eagle=None, rows: int = 1) -> dict:
+                repeats: int = 10, eagle=None, rows: int = 1, full: KVCache | None = None) -> dict:
   """{level name: {width: seconds}} at the context of `prompt` (token ids of the target), the
   median of `repeats` timings (fewer, at least MIN_REPEATS, past LEVEL_SECONDS), the widths of a
   level interleaved: a machine's drift (another process, the clock) then spreads over them all
@@ -218,8 +226,10 @@ def level_costs(target, draft, levels: Sequence[Level], prompt: Sequence[int], w
   target, draft: loading.LoadedModel (draft may be None when no name needs one); eagle:
   load_eagle's, for the level 'eagle'; rows: the batch a forward runs (its w tokens in each of
   `rows` rows, over `rows` caches: measured, since a batch's forward is not `rows` times one
-  row's, nor one row's)."""
-  cached = _Levels(target, draft, prompt, 0, eagle, rows)
+  row's, nor one row's); full: the target's cache of the prompt from a generation (_Levels'),
+  read where it has the slots the timed forwards would have (they read all of them)."""
+  same_slots = full is not None and full.max_len == prefill_lib.cache_slots(len(prompt), 0, extra=RECENT_SLOTS)
+  cached = _Levels(target, draft, prompt, 0, eagle, rows, full=full if same_slots else None)
   out = {}
   for level in levels:
     run, args_of = cached.timed(level)
@@ -490,7 +500,8 @@ def ngram_rounds(lookup: spec.NGram, prompt, continuation, probs: jax.Array, cha
 
 
 def pair_acceptance(target, draft, pairs: Sequence[tuple[Level, Level]], prompt: Sequence[int],
-                    continuation: Sequence[int], sampling, eagle=None, chains: Sequence[int] = ()) -> dict:
+                    continuation: Sequence[int], sampling, eagle=None, chains: Sequence[int] = (),
+                    target_cache: KVCache | None = None) -> dict:
   """{"verifier<-proposer": acceptance} over a continuation of `prompt` (the target's own, as a
   stack meets it), each level over its own caches of the prompt. Per pair: `alpha`, the expected
   acceptance of one proposed token, E sum_x min(p, q) (Leviathan et al.); `greedy`, how often the
@@ -500,11 +511,13 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[Level, Level]], prompt:
   (equal to alpha and greedy if positions are independent). A proposer `ngram[:N]` is the n-gram
   drafter over the prompt and the continuation so far (one rank: its proposal), and its record
   has `offered`, the share of positions where it proposes at all (the rates count the others as
-  misses), and with `chains`, its rounds replayed for chains of those sizes (`ngram_rounds`); `eagle`
+  misses), and with `chains`, its rounds replayed for chains of those sizes (`ngram_rounds`);
+  target_cache: the target's cache of the prompt from the generation of the continuation (one
+  row: engine.generate's keep_long_caches), not prefilled again; `eagle`
   (load_eagle's) reads its verifier's features, so its rates are per verifier. The continuation
   runs as one chunk, so a StreamingLLM window holds it all (the window slides token by token in
   decoding): an approximation for continuations much shorter than the window."""
-  levels = _Levels(target, draft, prompt, _padded(len(continuation)), eagle)
+  levels = _Levels(target, draft, prompt, _padded(len(continuation)), eagle, full=target_cache)
   vocab_size = target.config.vocab_size
   dists, features, offered_counts = {}, {}, {}
   for level in {n for pair in pairs for n in pair} - {EAGLE}:

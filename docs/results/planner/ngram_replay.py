@@ -20,7 +20,7 @@ import numpy as np
 
 from hitree_jax import provenance
 from hitree_jax.data import book_prompts
-from hitree_jax.decode import engine, spec
+from hitree_jax.decode import engine
 from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.loading import load_model
 from hitree_jax.planner import auto, latency
