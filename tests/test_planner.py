@@ -69,6 +69,13 @@ def test_a_drafter_offering_part_of_its_chain_pays_the_narrowest_width_that_hold
   # All of it in every round is the chain of 8, as offer=1.
   whole = latency.predict(dataclasses.replace(model, offer=(0.0,) * 8 + (1.0,)))
   assert whole == latency.predict(dataclasses.replace(model, offer=1.0))
+  # In a batch of two rows, each row yields by its own law, but a round runs at the width of the
+  # wider of the two offers: width 8 unless neither offers more than 4 (P = 0.85^2), ...
+  pair = latency.predict(dataclasses.replace(model, rows=2))
+  widths = {1: 0.3 ** 2, 3: 0.6 ** 2 - 0.3 ** 2, 5: 0.85 ** 2 - 0.6 ** 2, 9: 1 - 0.85 ** 2}
+  assert pair.tokens_per_target_forward == pytest.approx(tokens)
+  assert pair.seconds_per_token == pytest.approx((sum(p * target(w) for w, p in widths.items()) + 0.002) / tokens)
+  assert latency.widest({0: 0.5, 3: 0.5}, 3) == pytest.approx({0: 0.125, 3: 0.875})
 
 
 def test_a_replayed_chain_yields_its_rounds_law_and_pays_each_rounds_width():
@@ -411,6 +418,36 @@ def test_acceptance_over_a_generations_own_cache_of_the_prompt_is_the_same(tiny_
   for pair in fresh:
     assert fresh[pair].keys() == shared[pair].keys()
     np.testing.assert_allclose(jax.tree.leaves(shared[pair]), jax.tree.leaves(fresh[pair]), atol=1e-5, err_msg=pair)
+
+
+def test_a_sampled_profile_takes_nine_samples_of_the_text_each_prompt_prefilled_once(tmp_path, monkeypatch,
+                                                                                      tiny_pair):
+  """Greedy, a profile takes acceptance over one continuation of each passage; sampled, over at
+  least auto.SAMPLED_CONTINUATIONS, each passage's samples distinct. Every continuation's
+  acceptance reads the target's cache of its passage from the generation (one per passage)."""
+  from hitree_jax import tokenizer
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.planner import auto
+  target, draft = tiny_pair
+  target = types.SimpleNamespace(**vars(target), path="tiny")   # the tokenizer's folder: read by no one here
+  passages = [list(np.arange(60) * k % 61 + 2) for k in (3, 5, 7)]
+  monkeypatch.setattr(tokenizer, "load_tokenizer", lambda path: None)
+  monkeypatch.setattr(auto, "measured_prompts", lambda tokenizer, text, context: passages)
+  seen = {}
+
+  def measure(target, draft, prompts, continuations, sampling, *args, target_caches=None, **kwargs):
+    seen.update(prompts=prompts, continuations=continuations, caches=target_caches)
+    return synthetic_profile(512)
+  monkeypatch.setattr(auto, "measure", measure)
+  for sampling, count in ((SamplingParams.create(), 3), (SamplingParams.create(0.9, 0.95), auto.SAMPLED_CONTINUATIONS)):
+    auto.profiled("smollm2", "drafts/smollm2-draft.gguf", 512, sampling, tmp_path, loaded=(target, draft))
+    prompts, continuations, caches = seen["prompts"], seen["continuations"], seen["caches"]
+    assert len(prompts) == len(continuations) == len(caches) == count
+    for passage in passages:
+      rows = [i for i, p in enumerate(prompts) if p == passage]
+      assert len(rows) == count // 3 and len({id(caches[i]) for i in rows}) == 1
+      assert len({tuple(continuations[i]) for i in rows}) == len(rows)     # distinct samples
+      assert all(int(caches[i].lengths[0]) >= len(passage) for i in rows)
 
 
 def test_a_replay_under_sampling_accepts_each_offered_token_with_its_probability():

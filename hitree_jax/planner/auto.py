@@ -237,7 +237,8 @@ def candidates(profile: dict, greedy: bool, space: Space = Space()) -> optimize.
     drafters.append(optimize.Drafter(level, trees, curve.get(level)))
   middles = tuple((m, curve[m]) for m in space.middles)
   return optimize.Candidates(tuple(drafters), middles, curve[TARGET], space.gammas, per_rank,
-                             latency.Overheads(**profile["overheads"]), per_token, deeper, offers)
+                             latency.Overheads(**profile["overheads"]), per_token, deeper, offers,
+                             profile.get("batch", 1))
 
 
 @dataclasses.dataclass(frozen=True)

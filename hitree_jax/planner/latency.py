@@ -63,7 +63,8 @@ lookup offers only the first m tokens of its chain, m by a law the profile
 measures, and a round offering m runs the narrowest of `offer_widths` that
 holds them. Its hits come in runs, against assumption 1; where the profile
 replayed its rounds over the verifier's own text (`Replayed`), a round's
-law of what it offers and accepts is that replay's.
+law of what it offers and accepts is that replay's. In a batch, the round
+runs at the width of the widest offer among its rows (`widest`).
 
 Two things the engine does that the model leaves out: a row that finishes
 stops early (a bounded end effect), and each level's forward also carries its
@@ -170,8 +171,9 @@ class StackModel:
   overheads: Overheads = Overheads()
   model_drafter: bool = True              # its proposal pays Overheads.propose (n-gram lookup: no)
   deeper: float = 1.0                     # accepted_law's, for level 1's verdict on the tree
-  offer: float | tuple[float, ...] = 1.0  # how often the drafter offers its tree, or the law of how
-                                          # much of its chain (first_round; docstring, 6.)
+  offer: float | tuple[float, ...] | Replayed = 1.0  # how often the drafter offers its tree, or the law
+                                          # of how much of its chain (first_round; docstring, 6.)
+  rows: int = 1                           # the batch: a round runs at its widest row's offer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +193,7 @@ def predict(stack: StackModel, fixed_buffers: bool = False) -> Prediction:
   tree, over = stack.tree, stack.overheads
   # Level 1 verifies the drafter's tree: a fixed proposal, when it offers one.
   yield_law, proposal_cost = first_round(stack.costs[0], tree, stack.acceptance[0], over, stack.deeper,
-                                         stack.offer)
+                                         stack.offer, stack.rows)
   below_seconds = stack.draft_seconds + (over.propose(tree) if stack.model_drafter else 0.0)
   rounds = [1.0]
   for j in range(1, len(stack.costs)):                       # level j fills, level j + 1 verifies
@@ -224,14 +226,18 @@ class Replayed:
 
 
 def first_round(cost: Cost, tree: TokenTree, profile: Sequence[float], overheads: Overheads,
-                deeper: float = 1.0, offer: float | Sequence[float] | Replayed = 1.0) -> tuple[np.ndarray, float]:
+                deeper: float = 1.0, offer: float | Sequence[float] | Replayed = 1.0,
+                rows: int = 1) -> tuple[np.ndarray, float]:
   """(the law of the yield, the expected seconds) of a level verifying a drafter's `tree`
   (profile: its acceptance where offered). `offer`: the probability that the drafter offers the
   whole tree; or, for a chain, the law of how many of its first tokens it offers (index m: the
   share offering m, the last index m or more, as far as the chain goes), a round offering m
   being verified at the narrowest of offer_widths that holds m; or its rounds replayed
   (`Replayed`: the joint law of what a round offers and accepts). A round offering none is a
-  forward of the root alone, yielding one token."""
+  forward of the root alone, yielding one token. In a batch of `rows` rows, each row yields by its
+  own law, but the round runs at the width its widest offer needs (`widest`): at 512 tokens and 16
+  rows, prompt lookup's chain of 6 ran 0.58x `ar` where its rows' own widths predicted 1.12x
+  (docs/results/planner/batch_grid_512_replay.md)."""
   size, length = tree.size, tree.max_depth + 2
   replayed = offer.of(tree) if isinstance(offer, Replayed) else None
   if isinstance(offer, Replayed):
@@ -246,21 +252,33 @@ def first_round(cost: Cost, tree: TokenTree, profile: Sequence[float], overheads
     shares = {}
     for m, share in enumerate(offer):
       shares[min(m, size)] = shares.get(min(m, size), 0.0) + share
-  law, seconds = np.zeros(length), 0.0
+  offered = lambda m: tree if m == size else chain(m)
+  law = np.zeros(length)
   for m, share in shares.items():
     if m == 0:
       law[1] += share
-      seconds += share * (cost(1) + overheads.check(None))
-      continue
-    offered = tree if m == size else chain(m)
-    if replayed is not None:
+    elif replayed is not None:
       law[1:m + 2] += replayed[m, :m + 1]
     else:
-      part = tree_yield(offered, profile, deeper)
+      part = tree_yield(offered(m), profile, deeper)
       law[:part.size] += share * part
-    width = min(w for w in offer_widths(size) if w >= m)
-    seconds += share * (cost(width + 1) + overheads.check(offered))
-  return law, seconds
+
+  def round_seconds(m: int) -> float:
+    if m == 0:
+      return cost(1) + overheads.check(None)
+    return cost(min(w for w in offer_widths(size) if w >= m) + 1) + overheads.check(offered(m))
+
+  return law, sum(share * round_seconds(m) for m, share in widest(shares, rows).items())
+
+
+def widest(shares: Mapping[int, float], rows: int) -> dict[int, float]:
+  """The law of the largest of `rows` independent draws from `shares` ({m: P(m)})."""
+  out, below = {}, 0.0
+  for m in sorted(shares):
+    at_most = below + shares[m]
+    out[m] = at_most ** rows - below ** rows
+    below = at_most
+  return out
 
 
 def tree_draft_seconds(tree: TokenTree, cost: Cost | None) -> float:

@@ -68,6 +68,7 @@ class Candidates:
   # chain (latency.first_round; default 1), the profile then being its acceptance when it does;
   # or its rounds replayed (latency.Replayed).
   offers: Mapping[tuple[Name, Name], float | tuple[float, ...] | latency.Replayed] | None = None
+  rows: int = 1   # the batch the costs were timed at: a round runs at its widest row's offer
 
   def profile(self, verifier: Name, proposer: Name):
     return self.acceptance.get((verifier, proposer))
@@ -111,7 +112,7 @@ def stack_model(c: Candidates, drafter: Drafter, tree: TokenTree,
                             acceptance=(tuple(acceptance[0]), *acceptance[1:]),
                             gammas=tuple(g for _, g in middles), overheads=c.overheads,
                             model_drafter=drafter.cost is not None, deeper=c.deeper_of(names[1], names[0]),
-                            offer=c.offer_of(names[1], names[0]))
+                            offer=c.offer_of(names[1], names[0]), rows=c.rows)
 
 
 def brute_force(c: Candidates, max_middles: int | None = None, fixed_buffers: bool = True) -> Plan:
@@ -150,7 +151,7 @@ def optimize(c: Candidates) -> Plan:
     if tree is not None:
       profile = c.profile(verifier, name)
       return None if profile is None else latency.first_round(
-          cost, tree, profile, over, c.deeper_of(verifier, name), c.offer_of(verifier, name))
+          cost, tree, profile, over, c.deeper_of(verifier, name), c.offer_of(verifier, name), c.rows)
     a = c.of_buffer(verifier, name)   # a buffer of exactly `length` tokens
     return None if a is None else (latency.round_yield(np.eye(length + 1)[-1], a),
                                    cost(length + 1) + over.check(None))
