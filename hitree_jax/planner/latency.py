@@ -239,9 +239,9 @@ def first_round(cost: Cost, tree: TokenTree, profile: Sequence[float], overheads
   rows, prompt lookup's chain of 6 ran 0.58x `ar` where its rows' own widths predicted 1.12x
   (docs/results/planner/batch_grid_512_replay.md)."""
   size, length = tree.size, tree.max_depth + 2
-  replayed = offer.of(tree) if isinstance(offer, Replayed) else None
+  replayed = None
   if isinstance(offer, Replayed):
-    offer = offer.offer
+    replayed, offer = offer.of(tree), offer.offer
   if replayed is not None:
     shares = {m: float(row.sum()) for m, row in enumerate(replayed) if row.sum() > 0}
   elif isinstance(offer, (int, float)):

@@ -434,8 +434,14 @@ def ngram_offers(history: Sequence[int], start: int, max_ngram: int, min_ngram: 
   """[len(history) - start + 1]: how many tokens the n-gram drafter offers after each prefix (as
   ngram_proposals), on a chain long enough for all: what followed the match, at most 2**n for a
   match of n tokens; 0 where none matched."""
-  return np.asarray([min(end - 1 - best, 2 ** n) if best >= 0 else 0
-                     for end, best, n in _ngram_matches(history, start, max_ngram, min_ngram)], np.int32)
+  return np.asarray([_offered(end, best, n) for end, best, n in _ngram_matches(history, start, max_ngram, min_ngram)],
+                    np.int32)
+
+
+def _offered(end: int, best: int, n: int) -> int:
+  """How many tokens the n-gram drafter offers after history[:end] (_ngram_matches' match ending at
+  `best`, of n tokens): what followed the match, at most 2**n (drafters.NGramDrafter)."""
+  return min(end - 1 - best, 2 ** n) if best >= 0 else 0
 
 
 def _ngram_probs(lookup: spec.NGram, prompt, continuation, vocab_size: int):
@@ -476,10 +482,9 @@ def ngram_rounds(lookup: spec.NGram, prompt, continuation, probs: jax.Array, cha
   offered = np.zeros(count + 1, np.int32)
   for end, best, n in _ngram_matches(history, len(prompt) + 1, lookup.longest, lookup.shortest):
     s = end - len(prompt)
-    if best >= 0:
-      offered[s] = min(end - 1 - best, 2 ** n)
-      take = min(offered[s], n_max)
-      tokens[s, :take] = history[best + 1:best + 1 + take]
+    offered[s] = _offered(end, best, n)
+    take = min(offered[s], n_max)
+    tokens[s, :take] = history[best + 1:best + 1 + take]
   rows = np.arange(count + 1)[:, None] - 1 + np.arange(n_max)[None, :]     # the row predicting it
   valid = (tokens >= 0) & (rows < count) & (rows >= 0)
   accept = np.where(valid, np.asarray(jnp.asarray(probs)[np.clip(rows, 0, count - 1), np.maximum(tokens, 0)]), 0.0)
