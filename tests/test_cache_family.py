@@ -246,6 +246,22 @@ def test_budget_covering_the_context_is_exact():
   np.testing.assert_allclose(decode(ret, sequences, 2), decode(full, sequences, 2), atol=ATOL)
 
 
+def test_the_queries_once_then_each_budget_choose_what_select_retrieval_chooses():
+  """The planner's profile runs the model for the queries once and chooses per budget from them
+  (long_caches.retrieval_queries, select_by_queries): the same caches as select_retrieval's."""
+  from hitree_jax.decode import long_caches
+  params = tiny_params()
+  sequences, lengths = random_sequences(4, 2), np.array([45, 21])
+  full, tokens = prefill(sequences, lengths), last_tokens(sequences, lengths)
+  queries = long_caches.retrieval_queries(params, CONFIG, full, tokens)
+  for budget in (16, 24, 32):
+    once = long_caches.select_by_queries(full, queries, budget, CHUNK, 8, 1)
+    whole = long_caches.select_retrieval(params, CONFIG, full, tokens, budget, CHUNK, 8, 1)
+    np.testing.assert_array_equal(np.asarray(once.chunks), np.asarray(whole.chunks), err_msg=f"budget {budget}")
+    for ours, theirs in zip(jax.tree.leaves(once), jax.tree.leaves(whole)):
+      np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-6)
+
+
 def test_small_budget_keeps_the_selected_chunks():
   params = tiny_params()
   sequences, lengths = random_sequences(4, 2), np.array([45, 21])

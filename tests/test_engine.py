@@ -349,3 +349,24 @@ def test_sampling_is_exact_over_several_rounds(monkeypatch, tree, draft, tempera
     assert full_depth > 0.99 * rounds  # the target's own draft is always accepted
   law = exact_joint_law(params, TINY, prompt, n, temperature, top_k)
   assert chi_square_pvalue(samples, law) > 1e-4
+
+
+def test_programs_compiled_together_run_without_compiling_again():
+  """compile_together compiles every ahead_of_time program it is given, once each (a repeat is
+  skipped), on threads beside the lowering; calling them afterwards compiles nothing."""
+  double = programs_lib.ahead_of_time(jax.jit(lambda x: x * 2))
+  shift = programs_lib.ahead_of_time(jax.jit(lambda x: x + 1))
+  calls = [(double, jnp.ones(3)), (double, jnp.ones(5)), (shift, jnp.ones(3)), (double, jnp.ones(3))]
+  compiled = []
+  listener = lambda event, duration, **_: compiled.append(event) if event.endswith("backend_compile_duration") else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    programs_lib.compile_together([call.compiling(x) for call, x in calls])
+    assert len(compiled) == 3
+    compiled.clear()
+    got = [np.asarray(call(x)) for call, x in calls]
+    assert compiled == []
+    for (call, x), y in zip(calls, got):
+      np.testing.assert_array_equal(y, np.asarray(x) * 2 if call is double else np.asarray(x) + 1)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)

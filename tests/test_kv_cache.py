@@ -134,6 +134,36 @@ def test_chunked_prefill_batch_of_different_lengths(context_reads):
   assert np.abs(np.asarray(logits[0] - logits[1])).max() > 1e-2
 
 
+def test_rows_with_one_prompt_are_prefilled_once_each_as_it_alone():
+  """Samples of one prompt share its prefill: the chunk program is compiled for the distinct
+  prompts' rows, and each row's cache, logits and hidden states are its prompt's."""
+  a, b = random_tokens(1, 30), random_tokens(2, 21)
+  prompts = [a, b, a, a]
+  batch = prefill_lib.make_batch(prompts, CONFIG, 1)
+  distinct, index = prefill_lib.distinct_rows(batch)
+  assert distinct.batch == 2 and index.tolist() == [0, 1, 0, 0]
+  programs = Programs()
+  logits, cache, hidden = prefill_lib.prefill(tiny_params(), CONFIG, KVCache.init(CONFIG, 4, MAX_LEN), batch,
+                                              programs, all_hidden=True)
+  chunks = [key for key in programs._programs if key[0] == "prefill"]
+  shapes = [leaf[0] for leaf in chunks[0][2] if isinstance(leaf, tuple) and isinstance(leaf[0], tuple)]
+  assert len(chunks) == 1 and (2, prefill_lib.prefill_chunk_size(30)) in shapes   # the tokens of 2 rows
+  assert not any(shape[:1] == (4,) for shape in shapes)
+  np.testing.assert_array_equal(np.asarray(cache.lengths), [30, 21, 30, 30])
+  pair = prefill_lib.prefill(tiny_params(), CONFIG, KVCache.init(CONFIG, 2, MAX_LEN),
+                             prefill_lib.make_batch([a, b], CONFIG, 1), Programs(), all_hidden=True)
+  for row, prompt in enumerate(prompts):   # each row is its prompt's row of the distinct pair's prefill, bit for bit
+    one_logits, one_cache, one_hidden = pair
+    first = index[row]
+    np.testing.assert_array_equal(np.asarray(logits[row]), np.asarray(one_logits[first]), err_msg=f"row {row}")
+    np.testing.assert_array_equal(np.asarray(hidden[row]), np.asarray(one_hidden[first]))
+    for ours, theirs in zip((*cache.keys, *cache.values), (*one_cache.keys, *one_cache.values)):
+      np.testing.assert_array_equal(np.asarray(ours[row]), np.asarray(theirs[first]))
+    ref_logits, ref_cache = reference(prompt)   # and means what its prompt alone means
+    np.testing.assert_allclose(np.asarray(logits[row]), ref_logits[-1], atol=ATOL, err_msg=f"row {row}")
+    assert_cache_rows_equal(cache, row, ref_cache, prompt.size)
+
+
 # A candidate block of T=5 tokens written after the committed prefix. parent -1 is the
 # prefix; the path 0 -> 2 -> 3 is one branch, 1 (a second root) and 4 (a child of 0,
 # sibling of 2) are elsewhere in the tree.

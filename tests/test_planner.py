@@ -252,6 +252,26 @@ def test_profile_times_every_kind_of_level_and_is_reused(tmp_path, tiny_pair):
     profile.level_costs(target, draft, [profile.level_named("tree")], prompt, widths=[1])
 
 
+def test_a_quick_profile_reads_the_larger_retrieval_budgets_off_the_line_it_times(tiny_pair, monkeypatch):
+  """Only the smallest retrieval budget and the target are timed; a larger budget's forward costs
+  what the line through them gives at its slots (a full profile times it)."""
+  target, draft = tiny_pair
+  levels = list(map(profile.level_named, ["retrieval:128", "draft", "retrieval:64", "target"]))
+  prompt = list(np.arange(300) % 64)
+  assert [str(level) for level in profile.interpolated_budgets(levels)] == ["retrieval:128"]
+  assert profile.interpolated_budgets(levels[:3]) == []   # without the target there is no line
+  timed, real = [], profile._Levels.timed
+  monkeypatch.setattr(profile._Levels, "timed", lambda self, level: timed.append(str(level)) or real(self, level))
+  costs = profile.level_costs(target, draft, levels, prompt, widths=[1, 4], repeats=2, interpolate_budgets=True)
+  assert sorted(timed) == ["draft", "retrieval:64", "target"] and list(costs) == [str(level) for level in levels]
+  low, high = costs["retrieval:64"], costs["target"]
+  for w in (1, 4):
+    assert costs["retrieval:128"][w] == pytest.approx(low[w] + (128 - 64) / (300 - 64) * (high[w] - low[w]))
+  timed.clear()
+  profile.level_costs(target, draft, levels, prompt, widths=[1], repeats=2)
+  assert sorted(timed) == ["draft", "retrieval:128", "retrieval:64", "target"]
+
+
 def test_a_torn_profile_is_measured_again_and_an_interrupted_write_keeps_the_old_one(tmp_path, monkeypatch):
   """A profile cut short at any point (a killed writer of an older version), or not a profile at
   all, is measured again with a warning naming the file; a write that dies before its rename
@@ -823,7 +843,9 @@ def test_a_batchs_timings_are_measured_at_that_batch(tiny_pair, monkeypatch):
 
   def timed(config):
     run = real_timed(config)
-    return lambda params, tokens, long: (rows_seen.add(("forward", tokens.shape[0])), run(params, tokens, long))[1]
+    seen = lambda params, tokens, long: (rows_seen.add(("forward", tokens.shape[0])), run(params, tokens, long))[1]
+    seen.compiling = run.compiling   # compiled before it is timed (programs.compile_together)
+    return seen
 
   def generate(params, config, prompts, **kwargs):
     rows_seen.add(("generate", len(prompts)))
@@ -1216,3 +1238,6 @@ def test_a_chat_profile_is_measured_on_instructions_in_the_chat_template():
   assert any(passage in text for text in held_out.values())
   books = auto.measured_prompts(tokenizer, "austen", 512)
   assert len(books) == auto.PASSAGES and "<|im_start|>" not in tokenizer.decode(books[0])
+  long_books = auto.measured_prompts(tokenizer, "austen", auto.LONG_CONTEXT)
+  assert len(long_books) == auto.LONG_PASSAGES < auto.PASSAGES
+  assert all(len(p) == auto.LONG_CONTEXT for p in long_books) and long_books[0] != long_books[1]

@@ -14,6 +14,7 @@ import numpy as np
 from hitree_jax import sharding
 from hitree_jax.decode import retrieve
 from hitree_jax.cache.full import KVCache
+from hitree_jax.cache.retrieval import select
 from hitree_jax.cache.streaming import StreamingCache
 from hitree_jax.decode import prefill as prefill_lib
 from hitree_jax.decode import programs as programs_lib
@@ -82,3 +83,10 @@ def select_retrieval(params, config, full, last_tokens, budget: int, chunk: int,
   """A retrieval cache of `budget` slots (+ `tail`) chosen from a prefilled full cache by its last
   tokens' queries (jitted; shards: the full cache's slot shards, sharding.sequence_shards)."""
   return retrieve.from_full(params, config, full, last_tokens, budget, chunk, tail, shards)
+
+
+# select_retrieval in two programs, for several budgets over one cache (the planner's profile): the
+# queries run the model's layers, a program of several seconds to compile (5 s at 7.5K tokens on
+# 2 cores); the choice per budget is a small one.
+retrieval_queries = jax.jit(retrieve.queries, static_argnums=(1,))
+select_by_queries = jax.jit(select, static_argnums=(2, 3, 4, 5))

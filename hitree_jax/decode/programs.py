@@ -8,6 +8,7 @@ same shape bucket compiles nothing. Whoever generates owns a `Programs`
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
 
@@ -53,7 +54,41 @@ def ahead_of_time(jitted):
     return programs.get(shape_key(args), jitted, *args)(*args)
 
   call.lower = jitted.lower
+  call.compiling = lambda *args: (programs, shape_key(args), jitted, args)   # for compile_together
   return call
+
+
+# Threads compiling beside the caller's lowering in compile_together.
+COMPILE_THREADS = 2
+
+
+def compile_together(compilings) -> None:
+  """Compiles ahead_of_time programs before any of them runs, each lowered here while XLA
+  compiles the ones before on other threads: lowering traces Python and holds the GIL, XLA's
+  compile lets it go. A profile's timed forwards, six programs of SmolLM2 at 512 tokens: 13.8 s
+  one after the other, 10.7 s together (2-core AMD EPYC). compilings: [call.compiling(*args)].
+  Timings must wait for it: compiling takes the cores a timed program would run on."""
+  todo = {}
+  for programs, key, jitted, args in compilings:
+    if key not in programs._programs:
+      todo[id(programs), key] = programs, key, jitted, args
+  if not todo:
+    return
+  start = time.perf_counter()
+  hits = compile_cache.EVENTS.hits
+  with concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS) as pool:
+    futures = [(programs, key, pool.submit(compile_lowered, jitted.lower(*args)))
+               for programs, key, jitted, args in todo.values()]
+    for programs, key, future in futures:
+      programs._programs[key] = future.result()
+  share = (time.perf_counter() - start) / len(futures)
+  loads = min(compile_cache.EVENTS.hits - hits, len(futures))   # served by the persistent cache
+  for i, (programs, _, _) in enumerate(futures):
+    programs.compile_s += share
+    if i < loads:
+      programs.cache_loads += 1
+    else:
+      programs.compiles += 1
 
 
 def shape_key(tree) -> tuple:

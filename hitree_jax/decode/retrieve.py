@@ -18,5 +18,9 @@ def from_full(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array
 
   last_tokens [B]: the token at slot lengths-1 of each row (the last prompt token).
   """
-  queries = last_token_projections(params, config, full, last_tokens)["q_proj"]   # [L, B, H, D]
-  return select(full, queries, budget, chunk, tail, shards)
+  return select(full, queries(params, config, full, last_tokens), budget, chunk, tail, shards)
+
+
+def queries(params, config: ModelConfig, full: KVCache, last_tokens: jax.Array) -> jax.Array:
+  """[L, B, H, D]: the last tokens' post-RoPE queries, which score the chunks (whatever the budget)."""
+  return last_token_projections(params, config, full, last_tokens)["q_proj"]

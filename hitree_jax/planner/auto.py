@@ -115,6 +115,17 @@ def _is_retrieval(level: Level) -> bool:
 
 
 PASSAGES = 3  # acceptance is averaged over this many passages: one passage's is off by up to 30%
+# From this context on, over two: each passage costs a first plan its prefill and continuation (19 s
+# of 153 at 7,680 tokens here). At 7,680 the two-passage set's mean predicted prompt lookup's chains
+# within 7% of the three-passage set's, each passage alone 1.16-1.48x `ar` for the chain of 4
+# (docs/results/planner/passages_at_length.md).
+LONG_CONTEXT, LONG_PASSAGES = 4096, 2
+
+
+def passages(context: int) -> int:
+  """The book passages a profile at `context` tokens takes acceptance over."""
+  return PASSAGES if context < LONG_CONTEXT else LONG_PASSAGES
+
 # Tokens of the target's own text after a book passage, where acceptance is taken: as many as
 # launch.benchmark generates. Prompt lookup matches the answer's repeats of itself, more of them
 # later: replayed over the first 64 tokens of three 512-token passages it commits 1.53 tokens a
@@ -135,7 +146,8 @@ GENERATED = 96   # tokens of each generation the overheads and `ar` are timed on
 
 def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
             sampling, space: Space = Space(), repeats: int = 10, eagle=None, overheads: dict | None = None,
-            ar_seconds: float | None = None, target_caches: Sequence | None = None) -> dict:
+            ar_seconds: float | None = None, target_caches: Sequence | None = None,
+            interpolate_budgets: bool = True) -> dict:
   """A profile: costs {level: {width: s}}, acceptance {"v<-p": ...}, overheads {field: s},
   ar_seconds (per token of plain decoding, measured). Acceptance is the mean over the prompts;
   the timings are taken after the first, at its length (the profile's context).
@@ -145,7 +157,7 @@ def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequ
   model's per-forward overhead. overheads: fitted already (`stored_overheads`), not fitted here;
   ar_seconds: timed already (the continuations' own decoding: `ar_from`), not timed here;
   target_caches: the target's cache of each prompt, from generating its continuation (not
-  prefilled again: profile.pair_acceptance's target_cache)."""
+  prefilled again: profile.pair_acceptance's target_cache); interpolate_budgets: measure_costs'."""
   space = space.measured(len(prompts[0]), eagle)
   caches = target_caches or [None] * len(prompts)
   per_passage = [profile_lib.pair_acceptance(target, draft, space.pairs(), p, c, sampling, eagle, space.chains, cache)
@@ -153,23 +165,27 @@ def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequ
   return {"context": len(prompts[0]), "passages": len({tuple(p) for p in prompts}), "continuations": len(prompts),
           "acceptance": {pair: _mean([a[pair] for a in per_passage]) for pair in per_passage[0]},
           **measure_costs(target, draft, prompts[0], sampling, space, repeats, eagle, overheads=overheads,
-                          ar_seconds=ar_seconds, target_cache=caches[0])}
+                          ar_seconds=ar_seconds, target_cache=caches[0], interpolate_budgets=interpolate_budgets)}
 
 
 def measure_costs(target, draft, prompt: Sequence[int], sampling, space: Space = Space(), repeats: int = 10,
                   eagle=None, rows: int = 1, overheads: dict | None = None, ar_seconds: float | None = None,
-                  target_cache=None) -> dict:
+                  target_cache=None, interpolate_budgets: bool = True) -> dict:
   """A profile's timings at a batch of `rows` copies of `prompt`: costs {level: {width: s}} of a
   forward of all rows, overheads {field: s} of a round of all rows, ar_seconds (a step of all
   rows at this sampling: a row's seconds per token). A row's acceptance is the same at any batch
   (each row accepts its own tokens), so a batch's profile takes it from batch 1's (`profiled`).
   overheads: {"fields": ..., "from": where} of another profile or of the shipped fits
   (`stored_overheads`): not fitted again; ar_seconds: timed already, not timed again;
-  target_cache: the target's cache of `prompt` already (profile.level_costs' full)."""
+  target_cache: the target's cache of `prompt` already (profile.level_costs' full);
+  interpolate_budgets: the retrieval levels above the smallest budget read off the line through it
+  and the target (profile.interpolated_budgets), named in the profile's `interpolated`; False
+  times them too (a full profile)."""
   space = space.measured(len(prompt), eagle)
   budgets = [m.budget for m in space.middles if _is_retrieval(m)]
   costs = profile_lib.level_costs(target, draft, space.model_levels(), prompt, space.widths, repeats, eagle, rows,
-                                  full=target_cache)
+                                  full=target_cache, interpolate_budgets=interpolate_budgets)
+  interpolated = [str(level) for level in profile_lib.interpolated_budgets(space.model_levels())]
   new_tokens = max(GENERATED // rows, 32)   # a batch's rows average its timings' noise too
   if overheads is None:
     fitted = {"overheads": profile_lib.round_overheads(target, draft, prompt, sampling, budget=min(budgets, default=256),
@@ -178,7 +194,8 @@ def measure_costs(target, draft, prompt: Sequence[int], sampling, space: Space =
     fitted = {"overheads": overheads["fields"], "overheads_from": overheads["from"]}
   if ar_seconds is None:
     ar_seconds = profile_lib.ar_seconds(target, prompt, new_tokens, rows, sampling)
-  return {"costs": costs, **fitted, "ar_seconds": ar_seconds}
+  return {"costs": costs, **({"interpolated": interpolated} if interpolate_budgets and interpolated else {}),
+          **fitted, "ar_seconds": ar_seconds}
 
 
 def ar_from(runs: Sequence) -> float | None:
@@ -456,8 +473,8 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
   of its own). A batch's profile is batch 1's acceptance (profiled first, or read) with its own
   timings. A round's overheads come from a stored profile of these models at another context or
   text where there is one, else from the fits shipped for the shipped models (`stored_overheads`).
-  full: the full measurement, every width of FULL_WIDTHS timed and the overheads fitted here (a
-  stored profile that is not one is measured again)."""
+  full: the full measurement, every width of FULL_WIDTHS and every retrieval budget timed and the
+  overheads fitted here (a stored profile that is not one is measured again)."""
   from hitree_jax.loading import load_model
   if loaded[0] is not None and precision(loaded[0].config.dtype, loaded[0].config.key_dtype) != precision(dtype, key_dtype):
     raise UsageError(f"the loaded target is in {loaded[0].config.dtype} with keys in "
@@ -500,16 +517,17 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
                                        max_new_tokens=new_tokens, stop_at_eos=chat).tokens
       prompts, caches = prompts + extra, caches + [c for c in caches for _ in range(more)]
     return measure(target, drafter, prompts, continuations, sampling, space, eagle=feature_draft,
-                   overheads=reused(single_path, single_key), ar_seconds=ar_from(runs), target_caches=caches)
+                   overheads=reused(single_path, single_key), ar_seconds=ar_from(runs), target_caches=caches,
+                   interpolate_budgets=not full)
 
   def run_batch():
     log(f"timing {model} + {draft} at a batch of {batch} (once; kept in {path})")
     target, drafter, feature_draft, prompts = models_and_prompts()
     return {**single, "batch": batch, "acceptance_from": str(single_path),
             **measure_costs(target, drafter, prompts[0], sampling, space, eagle=feature_draft, rows=batch,
-                            overheads=reused(path, key))}
+                            overheads=reused(path, key), interpolate_budgets=not full)}
 
-  keep = lambda profile: not full or ("overheads_from" not in profile
+  keep = lambda profile: not full or ("overheads_from" not in profile and "interpolated" not in profile
                                       and all(str(w) in profile["costs"][str(TARGET)] for w in FULL_WIDTHS))
   if batch == 1:
     single_path, single_key = path, key
@@ -579,7 +597,7 @@ def shipped_overheads(key: dict, log=lambda message: None) -> dict | None:
 
 
 def measured_prompts(tokenizer, text: str, context: int) -> list[list[int]]:
-  """The prompts a profile is measured on: PASSAGES passages of `context` tokens of the corpus
+  """The prompts a profile is measured on: `passages(context)` passages of `context` tokens of the corpus
   `text`; or for CHAT, the text a chat model answers (Spec-Bench, generate --text=chat), in the chat
   template: one instruction of each task over a passage of the held-out books, `context` tokens
   long (train/instructions.py), and the open instructions, which have no text to copy, where
@@ -594,7 +612,7 @@ def measured_prompts(tokenizer, text: str, context: int) -> list[list[int]]:
     return ([row[:context].tolist() for row in windows]
             + [p for p in open_prompts if nearest_context(len(p)) == context])
   from hitree_jax.data import book_prompts
-  return book_prompts(tokenizer, context, PASSAGES, corpus=text)
+  return book_prompts(tokenizer, context, passages(context), corpus=text)
 
 
 def where_kept(model: str, draft: str, context: int, sampling, directory=None, text: str = "austen",

@@ -25,6 +25,7 @@ planner/auto.py assembles and keeps them).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import os
@@ -44,7 +45,7 @@ from hitree_jax import stacks
 from hitree_jax.cache.full import KVCache, dtypes_of
 from hitree_jax.decode import engine, long_caches, spec
 from hitree_jax.decode import prefill as prefill_lib
-from hitree_jax.decode.programs import Programs, ahead_of_time
+from hitree_jax.decode.programs import Programs, ahead_of_time, compile_together
 from hitree_jax.decode.sampling import probabilities
 from hitree_jax.cache.kinds import Retrieval, Streaming
 from hitree_jax.errors import UsageError
@@ -154,7 +155,7 @@ class _Levels:
       _, self.full, *hidden = prefill_lib.prefill(target.params, c, KVCache.init(c, rows, self.slots), self.batch,
                                                   self.programs, all_hidden=eagle is not None, taps=self.taps)
       self.prompt_hidden = hidden[0] if hidden else None
-    self._draft_full = self._eagle_long = None
+    self._draft_full = self._eagle_long = self._queries = None
 
   def eagle_long(self) -> KVCache:
     """The EAGLE draft's one-layer cache of the prompt, run with the target's features (as prefill
@@ -200,9 +201,11 @@ class _Levels:
     if level == TARGET:
       return t.config, t.params, self.full, None
     if level.kind == "retrieval" and not level.retrieval.reselect:
-      last = jnp.full((self.rows,), self.prompt[-1], jnp.int32)
-      selected = long_caches.select_retrieval(t.params, t.config, self.full, last, level.budget,
-                                              level.retrieval.chunk, self.slots - len(self.prompt), 1)
+      if self._queries is None:   # whatever the budget (two threads may both compute them: the same)
+        last = jnp.full((self.rows,), self.prompt[-1], jnp.int32)
+        self._queries = long_caches.retrieval_queries(t.params, t.config, self.full, last)
+      selected = long_caches.select_by_queries(self.full, self._queries, level.budget, level.retrieval.chunk,
+                                               self.slots - len(self.prompt), 1)
       return t.config, t.params, selected, None
     if isinstance(level.source, spec.SelfDraft):
       k = level.source.layers
@@ -217,8 +220,28 @@ class _Levels:
                      "draft@streaming:SxW or eagle")
 
 
+def _retrieval_budgets(levels: Sequence[Level]) -> list[Level]:
+  """The levels over a retrieval cache chosen once after the prompt, smallest budget first."""
+  chosen_once = [level for level in levels if level != TARGET and level.kind == "retrieval"
+                 and not level.retrieval.reselect]
+  return sorted(chosen_once, key=lambda level: level.budget)
+
+
+def interpolated_budgets(levels: Sequence[Level]) -> list[Level]:
+  """The retrieval levels whose forwards level_costs(interpolate_budgets=True) reads off the line
+  through the smallest budget's and the target's instead of timing them: each runs the target's
+  weights over its budget and the recent slots, as the target runs over the prompt and the same
+  recent slots, and a forward's cost is affine in the slots it reads. At 7,680 tokens the line
+  gave retrieval:512's and retrieval:1024's timings within 5% (1-2% at widths 4 and 16) and
+  saves their selections, programs and timings: 23 s of a first profile there
+  (docs/results/planner/first_profile_time.md)."""
+  budgets = _retrieval_budgets(levels)
+  return budgets[1:] if TARGET in levels else []
+
+
 def level_costs(target, draft, levels: Sequence[Level], prompt: Sequence[int], widths: Sequence[int],
-                repeats: int = 10, eagle=None, rows: int = 1, full: KVCache | None = None) -> dict:
+                repeats: int = 10, eagle=None, rows: int = 1, full: KVCache | None = None,
+                interpolate_budgets: bool = False) -> dict:
   """{level name: {width: seconds}} at the context of `prompt` (token ids of the target), the
   median of `repeats` timings (fewer, at least MIN_REPEATS, past LEVEL_SECONDS), the widths of a
   level interleaved: a machine's drift (another process, the clock) then spreads over them all
@@ -227,15 +250,21 @@ def level_costs(target, draft, levels: Sequence[Level], prompt: Sequence[int], w
   load_eagle's, for the level 'eagle'; rows: the batch a forward runs (its w tokens in each of
   `rows` rows, over `rows` caches: measured, since a batch's forward is not `rows` times one
   row's, nor one row's); full: the target's cache of the prompt from a generation (_Levels'),
-  read where it has the slots the timed forwards would have (they read all of them)."""
+  read where it has the slots the timed forwards would have (they read all of them). Every
+  program is compiled before any is timed (compile_together). interpolate_budgets: the
+  retrieval levels of `interpolated_budgets(levels)` read off the line, not timed."""
   same_slots = full is not None and full.max_len == prefill_lib.cache_slots(len(prompt), 0, extra=RECENT_SLOTS)
   cached = _Levels(target, draft, prompt, 0, eagle, rows, full=full if same_slots else None)
-  out = {}
-  for level in levels:
+  on_the_line = interpolated_budgets(levels) if interpolate_budgets else []
+  programs = {}
+  for level in (level for level in levels if level not in on_the_line):
     run, args_of = cached.timed(level)
-    calls = {w: args_of(w) for w in widths}
+    programs[str(level)] = run, {w: args_of(w) for w in widths}
+  compile_together([run.compiling(*args) for run, calls in programs.values() for args in calls.values()])
+  out = {}
+  for name, (run, calls) in programs.items():
     for args in calls.values():
-      jax.block_until_ready(run(*args))                      # compiles and warms up
+      jax.block_until_ready(run(*args))                      # warms up
     times, started = {w: [] for w in widths}, time.perf_counter()
     for done in range(repeats):
       if done >= MIN_REPEATS and time.perf_counter() - started > LEVEL_SECONDS:
@@ -244,8 +273,14 @@ def level_costs(target, draft, levels: Sequence[Level], prompt: Sequence[int], w
         start = time.perf_counter()
         jax.block_until_ready(run(*args))
         times[w].append(time.perf_counter() - start)
-    out[str(level)] = {w: statistics.median(t) / FORWARDS_PER_CALL for w, t in times.items()}
-  return out
+    out[name] = {w: statistics.median(t) / FORWARDS_PER_CALL for w, t in times.items()}
+  if on_the_line:
+    smallest = _retrieval_budgets(levels)[0]
+    low, high = out[str(smallest)], out[str(TARGET)]
+    for level in on_the_line:
+      share = (level.budget - smallest.budget) / (len(prompt) - smallest.budget)
+      out[str(level)] = {w: low[w] + share * (high[w] - low[w]) for w in widths}
+  return {str(level): out[str(level)] for level in levels}
 
 
 def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int = 512,
@@ -525,15 +560,24 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[Level, Level]], prompt:
   levels = _Levels(target, draft, prompt, _padded(len(continuation)), eagle, full=target_cache)
   vocab_size = target.config.vocab_size
   dists, features, offered_counts = {}, {}, {}
-  for level in {n for pair in pairs for n in pair} - {EAGLE}:
-    if _is_ngram(level):
-      dists[level] = _ngram_probs(level.source, prompt, continuation, vocab_size)
-      offered_counts[level] = _offered_counts(level.source, prompt, continuation)   # once, whatever verifies it
-    else:
-      config = levels[level][0]
-      taps = levels.taps if config.num_layers == target.config.num_layers else ()  # what EAGLE may read
-      *dists[level], features[level] = _continuation_probs(*levels[level], list(continuation), vocab_size,
-                                                           sampling, taps)
+  measured = {n for pair in pairs for n in pair} - {EAGLE}
+  for level in filter(_is_ngram, measured):
+    dists[level] = _ngram_probs(level.source, prompt, continuation, vocab_size)
+    offered_counts[level] = _offered_counts(level.source, prompt, continuation)   # once, whatever verifies it
+
+  def teacher_forced(level):
+    config = levels[level][0]
+    taps = levels.taps if config.num_layers == target.config.num_layers else ()  # what EAGLE may read
+    return _continuation_probs(*levels[level], list(continuation), vocab_size, sampling, taps)
+
+  if any(level != TARGET and level.source == spec.DraftModel() for level in measured):
+    levels.draft_full(None)   # prefilled once, before the threads below share it
+  # Two levels at a time: one is traced (Python, holding the GIL) while XLA compiles or runs the
+  # other. Nothing here is timed. At 7,680 tokens: 34 s instead of 44 (docs/results/planner/first_profile_time.md).
+  model_levels = [level for level in measured if not _is_ngram(level)]
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    for level, (probs, ranked, hidden) in zip(model_levels, pool.map(teacher_forced, model_levels)):
+      dists[level], features[level] = (probs, ranked), hidden
   out = {}
   for verifier, proposer in pairs:
     p, _ = dists[verifier]

@@ -67,7 +67,7 @@ def main():
   target = load_model("smollm2")
   bench, passages = measured(sys.argv[3:])
   # The benchmark's passages: book_prompts spaces them by how many it cuts (--n_prompts).
-  n_prompts = max(passages) + 1 if passages else auto.PASSAGES
+  n_prompts = max(passages) + 1 if passages else auto.passages(context)
   prompts = book_prompts(load_tokenizer(target.path), context, n_prompts)
   runs = [engine.generate(target.params, target.config, [p], sampling=sampling, seed=i, max_new_tokens=128,
                           stop_at_eos=False).tokens[0] for i, p in enumerate(prompts)]
