@@ -117,7 +117,7 @@ def _is_retrieval(level: Level) -> bool:
 PASSAGES = 3  # acceptance is averaged over this many passages: one passage's is off by up to 30%
 # From this context on, over two: each passage costs a first plan its prefill and continuation (19 s
 # of 153 at 7,680 tokens here). At 7,680 the two-passage set's mean predicted prompt lookup's chains
-# within 7% of the three-passage set's, each passage alone 1.16-1.48x `ar` for the chain of 4
+# within 9% of the three-passage set's, each passage alone 1.16-1.48x `ar` for the chain of 4
 # (docs/results/planner/passages_at_length.md).
 LONG_CONTEXT, LONG_PASSAGES = 4096, 2
 
