@@ -80,6 +80,8 @@ flags.DEFINE_list("methods", ["ar"], "Configurations to compare: ar, sd[/DRAFT[/
 flags.DEFINE_list("prompt_tokens", ["512", "2048"], "Prompt lengths in tokens.")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt (EOS is ignored).")
 flags.DEFINE_integer("n_prompts", 3, "Prompts per length.")
+flags.DEFINE_integer("seeds", 1, "Sampled runs: each prompt (or batch) runs at this many seeds, --seed on, a "
+                     "run each (one sample of a 128-token text is a noisy measure of a sampled method).")
 common.define_text_flag("austen", "The prompts: passages of a book (austen, shakespeare, milton), "
                         "--prompt_tokens long; or chat: chat questions (Spec-Bench's, or --questions) "
                         "in the model's chat template, under Spec-Bench's protocol.")
@@ -107,11 +109,11 @@ flags.DEFINE_string("out", "results.json", "Where to write the JSON results (the
 FLAGS = flags.FLAGS
 
 
-def run_one(model, method, group, sampling, programs, mesh=None):
+def run_one(model, method, group, sampling, programs, mesh=None, seed=None):
   """One timed generation of a group of prompts (one, or a batch), EOS ignored."""
   return method.generate(model.params, model.config, group, max_new_tokens=FLAGS.max_new_tokens,
-                         sampling=sampling, seed=FLAGS.seed, stop_at_eos=False, programs=programs,
-                         time_levels=FLAGS.time_levels, mesh=mesh)
+                         sampling=sampling, seed=FLAGS.seed if seed is None else seed, stop_at_eos=False,
+                         programs=programs, time_levels=FLAGS.time_levels, mesh=mesh)
 
 
 def check_flags() -> list[int]:
@@ -123,9 +125,16 @@ def check_flags() -> list[int]:
   peers.check(FLAGS.peers, FLAGS.llamacpp_gguf)
   if not FLAGS.llamacpp_cache or set(FLAGS.llamacpp_cache) - set(peers.LLAMACPP_CACHES):
     raise app.UsageError(f"--llamacpp_cache={','.join(FLAGS.llamacpp_cache)}: expected f16 and/or f32")
-  for name, value in [("max_new_tokens", FLAGS.max_new_tokens), ("n_prompts", FLAGS.n_prompts)]:
+  for name, value in [("max_new_tokens", FLAGS.max_new_tokens), ("n_prompts", FLAGS.n_prompts),
+                      ("seeds", FLAGS.seeds)]:
     if value < 1:
       raise app.UsageError(f"--{name}={value} must be >= 1")
+  if FLAGS.seeds > 1 and FLAGS.temperature == 0:
+    raise app.UsageError(f"--seeds={FLAGS.seeds}: greedy decoding gives the same tokens at every seed "
+                         "(give --temperature > 0, or leave --seeds at 1)")
+  if FLAGS.seeds > 1 and FLAGS.text == CHAT:
+    raise app.UsageError(f"--seeds={FLAGS.seeds} runs book passages at several seeds; --text=chat runs "
+                         "each question once")
   return lengths
 
 
@@ -309,8 +318,9 @@ def main(argv):
   order = itertools.count()  # each timed run's place in the benchmark (the JSON's `order`)
   sizes = batch_sizes()
   plans = {}   # (prompt length, batch size) -> the methods with `auto` planned
-  progress = Progress("benchmark", len(lengths) * sum(len(methods) + len(peer_engines) * (b == 1) for b in sizes)
-                      * (FLAGS.n_prompts + 1))
+  progress = Progress("benchmark", len(lengths) * sum(len(methods) * (FLAGS.n_prompts * FLAGS.seeds + 1)
+                                                      + len(peer_engines) * (b == 1) * (FLAGS.n_prompts + 1)
+                                                      for b in sizes))
   for n_tokens, size in itertools.product(lengths, sizes):
     # --n_prompts groups of `size` passages (a batch of B passages takes B x n_prompts of them)
     passages = book_prompts(tokenizer, n_tokens, FLAGS.n_prompts * size, corpus=FLAGS.text)
@@ -334,9 +344,9 @@ def main(argv):
       for peer in beside:
         peer_warm_up(peer, n_tokens, groups[0][0], progress)
       runs, peer_runs = [], {peer: [] for peer in beside}
-      for i, group in enumerate(groups):
-        r = run_one(model, method, group, sampling, programs, mesh)
-        runs.append({"prompt": i, "order": next(order), "prefill_s": r.prefill_s, "decode_s": r.decode_s,
+      for (i, group), seed in itertools.product(enumerate(groups), range(FLAGS.seed, FLAGS.seed + FLAGS.seeds)):
+        r = run_one(model, method, group, sampling, programs, mesh, seed)
+        runs.append({"prompt": i, **({"seed": seed} if FLAGS.seeds > 1 else {}), "order": next(order), "prefill_s": r.prefill_s, "decode_s": r.decode_s,
                      "new_tokens": sum(map(len, r.tokens)), "decode_tokens_per_s": r.decode_tokens_per_s,
                      "compiles": r.compiles, "cache_loads": r.cache_loads, "target_forwards": r.target_forwards,
                      "mean_accepted": r.mean_accepted, "accepted_per_depth": r.accepted_per_depth,
@@ -347,9 +357,9 @@ def main(argv):
           ar_tokens[n_tokens, size, i] = r.tokens
         elif FLAGS.temperature == 0:
           greedy_tokens[method.label, n_tokens, size, i] = r.tokens
-        progress.step(detail=f"{method.label}{at} P={n_tokens} prompt {i}: "
-                             f"{r.decode_tokens_per_s:.2f} tok/s")
-        for peer in beside:
+        progress.step(detail=f"{method.label}{at} P={n_tokens} prompt {i}"
+                             f"{f' seed {seed}' if FLAGS.seeds > 1 else ''}: {r.decode_tokens_per_s:.2f} tok/s")
+        for peer in beside if seed == FLAGS.seed else ():   # a peer runs each prompt once
           peer_runs[peer].append(peer_run(peer, n_tokens, i, group[0], ar_tokens, next(order), progress))
       accepted = [x["mean_accepted"] for x in runs if x["mean_accepted"] is not None]
       rows.append({
@@ -492,7 +502,8 @@ def record(rows) -> dict:
   return {**provenance.stamp(),
       "model": FLAGS.model, "dtype": common.model_dtype(), "key_dtype": FLAGS.key_dtype, "max_new_tokens": FLAGS.max_new_tokens,
       "text": FLAGS.text, "temperature": FLAGS.temperature, "top_p": FLAGS.top_p,
-      "top_k": FLAGS.top_k, "seed": FLAGS.seed, "backend": jax.default_backend(),
+      "top_k": FLAGS.top_k, "seed": FLAGS.seed, **({"seeds": FLAGS.seeds} if FLAGS.seeds > 1 else {}),
+      "backend": jax.default_backend(),
       "devices": [str(d) for d in jax.devices()], "mesh": FLAGS.mesh or None, "machine": platform.processor() or platform.machine(),
       "memory_pages": huge_pages.describe(),
       "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": rows}

@@ -88,6 +88,16 @@ def test_benchmark_writes_json_table_and_plots(tiny_model, tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = json.loads((tmp_path / "sampled.json").read_text())["results"]
   assert [r["method"] for r in rows] == ["ar", "sd/ngram/2"] and not any("differs_from_ar" in r for r in rows)
+  # sampled at three seeds: a run per prompt and seed, each a sample of its own
+  proc = launch("benchmark", f"--model={tiny_model}", "--methods=ar", "--prompt_tokens=32", "--max_new_tokens=4",
+                "--n_prompts=1", "--temperature=1.0", "--seed=5", "--seeds=3", "--time_levels=false",
+                f"--out={tmp_path / 'seeds.json'}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  record = json.loads((tmp_path / "seeds.json").read_text())
+  assert record["seeds"] == 3 and [run["seed"] for run in record["results"][0]["runs"]] == [5, 6, 7]
+  assert "benchmark 4/4 (100%)" in proc.stderr and "prompt 0 seed 7:" in proc.stderr
+  proc = launch("benchmark", f"--model={tiny_model}", "--methods=ar", "--prompt_tokens=32", "--seeds=2")
+  assert proc.returncode != 0 and "--seeds=2: greedy decoding gives the same tokens at every seed" in proc.stderr
   # batches of 2 passages: each run decodes two distinct passages, every row compared with ar's
   proc = launch("benchmark", f"--model={tiny_model}", "--methods=ar,sd/ngram/2", "--prompt_tokens=32",
                 "--max_new_tokens=4", "--n_prompts=2", "--batch_sizes=2", "--time_levels=false",
