@@ -5,6 +5,7 @@ greedy, on Austen (or TEXT, DRAFT, and --full for launch.plan --full_profile).
   python docs/results/planner/first_profile_phases.py 512             # a fresh profile directory
   python docs/results/planner/first_profile_phases.py 2048 DIRECTORY  # profiles kept in DIRECTORY
   python docs/results/planner/first_profile_phases.py 128 DIRECTORY chat smollm2-draft-chat
+  python docs/results/planner/first_profile_phases.py 7680 DIRECTORY --sampled   # T 0.6, top-p 0.9
 
 The last line printed is the record as JSON (the phases, the machine, jax, the commit, the command).
 
@@ -23,11 +24,12 @@ import time
 import jax
 
 from hitree_jax import provenance
+from hitree_jax.decode import engine
 from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.planner import auto
 from hitree_jax.planner import profile as profile_lib
 
-PHASES = ("pair_acceptance", "level_costs", "round_overheads", "ar_seconds")
+PHASES = ("pair_acceptance", "level_costs", "round_overheads", "ar_seconds", "generate")
 phase = ["other"]
 compile_s, compiles, spent = collections.Counter(), collections.Counter(), collections.Counter()
 
@@ -38,12 +40,15 @@ def on_event(event: str, duration: float, **_):
     compiles[phase[0]] += 1
 
 
-def timed(name: str):
-  """profile_lib.NAME, its time and its compiles counted under its name."""
-  inner = getattr(profile_lib, name)
+def timed(name: str, module=profile_lib):
+  """module.NAME, its time and its compiles counted under its name (engine.generate's only where
+  the profile calls it itself: the continuations)."""
+  inner = getattr(module, name)
 
   @functools.wraps(inner)
   def run(*args, **kwargs):
+    if module is engine and phase[0] != "other":
+      return inner(*args, **kwargs)
     outer, phase[0], start = phase[0], name, time.perf_counter()
     try:
       return inner(*args, **kwargs)
@@ -54,17 +59,19 @@ def timed(name: str):
 
 
 def main():
-  full = "--full" in sys.argv
-  args = [arg for arg in sys.argv[1:] if arg != "--full"]
+  full, sampled = "--full" in sys.argv, "--sampled" in sys.argv
+  args = [arg for arg in sys.argv[1:] if arg not in ("--full", "--sampled")]
+  sampling = SamplingParams.create(temperature=0.6, top_p=0.9) if sampled else SamplingParams.create()
   context = int(args[0])
   directory = args[1] if len(args) > 1 else tempfile.mkdtemp()
   text = args[2] if len(args) > 2 else "austen"
   draft = args[3] if len(args) > 3 else "drafts/smollm2-draft.gguf"
   jax.monitoring.register_event_duration_secs_listener(on_event)
-  for name in PHASES:
+  for name in PHASES[:-1]:
     setattr(profile_lib, name, timed(name))
+  engine.generate = timed("generate", engine)   # the target's continuations
   start = time.perf_counter()
-  choice, profile, path = auto.plan_for("smollm2", draft, context, SamplingParams.create(), directory, text,
+  choice, profile, path = auto.plan_for("smollm2", draft, context, sampling, directory, text,
                                         full=full)
   total = time.perf_counter() - start
   print(f"total {total:.1f} s, chose {choice.levels}, kept in {path}")
@@ -74,6 +81,7 @@ def main():
   print("overheads", {k: round(v * 1e3, 2) for k, v in profile["overheads"].items()}, "ms;",
         "from", profile.get("overheads_from", "this profile's own fit"))
   print(json.dumps({**provenance.stamp(), "context": context, "text": text, "draft": draft, "full": full,
+                    "sampling": [float(sampling.temperature), float(sampling.top_p)],
                     "chose": str(choice.levels), "total_s": total,
                     "phases": {name: {"seconds": spent[name], "compile_s": compile_s[name], "compiles": compiles[name]}
                                for name in (*PHASES, "other")},
