@@ -7,7 +7,9 @@ greedy, on Austen (or TEXT, DRAFT, and --full for launch.plan --full_profile).
   python docs/results/planner/first_profile_phases.py 128 DIRECTORY chat smollm2-draft-chat
   python docs/results/planner/first_profile_phases.py 7680 DIRECTORY --sampled   # T 0.6, top-p 0.9
 
-The last line printed is the record as JSON (the phases, the machine, jax, the commit, the command).
+It runs with 2 MB pages where the launchers do (huge_pages.reexec_if_needed: launch.plan and
+--method=auto restart themselves so); a record without `memory_pages` ran with 4 KB pages. The
+last line printed is the record as JSON (the phases, the machine, jax, the commit, the command).
 
 With a profile of the same models at another context in DIRECTORY, the round overheads are
 borrowed from it, else from the fits shipped for the shipped models (auto.stored_overheads), and
@@ -23,7 +25,7 @@ import time
 
 import jax
 
-from hitree_jax import provenance
+from hitree_jax import huge_pages, provenance
 from hitree_jax.decode import engine
 from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.planner import auto
@@ -59,6 +61,7 @@ def timed(name: str, module=profile_lib):
 
 
 def main():
+  huge_pages.reexec_if_needed()
   full, sampled = "--full" in sys.argv, "--sampled" in sys.argv
   args = [arg for arg in sys.argv[1:] if arg not in ("--full", "--sampled")]
   sampling = SamplingParams.create(temperature=0.6, top_p=0.9) if sampled else SamplingParams.create()
@@ -80,7 +83,7 @@ def main():
     print(f"{name}: {spent[name]:.1f} s, of which compiling {compile_s[name]:.1f} s ({compiles[name]} programs)")
   print("overheads", {k: round(v * 1e3, 2) for k, v in profile["overheads"].items()}, "ms;",
         "from", profile.get("overheads_from", "this profile's own fit"))
-  print(json.dumps({**provenance.stamp(), "context": context, "text": text, "draft": draft, "full": full,
+  print(json.dumps({**provenance.stamp(), "context": context, "text": text, "draft": draft, "full": full, "memory_pages": huge_pages.describe(),
                     "sampling": [float(sampling.temperature), float(sampling.top_p)],
                     "chose": str(choice.levels), "total_s": total,
                     "phases": {name: {"seconds": spent[name], "compile_s": compile_s[name], "compiles": compiles[name]}
