@@ -346,7 +346,8 @@ def main(argv):
       runs, peer_runs = [], {peer: [] for peer in beside}
       for (i, group), seed in itertools.product(enumerate(groups), range(FLAGS.seed, FLAGS.seed + FLAGS.seeds)):
         r = run_one(model, method, group, sampling, programs, mesh, seed)
-        runs.append({"prompt": i, **({"seed": seed} if FLAGS.seeds > 1 else {}), "order": next(order), "prefill_s": r.prefill_s, "decode_s": r.decode_s,
+        runs.append({"prompt": i, **({"seed": seed} if FLAGS.seeds > 1 else {}), "order": next(order),
+                     "prefill_s": r.prefill_s, "decode_s": r.decode_s,
                      "new_tokens": sum(map(len, r.tokens)), "decode_tokens_per_s": r.decode_tokens_per_s,
                      "compiles": r.compiles, "cache_loads": r.cache_loads, "target_forwards": r.target_forwards,
                      "mean_accepted": r.mean_accepted, "accepted_per_depth": r.accepted_per_depth,

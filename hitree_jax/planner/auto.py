@@ -185,7 +185,7 @@ def measure_costs(target, draft, prompt: Sequence[int], sampling, space: Space =
   budgets = [m.budget for m in space.middles if _is_retrieval(m)]
   costs = profile_lib.level_costs(target, draft, space.model_levels(), prompt, space.widths, repeats, eagle, rows,
                                   full=target_cache, interpolate_budgets=interpolate_budgets)
-  interpolated = [str(level) for level in profile_lib.interpolated_budgets(space.model_levels())]
+  interpolated = profile_lib.interpolated_budgets(space.model_levels()) if interpolate_budgets else []
   new_tokens = max(GENERATED // rows, 32)   # a batch's rows average its timings' noise too
   if overheads is None:
     fitted = {"overheads": profile_lib.round_overheads(target, draft, prompt, sampling, budget=min(budgets, default=256),
@@ -194,7 +194,7 @@ def measure_costs(target, draft, prompt: Sequence[int], sampling, space: Space =
     fitted = {"overheads": overheads["fields"], "overheads_from": overheads["from"]}
   if ar_seconds is None:
     ar_seconds = profile_lib.ar_seconds(target, prompt, new_tokens, rows, sampling)
-  return {"costs": costs, **({"interpolated": interpolated} if interpolate_budgets and interpolated else {}),
+  return {"costs": costs, **({"interpolated": [str(level) for level in interpolated]} if interpolated else {}),
           **fitted, "ar_seconds": ar_seconds}
 
 

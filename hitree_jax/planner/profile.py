@@ -200,7 +200,7 @@ class _Levels:
     t = self.target
     if level == TARGET:
       return t.config, t.params, self.full, None
-    if level.kind == "retrieval" and not level.retrieval.reselect:
+    if _chosen_once(level):
       if self._queries is None:   # whatever the budget (two threads may both compute them: the same)
         last = jnp.full((self.rows,), self.prompt[-1], jnp.int32)
         self._queries = long_caches.retrieval_queries(t.params, t.config, self.full, last)
@@ -220,11 +220,14 @@ class _Levels:
                      "draft@streaming:SxW or eagle")
 
 
+def _chosen_once(level: Level) -> bool:
+  """Whether the level reads a retrieval cache chosen once after the prompt (not reselected)."""
+  return level != TARGET and level.kind == "retrieval" and not level.retrieval.reselect
+
+
 def _retrieval_budgets(levels: Sequence[Level]) -> list[Level]:
   """The levels over a retrieval cache chosen once after the prompt, smallest budget first."""
-  chosen_once = [level for level in levels if level != TARGET and level.kind == "retrieval"
-                 and not level.retrieval.reselect]
-  return sorted(chosen_once, key=lambda level: level.budget)
+  return sorted(filter(_chosen_once, levels), key=lambda level: level.budget)
 
 
 def interpolated_budgets(levels: Sequence[Level]) -> list[Level]:
