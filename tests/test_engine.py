@@ -138,6 +138,27 @@ def test_stops_at_eos_like_ar(params, ar_tokens):
   assert got == expected and got[0][-1] == eos
 
 
+def test_samples_from_one_prefill_are_generations_at_their_seeds(params):
+  """generate_samples decodes each seed from the cache the last sample left: each sample's tokens
+  are generate's at its seed (rows of different lengths, EOS stops included), one prefill and
+  one decode program serve them all, and greedy decoding is refused."""
+  sampling = SamplingParams.create(0.9, 0.95)
+  eos = CONFIG.replace(eos_token_id=7)
+  seeds = [3, 11, 4]
+  alone = [engine.generate(params, eos, PROMPTS, max_new_tokens=24, sampling=sampling, seed=s).tokens for s in seeds]
+  assert len({str(tokens) for tokens in alone}) == len(seeds)          # the seeds draw apart
+  programs = Programs()
+  samples = engine.generate_samples(params, eos, PROMPTS, seeds=seeds, max_new_tokens=24, sampling=sampling,
+                                    programs=programs, keep_long_caches=True)
+  assert [r.tokens for r in samples] == alone
+  assert any(len(row) < 24 for tokens in alone for row in tokens)      # some row stopped at EOS
+  assert samples[0].prefill_s > 0 and [r.prefill_s for r in samples[1:]] == [0.0, 0.0]
+  assert [r.compiles for r in samples[1:]] == [0, 0]                  # the first's programs serve all
+  assert samples[-1].long_caches is not None and samples[0].long_caches is None
+  with pytest.raises(engine.UsageError, match="greedy"):
+    engine.generate_samples(params, CONFIG, PROMPTS, seeds=seeds, max_new_tokens=8, sampling=SamplingParams.create())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("setup", ["self2-binary2x2", "self2-dynamic6x3"])
 def test_second_generation_compiles_nothing(params, setup):

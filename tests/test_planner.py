@@ -440,6 +440,31 @@ def test_acceptance_over_a_generations_own_cache_of_the_prompt_is_the_same(tiny_
     np.testing.assert_allclose(jax.tree.leaves(shared[pair]), jax.tree.leaves(fresh[pair]), atol=1e-5, err_msg=pair)
 
 
+def test_acceptance_over_several_samples_of_a_prompt_reads_its_caches_once(tiny_pair):
+  """A sampled profile's samples of one prompt (engine.generate_samples, one prefill) share every
+  level's cache of it (pair_acceptances): each sample's record is pair_acceptance's over a fresh
+  prefill."""
+  from hitree_jax.decode import engine
+  from hitree_jax.decode.sampling import SamplingParams
+  target, draft = tiny_pair
+  sampling = SamplingParams.create(0.9, 0.95)
+  prompt = list(np.arange(300) * 7 % 64)
+  runs = engine.generate_samples(target.params, target.config, [prompt], seeds=[0, 1], max_new_tokens=24,
+                                 sampling=sampling, stop_at_eos=False, keep_long_caches=True)
+  samples = [run.tokens[0] for run in runs]
+  assert samples[0] != samples[1]
+  pairs = typed([("target", "draft"), ("target", "retrieval:64"), ("target", "ngram:3"),
+                 ("retrieval:64", "draft@streaming:4x28")])
+  shared = profile.pair_acceptances(target, draft, pairs, prompt, samples, sampling, chains=(2,),
+                                    target_cache=runs[-1].long_caches[0])
+  for record, sample in zip(shared, samples):
+    fresh = profile.pair_acceptance(target, draft, pairs, prompt, sample, sampling, chains=(2,))
+    assert record.keys() == fresh.keys()
+    for pair in fresh:
+      np.testing.assert_allclose(jax.tree.leaves(record[pair]), jax.tree.leaves(fresh[pair]), atol=1e-5, err_msg=pair)
+  assert shared[0] != shared[1]
+
+
 def test_a_sampled_profile_takes_nine_samples_of_the_text_each_prompt_prefilled_once(tmp_path, monkeypatch,
                                                                                       tiny_pair):
   """Greedy, a profile takes acceptance over one continuation of each passage; sampled, over at

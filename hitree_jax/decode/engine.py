@@ -5,6 +5,7 @@
   decode(prefilled)           the jitted loop over them (loop.py, where the levels' rounds
                               are described); the long caches are donated
   generate(...)               both, timed, with each level's report
+  generate_samples(...)       plain decoding once per seed from one prefill
 
 The rest of decode/: sizes.py (a stack's static sizes, StackSizes), timing.py (each level's
 round alone), and the parts the loop is built of (drafters, levels, verify, sampling).
@@ -135,18 +136,64 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
     out, n_tokens, stats, long_caches = loop(ready.weights, ready.long_caches, ready.start)
     out, n_tokens = sharding.fetch(out), sharding.fetch(n_tokens)
     decode_s = time.perf_counter() - start
-    stats = jax.tree.map(sharding.fetch, stats)
+  return _result(ready, len(prompts), prefill_s, decode_s, out, n_tokens, stats,
+                 programs.since(counts_before), round_s, long_caches if keep_long_caches else None)
+
+
+def generate_samples(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, seeds: Sequence[int],
+                     max_new_tokens: int, sampling: SamplingParams, stop_at_eos: bool = True,
+                     programs: programs_lib.Programs | None = None,
+                     keep_long_caches: bool = False) -> list[GenerationResult]:
+  """Plain decoding of the same prompts once per seed, from one prefill: a result per seed, as
+  generate(..., seed=s) gives it. Each later sample decodes from the cache the one before
+  returned, its length set back to the prompt's (decoding writes only past the prompt's slots,
+  and reads nothing past a row's length): n samples of a 7.5K-token prompt cost one prefill, not
+  n (15 s each on 2 cores), and one program. A later result's prefill_s is 0; keep_long_caches:
+  the last result keeps the cache as its decode left it (the earlier ones were decoded from
+  again, their buffers donated)."""
+  if not seeds:
+    raise UsageError("generate_samples needs at least one seed")
+  if sampling.greedy:
+    raise UsageError("generate_samples draws samples: greedy decoding gives every seed the same tokens")
+  programs = programs or programs_lib.shared()
+  results = []
+  counts_before = programs.counts()
+  ready, prefill_s = prefill(params, config, prompts, max_new_tokens, Stack(), sampling, seeds[0], stop_at_eos,
+                             programs=programs)
+  prefill_s -= programs.compile_s - counts_before[0]
+  for i, seed in enumerate(seeds):
+    loop = decode_program(ready, programs)
+    start = time.perf_counter()
+    out, n_tokens, stats, long_caches = loop(ready.weights, ready.long_caches, ready.start)
+    out, n_tokens = sharding.fetch(out), sharding.fetch(n_tokens)
+    decode_s = time.perf_counter() - start
+    last = i == len(seeds) - 1
+    results.append(_result(ready, len(prompts), prefill_s, decode_s, out, n_tokens, stats,
+                           programs.since(counts_before), None, long_caches if keep_long_caches and last else None))
+    counts_before, prefill_s = programs.counts(), 0.0
+    if not last:   # the caches it returned, back at the prompts' lengths (a copy: they are donated); the next key
+      again = tuple(long.replace(lengths=jnp.copy(ready.start.end)) for long in long_caches)
+      ready = dataclasses.replace(ready, long_caches=again,
+                                  start=dataclasses.replace(ready.start, key=jax.random.key(seeds[i + 1])))
+  return results
+
+
+def _result(ready: Prefilled, rows: int, prefill_s: float, decode_s: float, out, n_tokens, stats: Stats,
+            counts: dict, round_s: list[float] | None, long_caches) -> GenerationResult:
+  """A decoded generation's GenerationResult (out, n_tokens fetched to the host already)."""
+  sizes = ready.sizes
+  stats = jax.tree.map(sharding.fetch, stats)
   speculative = sizes.top > 0
   return GenerationResult(
-      tokens=[out[b, :n_tokens[b]].tolist() for b in range(len(prompts))],
-      prefill_s=prefill_s, decode_s=decode_s, **programs.since(counts_before),
+      tokens=[out[b, :n_tokens[b]].tolist() for b in range(rows)],
+      prefill_s=prefill_s, decode_s=decode_s, **counts,
       target_forwards=int(stats.rounds.max()) if speculative else None,
       rounds_per_row=stats.rounds.tolist() if speculative else None,
       accepted_per_depth=stats.per_depth.tolist() if speculative else None,
       levels=level_report(sizes, stats, round_s, decode_s) if speculative else None,
-      long_caches=long_caches if keep_long_caches else None,
+      long_caches=long_caches,
       **({"aside_per_row": stats.aside.tolist(), "stepped_aside_per_row": stats.stepped_aside.tolist()}
-         if stack.step_aside is not None else {}))
+         if sizes.stack.step_aside is not None else {}))
 
 
 def level_report(sizes: StackSizes, stats: Stats, round_s: list[float] | None = None,

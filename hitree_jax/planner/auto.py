@@ -157,15 +157,24 @@ def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequ
   model's per-forward overhead. overheads: fitted already (`stored_overheads`), not fitted here;
   ar_seconds: timed already (the continuations' own decoding: `ar_from`), not timed here;
   target_caches: the target's cache of each prompt, from generating its continuation (not
-  prefilled again: profile.pair_acceptance's target_cache); interpolate_budgets: measure_costs'."""
+  prefilled again: profile.pair_acceptance's target_cache); consecutive equal prompts (a sampled
+  profile's samples) read the first one's caches; interpolate_budgets: measure_costs'."""
   space = space.measured(len(prompts[0]), eagle)
   caches = target_caches or [None] * len(prompts)
-  per_passage = [profile_lib.pair_acceptance(target, draft, space.pairs(), p, c, sampling, eagle, space.chains, cache)
-                 for p, c, cache in zip(prompts, continuations, caches)]
+  per_passage = []
+  for at in _runs_of_one_prompt(prompts):   # a sampled profile's samples of a prompt share its caches
+    per_passage += profile_lib.pair_acceptances(target, draft, space.pairs(), prompts[at.start],
+                                                continuations[at], sampling, eagle, space.chains, caches[at.start])
   return {"context": len(prompts[0]), "passages": len({tuple(p) for p in prompts}), "continuations": len(prompts),
           "acceptance": {pair: _mean([a[pair] for a in per_passage]) for pair in per_passage[0]},
           **measure_costs(target, draft, prompts[0], sampling, space, repeats, eagle, overheads=overheads,
                           ar_seconds=ar_seconds, target_cache=caches[0], interpolate_budgets=interpolate_budgets)}
+
+
+def _runs_of_one_prompt(prompts: Sequence[Sequence[int]]) -> list[slice]:
+  """The runs of consecutive equal prompts, as slices (each run's continuations read one cache)."""
+  starts = [i for i in range(len(prompts)) if i == 0 or list(prompts[i]) != list(prompts[i - 1])]
+  return [slice(a, b) for a, b in zip(starts, starts[1:] + [len(prompts)])]
 
 
 def measure_costs(target, draft, prompt: Sequence[int], sampling, space: Space = Space(), repeats: int = 10,
@@ -505,17 +514,21 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
     # The target's own text, as a stack meets it: sampled when the plan is for sampling.
     chat = text == CHAT
     new_tokens = CHAT_ANSWER if chat else CONTINUATION
-    # Each prompt's prefill is its acceptance's too (keep_long_caches).
-    runs = [engine.generate(target.params, target.config, [p], sampling=sampling, seed=i,
-                            max_new_tokens=new_tokens, stop_at_eos=chat, keep_long_caches=True)
-            for i, p in enumerate(prompts)]
-    continuations, caches = [r.tokens[0] for r in runs], [r.long_caches[0] for r in runs]
+    # Each prompt's prefill is its acceptance's too (keep_long_caches). Sampled, each prompt is
+    # sampled again from its prefill (engine.generate_samples): at 7,680 tokens a batch of the
+    # further samples took 151 s of a 321-s first plan (docs/results/planner/first_profile_time.md).
     more = 0 if sampling is None or sampling.greedy else -(-SAMPLED_CONTINUATIONS // len(prompts)) - 1
-    if more:   # more samples of each prompt's text, in one batch (rows sample apart)
-      extra = [p for p in prompts for _ in range(more)]
-      continuations += engine.generate(target.params, target.config, extra, sampling=sampling, seed=len(prompts),
-                                       max_new_tokens=new_tokens, stop_at_eos=chat).tokens
-      prompts, caches = prompts + extra, caches + [c for c in caches for _ in range(more)]
+    generations = [engine.generate_samples(target.params, target.config, [p], sampling=sampling,
+                                           seeds=[i + len(prompts) * k for k in range(1 + more)],
+                                           max_new_tokens=new_tokens, stop_at_eos=chat, keep_long_caches=True)
+                   if more else
+                   [engine.generate(target.params, target.config, [p], sampling=sampling, seed=i,
+                                    max_new_tokens=new_tokens, stop_at_eos=chat, keep_long_caches=True)]
+                   for i, p in enumerate(prompts)]
+    runs = [run for samples in generations for run in samples]
+    continuations = [run.tokens[0] for run in runs]
+    caches = [samples[-1].long_caches[0] for samples in generations for _ in samples]
+    prompts = [p for p, samples in zip(prompts, generations) for _ in samples]
     return measure(target, drafter, prompts, continuations, sampling, space, eagle=feature_draft,
                    overheads=reused(single_path, single_key), ar_seconds=ar_from(runs), target_caches=caches,
                    interpolate_budgets=not full)

@@ -156,6 +156,7 @@ class _Levels:
                                                   self.programs, all_hidden=eagle is not None, taps=self.taps)
       self.prompt_hidden = hidden[0] if hidden else None
     self._draft_full = self._eagle_long = self._queries = None
+    self._selected = {}   # retrieval level -> its cache, chosen once
 
   def eagle_long(self) -> KVCache:
     """The EAGLE draft's one-layer cache of the prompt, run with the target's features (as prefill
@@ -204,9 +205,10 @@ class _Levels:
       if self._queries is None:   # whatever the budget (two threads may both compute them: the same)
         last = jnp.full((self.rows,), self.prompt[-1], jnp.int32)
         self._queries = long_caches.retrieval_queries(t.params, t.config, self.full, last)
-      selected = long_caches.select_by_queries(self.full, self._queries, level.budget, level.retrieval.chunk,
-                                               self.slots - len(self.prompt), 1)
-      return t.config, t.params, selected, None
+      if level not in self._selected:
+        self._selected[level] = long_caches.select_by_queries(self.full, self._queries, level.budget,
+                                                              level.retrieval.chunk, self.slots - len(self.prompt), 1)
+      return t.config, t.params, self._selected[level], None
     if isinstance(level.source, spec.SelfDraft):
       k = level.source.layers
       return (t.config.replace(num_layers=k), *_first_layers(t.params, self.full, k), None)
@@ -560,10 +562,29 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[Level, Level]], prompt:
   (load_eagle's) reads its verifier's features, so its rates are per verifier. The continuation
   runs as one chunk, so a StreamingLLM window holds it all (the window slides token by token in
   decoding): an approximation for continuations much shorter than the window."""
-  levels = _Levels(target, draft, prompt, _padded(len(continuation)), eagle, full=target_cache)
+  return pair_acceptances(target, draft, pairs, prompt, [continuation], sampling, eagle, chains, target_cache)[0]
+
+
+def pair_acceptances(target, draft, pairs: Sequence[tuple[Level, Level]], prompt: Sequence[int],
+                     continuations: Sequence[Sequence[int]], sampling, eagle=None, chains: Sequence[int] = (),
+                     target_cache: KVCache | None = None) -> list[dict]:
+  """pair_acceptance's record over each of several continuations of one prompt (a sampled
+  profile's samples of it), every level's cache of the prompt built once for them all: a draft
+  model's prefill and the retrieval queries, 2-3 s each at 7,680 tokens on 2 cores."""
+  levels = _Levels(target, draft, prompt, _padded(max(map(len, continuations))), eagle, full=target_cache)
+  measured = {n for pair in pairs for n in pair} - {EAGLE}
+  if any(level != TARGET and level.source == spec.DraftModel() for level in measured):
+    levels.draft_full(None)   # prefilled once, before the threads below share it
+  return [_acceptance(levels, pairs, measured, list(prompt), list(continuation), sampling, chains)
+          for continuation in continuations]
+
+
+def _acceptance(levels: _Levels, pairs, measured, prompt: list[int], continuation: list[int], sampling,
+                chains: Sequence[int]) -> dict:
+  """pair_acceptance's record over one continuation, each level over its cache of the prompt in `levels`."""
+  target = levels.target
   vocab_size = target.config.vocab_size
   dists, features, offered_counts = {}, {}, {}
-  measured = {n for pair in pairs for n in pair} - {EAGLE}
   for level in filter(_is_ngram, measured):
     dists[level] = _ngram_probs(level.source, prompt, continuation, vocab_size)
     offered_counts[level] = _offered_counts(level.source, prompt, continuation)   # once, whatever verifies it
@@ -571,10 +592,8 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[Level, Level]], prompt:
   def teacher_forced(level):
     config = levels[level][0]
     taps = levels.taps if config.num_layers == target.config.num_layers else ()  # what EAGLE may read
-    return _continuation_probs(*levels[level], list(continuation), vocab_size, sampling, taps)
+    return _continuation_probs(*levels[level], continuation, vocab_size, sampling, taps)
 
-  if any(level != TARGET and level.source == spec.DraftModel() for level in measured):
-    levels.draft_full(None)   # prefilled once, before the threads below share it
   # Two levels at a time: one is traced (Python, holding the GIL) while XLA compiles or runs the
   # other. Nothing here is timed. At 7,680 tokens: 34 s instead of 44 (docs/results/planner/first_profile_time.md).
   model_levels = [level for level in measured if not _is_ngram(level)]
@@ -586,8 +605,7 @@ def pair_acceptance(target, draft, pairs: Sequence[tuple[Level, Level]], prompt:
     p, _ = dists[verifier]
     deep = None
     if proposer == EAGLE:
-      q, ranked, deep = _eagle_continuation_probs(levels, features[verifier], list(continuation),
-                                                  vocab_size, sampling)
+      q, ranked, deep = _eagle_continuation_probs(levels, features[verifier], continuation, vocab_size, sampling)
     else:
       q, ranked = dists[proposer]
     rates = jax.device_get(_pair_rates(p, q, ranked, deep))

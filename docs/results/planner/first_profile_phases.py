@@ -31,7 +31,7 @@ from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.planner import auto
 from hitree_jax.planner import profile as profile_lib
 
-PHASES = ("pair_acceptance", "level_costs", "round_overheads", "ar_seconds", "generate")
+PHASES = ("pair_acceptances", "level_costs", "round_overheads", "ar_seconds", "generate")
 phase = ["other"]
 compile_s, compiles, spent = collections.Counter(), collections.Counter(), collections.Counter()
 
@@ -42,10 +42,10 @@ def on_event(event: str, duration: float, **_):
     compiles[phase[0]] += 1
 
 
-def timed(name: str, module=profile_lib):
-  """module.NAME, its time and its compiles counted under its name (engine.generate's only where
-  the profile calls it itself: the continuations)."""
-  inner = getattr(module, name)
+def timed(name: str, module=profile_lib, label: str | None = None):
+  """module.NAME, its time and its compiles counted under `label` (default: its name; engine's
+  generations only where the profile calls them itself: the continuations)."""
+  inner, name = getattr(module, name), label or name
 
   @functools.wraps(inner)
   def run(*args, **kwargs):
@@ -73,6 +73,7 @@ def main():
   for name in PHASES[:-1]:
     setattr(profile_lib, name, timed(name))
   engine.generate = timed("generate", engine)   # the target's continuations
+  engine.generate_samples = timed("generate_samples", engine, "generate")   # sampled, from one prefill
   start = time.perf_counter()
   choice, profile, path = auto.plan_for("smollm2", draft, context, sampling, directory, text,
                                         full=full)
