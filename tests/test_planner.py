@@ -738,8 +738,8 @@ def test_a_new_context_takes_a_rounds_overheads_from_a_stored_profile(tmp_path, 
 
 def test_a_plan_under_the_target_steps_aside_at_its_break_even():
   """A plan whose drafter sits right under the target carries the accepted tokens per round under
-  which its round loses to a resting one: for a draft model (which drafts while resting, to keep
-  its cache in step), its round over its own proposal plus a one-token forward; for the target's
+  which its round loses to a resting one: for a draft model (which runs the round's lead alone
+  while resting, to keep its cache in step), its round over that forward plus a one-token one; for the target's
   own layers (idle while resting), over `ar`'s step (at least MIN_BELOW). The launchers get it as
   step_aside; a hierarchy and prompt lookup have none."""
   from hitree_jax.planner import auto, optimize
@@ -748,8 +748,8 @@ def test_a_plan_under_the_target_steps_aside_at_its_break_even():
   over = profile["overheads"]
   draft = auto.choose(profile, True, auto.Space(drafters=("draft",), middles=(), chains=(2,), trees=()))
   assert str(draft.levels) == "draft/chain:2"
-  proposal = 2 * cost("draft", 1) + 2 * over["draft_forward"]
-  below = (proposal + cost("target", 3) + over["verify"]) / (proposal + cost("target", 1) + over["verify"]) - 1
+  proposal, lead = 2 * cost("draft", 1) + 2 * over["draft_forward"], cost("draft", 1) + over["draft_forward"]
+  below = (proposal + cost("target", 3) + over["verify"]) / (lead + cost("target", 1) + over["verify"]) - 1
   assert draft.step_aside == pytest.approx(below) and 0.05 < below < 0.5
   assert draft.flags("d.gguf")["step_aside"] == f"{below:.3g}:16:16"
   own = auto.choose(dict(profile, ar_seconds=0.0295), True,

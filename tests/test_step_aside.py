@@ -11,7 +11,7 @@ import pytest
 
 from hitree_jax import methods
 from hitree_jax.decode import engine
-from hitree_jax.decode.drafters import Drafter, NGramDrafter, SelfDrafter, _static_proposal
+from hitree_jax.decode.drafters import DraftWeights, Drafter, ModelDrafter, NGramDrafter, SelfDrafter, _static_proposal
 from hitree_jax.decode.sampling import SamplingParams
 from hitree_jax.decode.stack import Stack, Verifier
 from hitree_jax.decode.step_aside import Resting, StepAside
@@ -102,6 +102,36 @@ def test_a_drafter_bad_from_the_start_steps_aside_after_the_rounds_the_rule_stat
     assert result.rounds_per_row == [n - 1] * 3   # one token per round
     assert result.stepped_aside_per_row == [entries] * 3
     assert result.aside_per_row == [aside] * 3
+
+
+KEPT_UP = []   # one entry per round in which the counting draft model only kept its cache up
+
+
+@dataclasses.dataclass(frozen=True)
+class CountingDraftModel(ModelDrafter):
+  def keep_up(self, key, inp):
+    jax.debug.callback(lambda: KEPT_UP.append(1))
+    return super().keep_up(key, inp)
+
+
+def test_a_draft_model_keeps_its_cache_up_while_its_rows_rest_without_drafting(params):
+  """A draft model with a cache of its own, its rows resting: each resting round runs the lead
+  alone through it (Drafter.keep_up), not a tree. The draft is the target itself, so a cache kept
+  in step proposes the target's own tokens: every probe after a rest accepts all it offers. The
+  rule rests after every round (its break-even is out of reach), so the rows alternate rests and
+  probes; the tokens are `ar`'s."""
+  n = 40
+  expected = ar(params, PROMPTS, n)
+  drafter = CountingDraftModel(CONFIG)
+  rule = StepAside(below=100.0, rounds=3, memory=1)
+  KEPT_UP.clear()
+  result = engine.generate(params, CONFIG, PROMPTS, stack=Stack(drafter, tree_lib.chain(DEPTH), step_aside=rule),
+                           draft=DraftWeights(params), max_new_tokens=n)
+  assert result.tokens == expected
+  assert all(entries >= 2 for entries in result.stepped_aside_per_row)      # rested, probed, rested again
+  assert len(KEPT_UP) == result.aside_per_row[0] == max(result.aside_per_row)  # all rows rest together
+  (level,) = result.levels
+  assert level["accepted"] == level["proposed"] > 0                        # its cache saw every token
 
 
 def test_stepping_aside_is_refused_where_it_does_not_apply_and_named_when_bad():

@@ -222,20 +222,24 @@ class Decoder:
     proposal after the root seq[end - 1]."""
     if j > 0:
       return self._fill(j, st, key)
-    sizes, drafter, tree = self.sizes, self.sizes.stack.drafter, self.sizes.stack.tree
-    own = st.caches[0]
-    cache = own if own is not None else st.caches[1]
-    reader = 0 if own is not None else 1
-    inputs = DraftInputs(seq=st.seq, end=st.end,
-                         lead=Lead.of(st.seq, st.end, cache.cached, sizes.levels[reader].lead),
-                         cache=cache, params=self.weights.target, draft=self.weights.draft,
-                         sampling=self.sampling, config=sizes.target, features=st.features)
+    drafter, tree = self.sizes.stack.drafter, self.sizes.stack.tree
+    inputs = self._draft_inputs(st)
     if isinstance(tree, DynamicTree):
       prop = drafter.propose_dynamic(tree, inputs)
     else:
       prop = drafter.propose(key, tree, inputs)
     offered = jnp.full(st.end.shape, tree.max_depth, jnp.int32) if prop.offered is None else prop.offered
     return st, prop, drafter.mode, offered
+
+  def _draft_inputs(self, st: LoopState) -> DraftInputs:
+    """What the drafter reads after the root seq[end - 1]: its own cache, or the level above's."""
+    sizes = self.sizes
+    own = st.caches[0]
+    cache = own if own is not None else st.caches[1]
+    reader = 0 if own is not None else 1
+    return DraftInputs(seq=st.seq, end=st.end, lead=Lead.of(st.seq, st.end, cache.cached, sizes.levels[reader].lead),
+                       cache=cache, params=self.weights.target, draft=self.weights.draft,
+                       sampling=self.sampling, config=sizes.target, features=st.features)
 
   def _fill(self, j: int, st: LoopState, key):
     """Level j's rounds until it holds >= gamma_j tokens (rows done stay as they are)."""
@@ -308,10 +312,14 @@ class Decoder:
     return st.replace(out=out, n_out=n_out, done=done, key=key, stats=stats)
 
   def _propose_unless_resting(self, st: LoopState, key, all_resting):
-    """The drafter's proposal; when every live row rests and the drafter keeps nothing between
-    rounds (no cache of its own), a blank one of the same shapes instead, its draft not run."""
-    mode = self.sizes.stack.drafter.mode
-    if st.caches[0] is not None:   # its cache must see every round
+    """The drafter's proposal; when every live row rests, a blank one of the same shapes instead,
+    its tree not drafted. A drafter that keeps nothing between rounds then runs nothing; one with
+    a cache of its own brings it up to the round (Drafter.keep_up: a draft model runs the lead
+    alone, one forward instead of one per depth); one that cannot (EAGLE's cache is written
+    from the features of what it drafts) drafts as in any round, so that its cache sees it."""
+    drafter = self.sizes.stack.drafter
+    own_cache = st.caches[0] is not None
+    if own_cache and not drafter.keeps_up:
       return self._propose(0, st, key)
 
     def drafted():
@@ -324,10 +332,11 @@ class Decoder:
       prop = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
       nodes = prop.tokens.shape[1]
       eye = jnp.broadcast_to(jnp.eye(nodes + 1, dtype=bool), shapes.attend.shape)  # the root sees itself
-      return prop.replace(start=st.end, attend=eye), jnp.zeros(length_shape.shape, length_shape.dtype)
+      cache = drafter.keep_up(key, self._draft_inputs(st)) if own_cache else prop.cache
+      return prop.replace(start=st.end, attend=eye, cache=cache), jnp.zeros(length_shape.shape, length_shape.dtype)
 
     prop, length = jax.lax.cond(all_resting, blank, drafted)
-    return st, prop, mode, length
+    return st, prop, drafter.mode, length
 
   def _rest(self, prop: Proposal, length, resting):
     """The proposal with resting rows [B] offering nothing (no children: the target's token

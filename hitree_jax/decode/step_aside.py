@@ -13,9 +13,11 @@ offers again, a probe, with its mean set to `below`: a probe that accepts nothin
 aside at once, one that accepts more keeps it speculating.
 
 A round in which every live row rests runs no draft when the drafter keeps nothing between
-rounds (no cache of its own: n-gram, self, Medusa); one with a cache (a draft model, EAGLE)
-still drafts, so that its cache stays in step, and what is saved is the target's wide forward.
-It applies to a drafter right under the target.
+rounds (no cache of its own: n-gram, self, Medusa). A draft model runs the round's lead alone
+through its cache (Drafter.keep_up), one forward instead of one per depth of its tree; a
+drafter whose cache is written from what it drafts (EAGLE, DFlash) still drafts, so that its
+cache stays in step, and what is saved is the target's wide forward. It applies to a drafter
+right under the target.
 """
 
 from __future__ import annotations

@@ -316,18 +316,23 @@ MIN_BELOW = 0.05   # the least break-even a plan's rows step aside under (StepAs
 STEP_ASIDE_ROUNDS, STEP_ASIDE_MEMORY = 16, 16
 
 
-def _drafts_while_resting(level: Level) -> bool:
-  """Whether the drafter runs in a round its rows rest (step_aside.py): one with a cache of its own
-  keeps it in step; prompt lookup and the target's own layers do not run."""
-  return level.kind not in ("ngram", "self", "medusa")
+def _drafted_while_resting(level: Level) -> str:
+  """What the drafter runs in a round its rows rest (step_aside.py): "nothing" (prompt lookup,
+  the target's own layers, Medusa keep nothing between rounds), "lead" (a model with a cache
+  of its own runs the round's lead alone through it: Drafter.keep_up) or "tree" (EAGLE's and
+  DFlash's caches are written from what they draft: they draft as in any round)."""
+  if level.kind in ("ngram", "self", "medusa"):
+    return "nothing"
+  return "lead" if level.kind in ("draft", "retrieval") else "tree"
 
 
 def step_aside_below(c: optimize.Candidates, plan: optimize.Plan, ar_seconds: float) -> float | None:
   """The accepted tokens per round under which a row of `plan` (a drafter right under the target)
   decodes slower than it would resting: a round offering the drafter's whole tree costs its
   proposal, the target's forward over it and a verifying round's overheads, and commits one token
-  more than it accepts; a resting round commits one, at `ar`'s step (the drafter idle), or at the
-  drafter's proposal and a one-token forward (a drafter whose cache must see every round). None
+  more than it accepts; a resting round commits one, at `ar`'s step (the drafter idle), or at a
+  one-token forward and what the drafter runs to keep its cache in step (`_drafted_while_resting`:
+  the round's lead alone through a draft model, a whole proposal for EAGLE). None
   for a hierarchy (its rows do not step aside), and for prompt lookup: a round in which it finds
   no match is a plain one already, and its hits come in runs that a running mean misses. On 7.5K
   tokens of Austen its chain of 2 stepped aside three times on one passage and committed 1.45
@@ -337,9 +342,13 @@ def step_aside_below(c: optimize.Candidates, plan: optimize.Plan, ar_seconds: fl
     return None
   drafter = next(d for d in c.drafters if d.name == plan.drafter)
   tree = dict(drafter.trees)[plan.tree]
-  proposal = latency.tree_draft_seconds(tree, drafter.cost) + (c.overheads.propose(tree) if drafter.cost else 0.0)
-  speculating = proposal + c.target(tree.size + 1) + c.overheads.check(tree)
-  resting = proposal + c.target(1) + c.overheads.check(None) if _drafts_while_resting(plan.drafter) else ar_seconds
+  proposal = lambda t: latency.tree_draft_seconds(t, drafter.cost) + (c.overheads.propose(t) if drafter.cost else 0.0)
+  speculating = proposal(tree) + c.target(tree.size + 1) + c.overheads.check(tree)
+  drafted = _drafted_while_resting(plan.drafter)
+  if drafted == "nothing":
+    resting = ar_seconds
+  else:
+    resting = proposal(tree if drafted == "tree" else shapes.chain(1)) + c.target(1) + c.overheads.check(None)
   return max(speculating / resting - 1.0, MIN_BELOW)
 
 
