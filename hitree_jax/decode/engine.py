@@ -131,11 +131,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
     sizes = ready.sizes
     prefill_s -= programs.compile_s - counts_before[0]
     round_s = timing.time_levels(programs, ready) if time_levels and sizes.top > 0 else None
-    loop = decode_program(ready, programs)   # compiled before the clock starts
-    start = time.perf_counter()
-    out, n_tokens, stats, long_caches = loop(ready.weights, ready.long_caches, ready.start)
-    out, n_tokens = sharding.fetch(out), sharding.fetch(n_tokens)
-    decode_s = time.perf_counter() - start
+    out, n_tokens, stats, long_caches, decode_s = _timed_decode(ready, programs)
   return _result(ready, len(prompts), prefill_s, decode_s, out, n_tokens, stats,
                  programs.since(counts_before), round_s, long_caches if keep_long_caches else None)
 
@@ -162,11 +158,7 @@ def generate_samples(params, config: ModelConfig, prompts: Sequence[Sequence[int
                              programs=programs)
   prefill_s -= programs.compile_s - counts_before[0]
   for i, seed in enumerate(seeds):
-    loop = decode_program(ready, programs)
-    start = time.perf_counter()
-    out, n_tokens, stats, long_caches = loop(ready.weights, ready.long_caches, ready.start)
-    out, n_tokens = sharding.fetch(out), sharding.fetch(n_tokens)
-    decode_s = time.perf_counter() - start
+    out, n_tokens, stats, long_caches, decode_s = _timed_decode(ready, programs)
     last = i == len(seeds) - 1
     results.append(_result(ready, len(prompts), prefill_s, decode_s, out, n_tokens, stats,
                            programs.since(counts_before), None, long_caches if keep_long_caches and last else None))
@@ -176,6 +168,16 @@ def generate_samples(params, config: ModelConfig, prompts: Sequence[Sequence[int
       ready = dataclasses.replace(ready, long_caches=again,
                                   start=dataclasses.replace(ready.start, key=jax.random.key(seeds[i + 1])))
   return results
+
+
+def _timed_decode(ready: Prefilled, programs: programs_lib.Programs):
+  """decode(ready), its program compiled before the clock starts: (tokens and counts fetched to
+  the host, Stats, the long caches, decode seconds)."""
+  loop = decode_program(ready, programs)
+  start = time.perf_counter()
+  out, n_tokens, stats, long_caches = loop(ready.weights, ready.long_caches, ready.start)
+  out, n_tokens = sharding.fetch(out), sharding.fetch(n_tokens)
+  return out, n_tokens, stats, long_caches, time.perf_counter() - start
 
 
 def _result(ready: Prefilled, rows: int, prefill_s: float, decode_s: float, out, n_tokens, stats: Stats,

@@ -186,6 +186,22 @@ class _Levels:
     config, params, long, _ = self[level]
     return timed_forward(config), lambda w: (params, jnp.zeros((self.rows, w), jnp.int32), long)
 
+  def retrieval_queries(self) -> jax.Array:
+    """[L, B, H, D] the last prompt token's queries, which choose every budget's chunks."""
+    if self._queries is None:
+      t = self.target
+      last = jnp.full((self.rows,), self.prompt[-1], jnp.int32)
+      self._queries = long_caches.retrieval_queries(t.params, t.config, self.full, last)
+    return self._queries
+
+  def build_shared(self, levels: Sequence[Level]) -> None:
+    """Builds what several of these levels read (the draft's cache of the prompt, the retrieval
+    queries) before threads share them, so that none is built twice."""
+    if any(level != TARGET and level.source == spec.DraftModel() for level in levels):
+      self.draft_full(None)
+    if any(map(_chosen_once, levels)):
+      self.retrieval_queries()
+
   def draft_full(self, level: Level):
     if self.draft is None:
       raise UsageError(f"level {str(level)!r} needs a draft model")
@@ -202,11 +218,8 @@ class _Levels:
     if level == TARGET:
       return t.config, t.params, self.full, None
     if _chosen_once(level):
-      if self._queries is None:   # whatever the budget (two threads may both compute them: the same)
-        last = jnp.full((self.rows,), self.prompt[-1], jnp.int32)
-        self._queries = long_caches.retrieval_queries(t.params, t.config, self.full, last)
       if level not in self._selected:
-        self._selected[level] = long_caches.select_by_queries(self.full, self._queries, level.budget,
+        self._selected[level] = long_caches.select_by_queries(self.full, self.retrieval_queries(), level.budget,
                                                               level.retrieval.chunk, self.slots - len(self.prompt), 1)
       return t.config, t.params, self._selected[level], None
     if isinstance(level.source, spec.SelfDraft):
@@ -573,8 +586,7 @@ def pair_acceptances(target, draft, pairs: Sequence[tuple[Level, Level]], prompt
   model's prefill and the retrieval queries, 2-3 s each at 7,680 tokens on 2 cores."""
   levels = _Levels(target, draft, prompt, _padded(max(map(len, continuations))), eagle, full=target_cache)
   measured = {n for pair in pairs for n in pair} - {EAGLE}
-  if any(level != TARGET and level.source == spec.DraftModel() for level in measured):
-    levels.draft_full(None)   # prefilled once, before the threads below share it
+  levels.build_shared(measured)   # once, before _acceptance's threads share them
   return [_acceptance(levels, pairs, measured, list(prompt), list(continuation), sampling, chains)
           for continuation in continuations]
 
