@@ -182,3 +182,25 @@ def test_sampling_with_rows_stepping_aside_is_exact():
   assert 0 < sum(result.aside_per_row) < sum(result.rounds_per_row)
   samples = np.array([t[:3] for t in result.tokens])
   assert chi_square_pvalue(samples, exact_three_token_law(params, prompt, sampling)) > 1e-4
+
+
+@pytest.mark.slow
+def test_sampling_while_a_draft_model_keeps_its_cache_up_is_exact():
+  """A draft model (another random model, drawing iid) under a rule that sends every row aside
+  after each speculative round: the second round runs with every row resting, the draft only
+  keeping its cache up (Drafter.keep_up), and the first three tokens still follow the target's
+  law, as they do in rows whose first round emitted one token and whose third is the resting
+  round's."""
+  params = jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x, peaked(SMALL, 2))
+  draft_config = SMALL.replace(num_layers=1)
+  prompt = [1, 4, 2, 5, 1, 4]
+  sampling = SamplingParams.create(1.0, 1.0)
+  stack = Stack(CountingDraftModel(draft_config, "iid"), tree_lib.chain(2),
+                step_aside=StepAside(below=100.0, rounds=1, memory=1))
+  KEPT_UP.clear()
+  result = engine.generate(params, SMALL, [prompt] * N_SAMPLES, stack=stack, max_new_tokens=3, sampling=sampling,
+                           seed=11, stop_at_eos=False, draft=DraftWeights(peaked(draft_config, 7)))
+  assert len(KEPT_UP) >= 1                                     # a round in which every row rested
+  assert any(len(t) == 3 and rounds == 2 for t, rounds in zip(result.tokens, result.rounds_per_row))
+  samples = np.array([t[:3] for t in result.tokens])
+  assert chi_square_pvalue(samples, exact_three_token_law(params, prompt, sampling)) > 1e-4
