@@ -1,8 +1,10 @@
 """The planner's latency model against closed forms and a simulation of the engine's rounds, and
 its shortest-path search against brute force."""
 
+import copy
 import dataclasses
 import json
+import math
 import pathlib
 import types
 
@@ -76,6 +78,17 @@ def test_a_drafter_offering_part_of_its_chain_pays_the_narrowest_width_that_hold
   assert pair.tokens_per_target_forward == pytest.approx(tokens)
   assert pair.seconds_per_token == pytest.approx((sum(p * target(w) for w, p in widths.items()) + 0.002) / tokens)
   assert latency.widest({0: 0.5, 3: 0.5}, 3) == pytest.approx({0: 0.125, 3: 0.875})
+
+
+def test_the_expected_largest_of_normal_draws():
+  """latency.slowest_of reads a batch's slowest row as the largest of normal draws: E[max] of one
+  draw is its mean, of two 1/sqrt(pi) sds above it, of 16 as a seeded simulation gives."""
+  assert latency.expected_max_normal(1) == 0.0
+  assert latency.expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), abs=1e-5)
+  simulated = np.random.default_rng(0).standard_normal((200_000, 16)).max(axis=1).mean()
+  assert latency.expected_max_normal(16) == pytest.approx(simulated, abs=0.01)
+  assert latency.slowest_of(1, [10.0, 14.0]) == 12.0 and latency.slowest_of(4, [12.0]) == 12.0
+  assert latency.slowest_of(2, [10.0, 14.0]) == pytest.approx(12.0 + math.sqrt(8.0 / math.pi))
 
 
 def test_a_replayed_chain_yields_its_rounds_law_and_pays_each_rounds_width():
@@ -192,7 +205,7 @@ def random_candidates(rng, n_middles):
       if rng.random() < 0.9:
         ranks = np.sort(rng.uniform(0.05, 0.95, 3))[::-1]
         acceptance[verifier, proposer] = list(ranks * min(1.0, rng.uniform(0.3, 1.0) / ranks.sum()))
-  overheads = latency.Overheads(*rng.uniform(0.0, 0.003, 3))
+  overheads = latency.Overheads(*rng.uniform(0.0, 0.003, 4))
   offers = {(verifier, "ngram"): rng.uniform(0.3, 1.0) for verifier in [*everyone, "target"]}
   return optimize.Candidates(drafters, middles, affine(0.03, 0.002), (2, 4, 7), acceptance, overheads,
                              offers=offers)
@@ -606,6 +619,55 @@ def test_plain_decoding_is_chosen_when_no_stack_beats_it():
   assert auto.choose(close, True, min_gain=0.2).levels is None
 
 
+def _with_continuations(profile: dict, scales: list[float], tokens: list[int]) -> dict:
+  """`profile` with a record per continuation (auto.measure's `per_continuation`): continuation i's
+  acceptance is the profile's, each rate scaled by scales[i] (at most 0.99)."""
+  each = []
+  for scale, n in zip(scales, tokens):
+    acceptance = copy.deepcopy(profile["acceptance"])
+    for record in acceptance.values():
+      for name in ("alpha", "greedy"):
+        record[name] = min(0.99, record[name] * scale)
+      for name in ("profile", "greedy_profile"):   # rank 0 scaled, the rest within what it leaves
+        first, rest = record[name][0], record[name][1:]
+        record[name] = [min(0.99, first * scale), *(r * (1 - min(0.99, first * scale)) / (1 - first) for r in rest)]
+    each.append({"tokens": n, "acceptance": acceptance})
+  return dict(profile, per_continuation=each)
+
+
+def test_a_batch_ends_with_its_slowest_row():
+  """A row commits its own tokens at its own rate, and a batch runs until its slowest row has its
+  tokens (tests/test_hierarchy.py's ragged batch). So at B rows a stack's seconds per token grow by
+  the expected rounds of the slowest of B rows over those of the mean row, read from the
+  profile's continuations (auto.for_the_batch): nothing at one row or where the continuations
+  accept alike, more at 16 rows than at 4; `ar` commits a token a step and grows only where the
+  answers' lengths differ (chat). A stack predicted 15% over `ar` from the mean alone loses to it."""
+  from hitree_jax.planner import auto
+  levels = "draft/chain:4"
+  mean = synthetic_profile(512)
+  alike, spread = _with_continuations(mean, [1.0, 1.0], [128, 128]), _with_continuations(mean, [1.25, 0.6], [128, 128])
+  seconds = lambda profile, batch: auto.predict(dict(profile, batch=batch), True, levels).seconds_per_token
+  plain = auto.predict(mean, True, levels).seconds_per_token
+  assert seconds(spread, 1) == seconds(alike, 16) == seconds(mean, 16) == plain
+  rounds = [128 / auto.predict(dict(mean, acceptance=c["acceptance"]), True, levels).tokens_per_target_forward
+            for c in spread["per_continuation"]]
+  assert rounds[1] > 1.2 * rounds[0]
+  for batch in (4, 16):
+    assert seconds(spread, batch) == pytest.approx(plain * latency.slowest_of(batch, rounds) / np.mean(rounds))
+  assert plain < seconds(spread, 4) < seconds(spread, 16)
+  # ar: a step a token, whatever the rows accept; answers of 64 and 192 tokens make a slowest row.
+  ar = lambda profile: auto.choose(dict(profile, batch=4), True).ar_tokens_per_s
+  assert ar(spread) == pytest.approx(1 / mean["ar_seconds"])
+  chat = _with_continuations(mean, [1.0, 1.0], [64, 192])
+  assert ar(chat) == pytest.approx(1 / (mean["ar_seconds"] * latency.slowest_of(4, [64, 192]) / 128))
+  # The mean predicts the fastest stack 15% over ar; its slowest row of four does not pay.
+  best = auto.choose(mean, True).best_stack
+  close = lambda profile: dict(profile, batch=4, ar_seconds=1.15 * best.exact.seconds_per_token)
+  assert auto.choose(close(alike), True).levels == auto.levels_of(best)
+  choice = auto.choose(close(spread), True)
+  assert choice.levels is None and choice.best_stack.exact.seconds_per_token > 1.15 * best.exact.seconds_per_token / 1.1
+
+
 def _plant(directory, profile, batch, sampling, draft="drafts/smollm2-draft.gguf"):
   """Stores `profile` where auto.plan_for looks for SmolLM2 + its draft at 512 tokens and `batch`."""
   from hitree_jax.planner import auto
@@ -648,6 +710,29 @@ def test_a_batch_is_planned_from_the_profile_measured_at_that_batch(tmp_path, mo
   assert [auto.nearest_batch(b) for b in (1, 2, 3, 6, 12, 100)] == [1, 2, 4, 8, 16, 64]
   with pytest.raises(ValueError, match="a batch of 0 rows"):
     auto.nearest_batch(0)
+
+
+def test_a_batch_profile_takes_batch_1s_acceptance_and_names_its_own_timings(tmp_path, monkeypatch):
+  """A batch's profile is batch 1's acceptance (each continuation's too) with timings of its own:
+  where it fitted its overheads itself, it does not carry batch 1's record of where those came
+  from (a profile whose overheads are borrowed lends none, and --full_profile measures it again)."""
+  from hitree_jax import loading
+  from hitree_jax.decode.sampling import SamplingParams
+  from hitree_jax.planner import auto
+  greedy, draft = SamplingParams.create(), "drafts/smollm2-draft.gguf"
+  single = _with_continuations(dict(synthetic_profile(512), overheads_from="overheads.json, shipped"),
+                               [1.0, 0.8], [128, 128])
+  _plant(tmp_path, single, 1, greedy)
+  monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: types.SimpleNamespace(path="smollm2"))
+  monkeypatch.setattr(auto, "measured_prompts", lambda tokenizer, text, context: [[1] * 512])
+  monkeypatch.setattr("hitree_jax.tokenizer.load_tokenizer", lambda path: None)
+  own = {"costs": synthetic_profile(512)["costs"], "ar_seconds": 0.03,
+         "overheads": {"draft_forward": 0.001, "verify": 0.004, "tree": 0.002}}
+  monkeypatch.setattr(auto, "measure_costs", lambda *args, rows, **kwargs: dict(own, ar_seconds=0.01 * rows))
+  batched, _ = auto.profiled("smollm2", draft, 512, greedy, tmp_path, batch=4)
+  assert batched["batch"] == 4 and batched["ar_seconds"] == 0.04 and batched["overheads"] == own["overheads"]
+  assert "overheads_from" not in batched
+  assert batched["acceptance"] == single["acceptance"] and batched["per_continuation"] == single["per_continuation"]
 
 
 def test_launch_plan_prints_a_plan_per_cell_of_its_grid(tmp_path):
@@ -822,7 +907,7 @@ def test_the_shipped_drafts_have_their_overheads_shipped(draft):
   from hitree_jax.planner import auto
   for sampling in (SamplingParams.create(), SamplingParams.create(0.6, 0.9)):
     fit = auto.shipped_overheads(auto.where_kept("smollm2", draft, 512, sampling)[1])
-    assert fit is not None and set(fit["fields"]) == {"draft_forward", "verify", "tree"}
+    assert fit is not None and set(fit["fields"]) == {"draft_forward", "verify", "tree", "middle"}
     assert all(0 <= seconds < 0.05 for seconds in fit["fields"].values()), fit
 
 
@@ -884,7 +969,7 @@ def test_a_batchs_timings_are_measured_at_that_batch(tiny_pair, monkeypatch):
                            repeats=2, rows=3)
   assert rows_seen == {("forward", 3), ("generate", 3)}
   assert set(got["costs"]) == {"draft", "draft@streaming:16x234", "retrieval:256", "target"}
-  assert got["ar_seconds"] > 0 and set(got["overheads"]) == {"draft_forward", "verify", "tree"}
+  assert got["ar_seconds"] > 0 and set(got["overheads"]) == {"draft_forward", "verify", "tree", "middle"}
 
 
 def test_a_sequoia_plan_carries_the_profile_its_tree_came_from():
@@ -934,7 +1019,12 @@ def test_measure_and_choose_on_tiny_models_and_the_plan_is_exact(tiny_pair):
                          SamplingParams.create(), space, repeats=2)
   assert profile["passages"] == 2
   assert set(profile["costs"]) == {"draft", "draft@streaming:16x234", "retrieval:256", "target"}
-  assert set(profile["overheads"]) == {"draft_forward", "verify", "tree"}
+  assert set(profile["overheads"]) == {"draft_forward", "verify", "tree", "middle"}
+  # each continuation's own acceptance, whose mean is the profile's (for a batch's slowest row)
+  each = profile["per_continuation"]
+  assert [c["tokens"] for c in each] == [len(continuation)] * 2 and each[0]["acceptance"] != each[1]["acceptance"]
+  for pair, record in profile["acceptance"].items():
+    assert record["alpha"] == pytest.approx((each[0]["acceptance"][pair]["alpha"] + each[1]["acceptance"][pair]["alpha"]) / 2)
   ngram = profile["acceptance"]["target<-ngram:3"]
   assert ngram["profile"][1:] == [0.0] * 7 and 0.0 <= ngram["alpha"] <= 1.0
   profile = json.loads(json.dumps(profile))     # as stored

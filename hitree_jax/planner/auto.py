@@ -167,6 +167,8 @@ def measure(target, draft, prompts: Sequence[Sequence[int]], continuations: Sequ
                                                 continuations[at], sampling, eagle, space.chains, caches[at.start])
   return {"context": len(prompts[0]), "passages": len({tuple(p) for p in prompts}), "continuations": len(prompts),
           "acceptance": {pair: _mean([a[pair] for a in per_passage]) for pair in per_passage[0]},
+          # each continuation's own, for a batch's slowest row (`for_the_batch`)
+          "per_continuation": [{"tokens": len(c), "acceptance": a} for c, a in zip(continuations, per_passage)],
           **measure_costs(target, draft, prompts[0], sampling, space, repeats, eagle, overheads=overheads,
                           ar_seconds=ar_seconds, target_cache=caches[0], interpolate_budgets=interpolate_budgets)}
 
@@ -359,7 +361,11 @@ def choose(profile: dict, greedy: bool, space: Space = Space(), min_gain: float 
   (docs/planner.md), and a stack predicted 8% faster than `ar` ran 12% slower."""
   c = candidates(profile, greedy, space)
   plan = optimize.optimize(c)
-  stack_speed, ar_speed = 1.0 / plan.exact.seconds_per_token, 1.0 / profile["ar_seconds"]
+  drafter = next(d for d in c.drafters if d.name == plan.drafter)
+  plan = dataclasses.replace(plan, exact=for_the_batch(profile, greedy, space, plan.exact, plan.drafter,
+                                                       dict(drafter.trees)[plan.tree], plan.middles))
+  stack_speed = 1.0 / plan.exact.seconds_per_token
+  ar_speed = 1.0 / (profile["ar_seconds"] * _slowest_answer(profile))
   if stack_speed < (1.0 + min_gain) * ar_speed:
     return Choice(plan, None, None, ar_speed, ar_speed)
   # A Sequoia tree is built from the drafter's profile against the target (`candidates`).
@@ -390,7 +396,37 @@ def predict(profile: dict, greedy: bool, levels: spec.Levels | str, tree: shapes
   model = optimize.stack_model(c, drafter, tree, middles)
   if model is None:
     raise UsageError(f"{levels!r}: the profile has no acceptance for a pair of its levels")
-  return latency.predict(model)
+  return for_the_batch(profile, greedy, space, latency.predict(model), parsed.drafter, tree, middles)
+
+
+def for_the_batch(profile: dict, greedy: bool, space: Space, prediction: latency.Prediction,
+                  drafter: Level, tree: shapes.TokenTree, middles) -> latency.Prediction:
+  """`prediction` (a stack's, from the profile's mean acceptance) for a batch of the profile's
+  rows: a row's seconds per token times the rounds the batch takes over those its mean row takes.
+  The batch ends when its slowest row has its tokens (latency.slowest_of over the rounds each
+  profiled continuation needs, by its own acceptance). At 512 tokens of Austen, greedy, prompt
+  lookup's batches took 1.13-1.23x their mean row's rounds at 4 rows and 1.25-1.59x at 16, and
+  were predicted 10-24% too fast (docs/results/planner/batch_grid_512_widest.md)."""
+  rows, each = profile.get("batch", 1), profile.get("per_continuation", ())
+  if rows <= 1 or len(each) < 2:
+    return prediction
+  rounds = []
+  for continuation in each:
+    c = candidates({**profile, "acceptance": continuation["acceptance"]}, greedy, space)
+    model = optimize.stack_model(c, next(d for d in c.drafters if d.name == drafter), tree, middles)
+    rounds.append(continuation["tokens"] / latency.predict(model).tokens_per_target_forward)
+  slower = latency.slowest_of(rows, rounds) / float(np.mean(rounds))
+  return dataclasses.replace(prediction, seconds_per_token=prediction.seconds_per_token * slower)
+
+
+def _slowest_answer(profile: dict) -> float:
+  """`ar`'s rounds for a batch over its mean row's: its rows take a step a token, so only answers
+  of different lengths (chat, to the end of turn) make one row the slowest."""
+  rows, each = profile.get("batch", 1), profile.get("per_continuation", ())
+  if rows <= 1 or len(each) < 2:
+    return 1.0
+  tokens = [continuation["tokens"] for continuation in each]
+  return latency.slowest_of(rows, tokens) / float(np.mean(tokens))
 
 
 def in_profile_names(levels: spec.Levels | str, draft_path: str | None, eagle_path: str | None = None) -> spec.Levels:
@@ -545,7 +581,8 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
   def run_batch():
     log(f"timing {model} + {draft} at a batch of {batch} (once; kept in {path})")
     target, drafter, feature_draft, prompts = models_and_prompts()
-    return {**single, "batch": batch, "acceptance_from": str(single_path),
+    acceptance = {k: v for k, v in single.items() if k not in ("overheads_from", "interpolated")}  # its timings' own
+    return {**acceptance, "batch": batch, "acceptance_from": str(single_path),
             **measure_costs(target, drafter, prompts[0], sampling, space, eagle=feature_draft, rows=batch,
                             overheads=reused(path, key), interpolate_budgets=not full)}
 

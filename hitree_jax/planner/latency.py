@@ -52,8 +52,10 @@ depth, a verifier computes its distributions, walks the tree and commits, a
 middle level appends to its buffer, and the loop carries its state. On this
 engine (SmolLM2, 2K, CPU) that is a few milliseconds a round, more when the
 proposal is a tree, so `Overheads` adds seconds per drafter forward, per
-verifying round, and per round verifying a tree (profile.round_overheads fits
-them to whole generations).
+verifying round, per round verifying a tree, and per round of a middle level
+(profile.round_overheads fits them to whole generations). At 16 rows the
+hierarchies' rounds left 23-29 ms each beside their forwards, a single level's
+5-19 ms: one term for both had charged every round 23 ms.
 
 6. A drafter that offers its tree only in some rounds (prompt lookup, where an
 earlier occurrence of the text's last tokens exists) offers it with
@@ -66,14 +68,22 @@ replayed its rounds over the verifier's own text (`Replayed`), a round's
 law of what it offers and accepts is that replay's. In a batch, the round
 runs at the width of the widest offer among its rows (`widest`).
 
-Two things the engine does that the model leaves out: a row that finishes
-stops early (a bounded end effect), and each level's forward also carries its
-pending tokens (the root, and after a full acceptance a few more).
+7. A batch of rows, each with its tokens to commit, ends when its slowest row
+does: the rows in front run on without committing. Rows differ (one passage
+repeats itself more than another), so the batch takes more rounds than its
+mean row: `slowest_of` reads that from the spread of the rounds each profiled
+continuation needs (auto.for_the_batch).
+
+One thing the engine does that the model leaves out: each level's forward
+also carries its pending tokens (the root, and after a full acceptance a few
+more).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -149,6 +159,7 @@ class Overheads:
   draft_forward: float = 0.0       # per forward of a model drafter (one per depth of its tree)
   verify: float = 0.0              # per verifying round
   tree: float = 0.0                # ... more when the proposal is a tree, not a chain
+  middle: float = 0.0              # ... more in a round of a level under the target (a middle level's)
 
   def propose(self, tree: TokenTree) -> float:
     return self.draft_forward * tree.max_depth
@@ -194,6 +205,8 @@ def predict(stack: StackModel, fixed_buffers: bool = False) -> Prediction:
   # Level 1 verifies the drafter's tree: a fixed proposal, when it offers one.
   yield_law, proposal_cost = first_round(stack.costs[0], tree, stack.acceptance[0], over, stack.deeper,
                                          stack.offer, stack.rows)
+  levels = len(stack.costs)
+  proposal_cost += over.middle if levels > 1 else 0.0      # level 1 is a middle level
   below_seconds = stack.draft_seconds + (over.propose(tree) if stack.model_drafter else 0.0)
   rounds = [1.0]
   for j in range(1, len(stack.costs)):                       # level j fills, level j + 1 verifies
@@ -203,7 +216,8 @@ def predict(stack: StackModel, fixed_buffers: bool = False) -> Prediction:
     level_seconds = buffer.rounds * (proposal_cost + below_seconds)
     rounds = [r * buffer.rounds for r in rounds] + [1.0]
     yield_law = round_yield(buffer.length, stack.acceptance[j])
-    proposal_cost = expected(buffer.length, lambda b, c=stack.costs[j]: c(b + 1)) + over.check(None)
+    proposal_cost = (expected(buffer.length, lambda b, c=stack.costs[j]: c(b + 1)) + over.check(None)
+                     + (over.middle if j < levels - 1 else 0.0))
     below_seconds = level_seconds
   round_seconds = proposal_cost + below_seconds
   tokens = expected(yield_law, float)
@@ -300,3 +314,24 @@ def affine(points: Mapping[int, float]) -> Cost:
     return lambda width: float(s[0])
   slope, fixed = np.polyfit(w, s, 1)
   return lambda width: float(fixed + slope * width)
+
+
+@functools.cache
+def expected_max_normal(draws: int) -> float:
+  """E[max of `draws` independent standard normal draws]: 0 for one, 1.03 for 4, 1.77 for 16."""
+  if draws <= 1:
+    return 0.0
+  x = np.linspace(-12.0, 12.0, 48001)
+  cdf = np.array([0.5 * (1.0 + math.erf(v / math.sqrt(2.0))) for v in x])
+  density = np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+  return float(np.trapezoid(x * draws * density * cdf ** (draws - 1), x))   # the max's density
+
+
+def slowest_of(rows: int, values: Sequence[float]) -> float:
+  """The expected largest of `rows` draws of a quantity measured once per continuation
+  (`values`), read as normal: the values' mean plus their spread (n - 1 in the divisor) times the
+  expected largest of `rows` standard normal draws. One row, or one value: their mean."""
+  v = np.asarray(values, np.float64)
+  if rows <= 1 or v.size < 2:
+    return float(v.mean())
+  return float(v.mean() + v.std(ddof=1) * expected_max_normal(rows))

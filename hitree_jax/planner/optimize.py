@@ -164,8 +164,8 @@ def optimize(c: Candidates) -> Plan:
         checked = verify(name, cost, state)
         if checked is None:
           continue
-        law, seconds = checked
-        options.append((latency.fill(gamma, law).rounds * (seconds + state[3]), state[4]))
+        law, seconds = checked   # a middle level's round: its overheads' `middle` too
+        options.append((latency.fill(gamma, law).rounds * (seconds + over.middle + state[3]), state[4]))
       if options:
         seconds, (dname, shape, middles) = min(options, key=lambda o: o[0])
         found.append((name, None, gamma, seconds, (dname, shape, middles + ((name, gamma),))))

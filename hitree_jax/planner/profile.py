@@ -310,8 +310,10 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
 
   In each, the decode seconds less its forwards' (level_costs at each level's mean width; an
   n-gram's verifier at its mean offer) are the model drafter's forwards x draft_forward +
-  verifying rounds x verify + rounds verifying a tree x tree: six equations, three unknowns,
-  least squares. ngram:3/chain:4 runs no draft forward, so it pins `verify` apart from
+  verifying rounds x verify + rounds verifying a tree x tree + a middle level's rounds x middle:
+  six equations, four unknowns, least squares. The two hierarchies pin `middle`: at 16 rows
+  their rounds left 23-29 ms each beside their forwards, a single level's 5-19 ms, and fitted
+  as one `verify` they made it 23 ms (docs/results/planner/batch_overheads_512.md). ngram:3/chain:4 runs no draft forward, so it pins `verify` apart from
   `draft_forward`, which every other stack pays with it (at 512 tokens, fitted without it:
   draft_forward 0 and verify 7.1 ms). ngram:3/chain:2+draft/3 runs several cheap
   rounds of its middle level per target forward, as deep stacks do, so its rows pin `verify`
@@ -350,7 +352,8 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
     proposals = run.levels[0]["forwards"]
     seconds = run.decode_s - proposals * tree_draft_seconds(stack.tree, curve.get(names[0]))
     is_tree = stack.tree.max_branching > 1
-    equation = [proposals * stack.tree.max_depth * (names[0] in curve), 0.0, proposals * is_tree]
+    middle_rounds = sum(level["forwards"] for level in run.levels[:-1])   # the levels under the target
+    equation = [proposals * stack.tree.max_depth * (names[0] in curve), 0.0, proposals * is_tree, middle_rounds]
     offers = _is_ngram(levels[0])   # its verifier runs the narrowest width holding the offer
     for level in run.levels:  # level 1 verifies the whole tree; above, the buffers' mean length (a row's)
       whole = level["level"] == 1 and not offers
@@ -360,7 +363,7 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
     equations.append(equation)
     rest.append(seconds)
   fit = nonnegative_least_squares(np.array(equations), np.array(rest))
-  return {"draft_forward": float(fit[0]), "verify": float(fit[1]), "tree": float(fit[2])}
+  return {"draft_forward": float(fit[0]), "verify": float(fit[1]), "tree": float(fit[2]), "middle": float(fit[3])}
 
 
 def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -675,7 +678,9 @@ def _deeper(p, accept, hits, q_deep) -> dict:
 # 8: it offers at most 2**n tokens after a match of n, and its record has the law of how many.
 # 9: `ar` is timed at the profile's sampling (it was greedy: a sampled plan's baseline was too fast).
 # 10: prompt lookup's rounds replayed over the continuation (pair_acceptance's `rounds`).
-PROFILE_VERSION = 10
+# 11: each continuation's acceptance kept beside the mean (auto.for_the_batch's slowest row), and
+# a middle level's rounds fitted an overhead of their own (round_overheads' `middle`).
+PROFILE_VERSION = 11
 
 
 def profile_key(model: str, draft: str | None) -> dict:

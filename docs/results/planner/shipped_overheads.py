@@ -11,7 +11,7 @@ tests/test_planner.py checks that every shipped pair has its fits).
 
 import json
 
-from hitree_jax import provenance, shipped
+from hitree_jax import huge_pages, provenance, shipped
 from hitree_jax.cache.kinds import Retrieval, Streaming
 from hitree_jax.decode import spec
 from hitree_jax.decode.sampling import SamplingParams
@@ -24,6 +24,7 @@ TARGET, DRAFTS, CONTEXT, BUDGET = "smollm2", ("smollm2-draft", "smollm2-draft-ch
 
 
 def main():
+  huge_pages.reexec_if_needed()   # as launch.plan and --method=auto run
   target = load_model(TARGET)
   prompt = auto.measured_prompts(load_tokenizer(target.path), "austen", CONTEXT)[0]
   model = spec.Level.of(spec.DraftModel())
