@@ -481,8 +481,9 @@ def test_acceptance_over_several_samples_of_a_prompt_reads_its_caches_once(tiny_
 def test_a_sampled_profile_takes_nine_samples_of_the_text_each_prompt_prefilled_once(tmp_path, monkeypatch,
                                                                                       tiny_pair):
   """Greedy, a profile takes acceptance over one continuation of each passage; sampled, over at
-  least auto.SAMPLED_CONTINUATIONS, each passage's samples distinct. Every continuation's
-  acceptance reads the target's cache of its passage from the generation (one per passage)."""
+  least auto.SAMPLED_CONTINUATIONS, each passage's samples distinct (at 7,680 tokens, over
+  auto.FEW_SAMPLES). Every continuation's acceptance reads the target's cache of its passage from
+  the generation (one per passage)."""
   from hitree_jax import tokenizer
   from hitree_jax.decode.sampling import SamplingParams
   from hitree_jax.planner import auto
@@ -497,8 +498,10 @@ def test_a_sampled_profile_takes_nine_samples_of_the_text_each_prompt_prefilled_
     seen.update(prompts=prompts, continuations=continuations, caches=target_caches)
     return synthetic_profile(512)
   monkeypatch.setattr(auto, "measure", measure)
-  for sampling, count in ((SamplingParams.create(), 3), (SamplingParams.create(0.9, 0.95), auto.SAMPLED_CONTINUATIONS)):
-    auto.profiled("smollm2", "drafts/smollm2-draft.gguf", 512, sampling, tmp_path, loaded=(target, draft))
+  sampled = SamplingParams.create(0.9, 0.95)
+  for sampling, context, count in ((SamplingParams.create(), 512, 3), (sampled, 512, auto.SAMPLED_CONTINUATIONS),
+                                   (sampled, 7680, 6)):   # three passages here: two of each
+    auto.profiled("smollm2", "drafts/smollm2-draft.gguf", context, sampling, tmp_path, loaded=(target, draft))
     prompts, continuations, caches = seen["prompts"], seen["continuations"], seen["caches"]
     assert len(prompts) == len(continuations) == len(caches) == count
     for passage in passages:
@@ -506,6 +509,7 @@ def test_a_sampled_profile_takes_nine_samples_of_the_text_each_prompt_prefilled_
       assert len(rows) == count // 3 and len({id(caches[i]) for i in rows}) == 1
       assert len({tuple(continuations[i]) for i in rows}) == len(rows)     # distinct samples
       assert all(int(caches[i].lengths[0]) >= len(passage) for i in rows)
+  assert [auto.sampled_continuations(c) for c in auto.CONTEXTS] == [9, 9, 9, 9, 9, auto.FEW_SAMPLES]
 
 
 def test_a_replay_under_sampling_accepts_each_offered_token_with_its_probability():

@@ -141,6 +141,19 @@ CHAT_ANSWER = 256
 # over 15), and three samples, one per passage, predicted 1.23 where the engine committed 1.49
 # (docs/results/planner/ngram_replay.md).
 SAMPLED_CONTINUATIONS = 9
+# From this context on, four: two of each of its two passages. A long passage's samples accept
+# alike: from a sampled profile at 7,680 tokens (five samples of each of two passages), every
+# choice of two samples of each passage predicted within 5% of all ten and chose as they did,
+# where at 4,096 tokens it was within 10% (three of each: 6%). Each sample spared saves a first
+# plan at 7,680 tokens its 3.6 s decode and 3.0 s of acceptance
+# (docs/results/planner/samples_at_length.md).
+FEW_SAMPLES_FROM, FEW_SAMPLES = 7680, 4
+
+
+def sampled_continuations(context: int) -> int:
+  """The samples of the target's text a sampled profile at `context` tokens takes acceptance over."""
+  return SAMPLED_CONTINUATIONS if context < FEW_SAMPLES_FROM else FEW_SAMPLES
+
 GENERATED = 96   # tokens of each generation the overheads and `ar` are timed on, at batch 1
 
 
@@ -562,7 +575,7 @@ def profiled(model: str, draft: str, context: int, sampling, directory: str | pa
     # Each prompt's prefill is its acceptance's too (keep_long_caches). Sampled, each prompt is
     # sampled again from its prefill (engine.generate_samples): at 7,680 tokens a batch of the
     # further samples took 151 s of a 321-s first plan (docs/results/planner/first_profile_time.md).
-    more = 0 if sampling is None or sampling.greedy else -(-SAMPLED_CONTINUATIONS // len(prompts)) - 1
+    more = 0 if sampling is None or sampling.greedy else -(-sampled_continuations(context) // len(prompts)) - 1
     generations = [engine.generate_samples(target.params, target.config, [p], sampling=sampling,
                                            seeds=[i + len(prompts) * k for k in range(1 + more)],
                                            max_new_tokens=new_tokens, stop_at_eos=chat, keep_long_caches=True)
