@@ -313,8 +313,9 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
   verifying rounds x verify + rounds verifying a tree x tree + a middle level's rounds x middle:
   six equations, four unknowns, least squares. The two hierarchies pin `middle`: at 16 rows
   their rounds left 23-29 ms each beside their forwards, a single level's 5-19 ms, and fitted
-  as one `verify` they made it 23 ms (docs/results/planner/batch_overheads_512.md). ngram:3/chain:4 runs no draft forward, so it pins `verify` apart from
-  `draft_forward`, which every other stack pays with it (at 512 tokens, fitted without it:
+  as one `verify` they made it 23 ms (docs/results/planner/batch_overheads_512.md).
+  ngram:3/chain:4 runs no draft forward, so it pins `verify` apart from `draft_forward`, which
+  every other stack pays with it (at 512 tokens, fitted without it:
   draft_forward 0 and verify 7.1 ms). ngram:3/chain:2+draft/3 runs several cheap
   rounds of its middle level per target forward, as deep stacks do, so its rows pin `verify`
   down where the others (few rounds, each mostly forward) leave it to the forwards' noise: fitted
