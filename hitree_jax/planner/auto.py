@@ -420,26 +420,29 @@ def for_the_batch(profile: dict, greedy: bool, space: Space, prediction: latency
   profiled continuation needs, by its own acceptance). At 512 tokens of Austen, greedy, prompt
   lookup's batches took 1.13-1.23x their mean row's rounds at 4 rows and 1.25-1.59x at 16, and
   were predicted 10-24% too fast (docs/results/planner/batch_grid_512_widest.md)."""
-  rows, each = profile.get("batch", 1), profile.get("per_continuation", ())
-  if rows <= 1 or len(each) < 2:
+  each = profile.get("per_continuation", ())
+  if profile.get("batch", 1) <= 1 or len(each) < 2:   # nothing to charge: spare the predictions
     return prediction
   rounds = []
   for continuation in each:
     c = candidates({**profile, "acceptance": continuation["acceptance"]}, greedy, space)
     model = optimize.stack_model(c, next(d for d in c.drafters if d.name == drafter), tree, middles)
     rounds.append(continuation["tokens"] / latency.predict(model).tokens_per_target_forward)
-  slower = latency.slowest_of(rows, rounds) / float(np.mean(rounds))
-  return dataclasses.replace(prediction, seconds_per_token=prediction.seconds_per_token * slower)
+  return dataclasses.replace(prediction, seconds_per_token=prediction.seconds_per_token * _slowest_row(profile, rounds))
+
+
+def _slowest_row(profile: dict, rounds: Sequence[float]) -> float:
+  """The rounds a batch of the profile's rows takes over its mean row's, from the rounds each
+  profiled continuation takes (latency.slowest_of): 1 for one row, or for none or one value."""
+  if not rounds:
+    return 1.0
+  return latency.slowest_of(profile.get("batch", 1), rounds) / float(np.mean(rounds))
 
 
 def _slowest_answer(profile: dict) -> float:
-  """`ar`'s rounds for a batch over its mean row's: its rows take a step a token, so only answers
-  of different lengths (chat, to the end of turn) make one row the slowest."""
-  rows, each = profile.get("batch", 1), profile.get("per_continuation", ())
-  if rows <= 1 or len(each) < 2:
-    return 1.0
-  tokens = [continuation["tokens"] for continuation in each]
-  return latency.slowest_of(rows, tokens) / float(np.mean(tokens))
+  """`ar`'s `_slowest_row`: its rows take a step a token, so only answers of different lengths
+  (chat, to the end of turn) make one row the slowest."""
+  return _slowest_row(profile, [continuation["tokens"] for continuation in profile.get("per_continuation", ())])
 
 
 def in_profile_names(levels: spec.Levels | str, draft_path: str | None, eagle_path: str | None = None) -> spec.Levels:
