@@ -672,6 +672,24 @@ def test_a_batch_ends_with_its_slowest_row():
   assert choice.levels is None and choice.best_stack.exact.seconds_per_token > 1.15 * best.exact.seconds_per_token / 1.1
 
 
+def test_a_batch_ranks_the_stacks_by_their_slowest_row():
+  """The search ranks stacks by the mean row; a batch ranks its finalists again by their slowest
+  row (auto._fastest_for_the_batch). Here prompt lookup's chain of 2 is fastest for the mean row,
+  but its continuations' acceptance spreads, and at 16 rows another stack is faster charged: the
+  batch's plan is the fastest of every finalist charged, faster than the mean's winner charged."""
+  from hitree_jax.planner import auto
+  spread = _with_continuations(synthetic_profile(512), [1.25, 0.6], [128, 128])
+  mean_winner = optimize.optimize(auto.candidates(spread, True))
+  assert auto.choose(spread, True).best_stack.describe() == mean_winner.describe()   # one row
+  batch = dict(spread, batch=16)
+  charged = {plan.describe(): auto.predict(batch, True, auto.levels_of(plan)).seconds_per_token
+             for plan in optimize.finalists(auto.candidates(batch, True))}
+  chosen = auto.choose(batch, True, min_gain=-1.0).best_stack
+  assert chosen.describe() != mean_winner.describe()
+  assert chosen.exact.seconds_per_token == pytest.approx(min(charged.values()))
+  assert chosen.exact.seconds_per_token < 0.97 * charged[mean_winner.describe()]
+
+
 def _plant(directory, profile, batch, sampling, draft="drafts/smollm2-draft.gguf"):
   """Stores `profile` where auto.plan_for looks for SmolLM2 + its draft at 512 tokens and `batch`."""
   from hitree_jax.planner import auto

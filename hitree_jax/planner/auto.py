@@ -373,10 +373,7 @@ def choose(profile: dict, greedy: bool, space: Space = Space(), min_gain: float 
   predictions were within 10% of measurement for most stacks, within 25% for all
   (docs/planner.md), and a stack predicted 8% faster than `ar` ran 12% slower."""
   c = candidates(profile, greedy, space)
-  plan = optimize.optimize(c)
-  drafter = next(d for d in c.drafters if d.name == plan.drafter)
-  plan = dataclasses.replace(plan, exact=for_the_batch(profile, greedy, space, plan.exact, plan.drafter,
-                                                       dict(drafter.trees)[plan.tree], plan.middles))
+  plan = _fastest_for_the_batch(profile, c, _rows(profile, greedy, space))
   stack_speed = 1.0 / plan.exact.seconds_per_token
   ar_speed = 1.0 / (profile["ar_seconds"] * _slowest_answer(profile))
   if stack_speed < (1.0 + min_gain) * ar_speed:
@@ -420,14 +417,45 @@ def for_the_batch(profile: dict, greedy: bool, space: Space, prediction: latency
   profiled continuation needs, by its own acceptance). At 512 tokens of Austen, greedy, prompt
   lookup's batches took 1.13-1.23x their mean row's rounds at 4 rows and 1.25-1.59x at 16, and
   were predicted 10-24% too fast (docs/results/planner/batch_grid_512_widest.md)."""
+  return _charged(profile, _rows(profile, greedy, space), prediction, drafter, tree, middles)
+
+
+def _fastest_for_the_batch(profile: dict, c: optimize.Candidates, rows) -> optimize.Plan:
+  """The search's fastest stack for the profile's batch, with its exact prediction charged the
+  batch's slowest row (`_charged`): at one row the shortest path's; at a batch, the fastest of
+  its finalists so charged: a deeper stack gains more from the mean row's acceptance, and its
+  rows spread more. Ranking all of them (51-102 on SmolLM2's profiles) took 0.1 s."""
+  plans = optimize.finalists(c)
+  if rows is None:
+    return dataclasses.replace(plans[0], exact=optimize.exact(c, plans[0]))
+  charged = []
+  for plan in plans:
+    drafter = next(d for d in c.drafters if d.name == plan.drafter)
+    exact = _charged(profile, rows, optimize.exact(c, plan), plan.drafter, dict(drafter.trees)[plan.tree], plan.middles)
+    charged.append(dataclasses.replace(plan, exact=exact))
+  return min(charged, key=lambda plan: plan.exact.seconds_per_token)
+
+
+def _rows(profile: dict, greedy: bool, space: Space) -> list[tuple[int, optimize.Candidates]] | None:
+  """Each profiled continuation's tokens and candidates from its own acceptance, where a batch
+  is charged its slowest row; None where there is nothing to charge (one row, one continuation)."""
   each = profile.get("per_continuation", ())
-  if profile.get("batch", 1) <= 1 or len(each) < 2:   # nothing to charge: spare the predictions
+  if profile.get("batch", 1) <= 1 or len(each) < 2:
+    return None
+  return [(continuation["tokens"], candidates({**profile, "acceptance": continuation["acceptance"]}, greedy, space))
+          for continuation in each]
+
+
+def _charged(profile: dict, rows, prediction: latency.Prediction, drafter: Level, tree: shapes.TokenTree,
+             middles) -> latency.Prediction:
+  """`for_the_batch` over `_rows`' candidates: a stack's rounds for each continuation, by its own
+  acceptance, and the slowest of the batch's rows over their mean."""
+  if rows is None:   # nothing to charge: spare the predictions
     return prediction
   rounds = []
-  for continuation in each:
-    c = candidates({**profile, "acceptance": continuation["acceptance"]}, greedy, space)
+  for tokens, c in rows:
     model = optimize.stack_model(c, next(d for d in c.drafters if d.name == drafter), tree, middles)
-    rounds.append(continuation["tokens"] / latency.predict(model).tokens_per_target_forward)
+    rounds.append(tokens / latency.predict(model).tokens_per_target_forward)
   return dataclasses.replace(prediction, seconds_per_token=prediction.seconds_per_token * _slowest_row(profile, rounds))
 
 

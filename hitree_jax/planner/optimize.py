@@ -136,6 +136,20 @@ def brute_force(c: Candidates, max_middles: int | None = None, fixed_buffers: bo
 
 def optimize(c: Candidates) -> Plan:
   """The shortest path of the module docstring; the winner scored with the exact model too."""
+  best = finalists(c)[0]
+  return dataclasses.replace(best, exact=exact(c, best))
+
+
+def exact(c: Candidates, plan: Plan) -> latency.Prediction:
+  """The exact model's prediction for a plan of `c` (buffer overshoot included)."""
+  drafter = next(d for d in c.drafters if d.name == plan.drafter)
+  return latency.predict(stack_model(c, drafter, dict(drafter.trees)[plan.tree], plan.middles))
+
+
+def finalists(c: Candidates) -> list[Plan]:
+  """The shortest path's last step: for each state the target may verify (a drafter's tree, or a
+  middle level's best stack at each gamma), the stack through it, fastest first by the search
+  objective. A batch ranks them again by its slowest row (auto.choose)."""
   # States a level may verify: (proposer name, its tree (a drafter) or None (a buffer), the
   # proposal's length, the seconds to make it, the path: (drafter, its tree's spec, middles)).
   over = c.overheads
@@ -178,8 +192,5 @@ def optimize(c: Candidates) -> Plan:
       continue
     law, seconds = checked
     options.append(((seconds + state[3]) / latency.expected(law, float), state[4]))
-  seconds, (dname, shape, middles) = min(options, key=lambda o: o[0])
-  drafter = next(d for d in c.drafters if d.name == dname)
-  tree = dict(drafter.trees)[shape]
-  exact = latency.predict(stack_model(c, drafter, tree, middles))
-  return Plan(dname, shape, middles, seconds, exact)
+  return [Plan(dname, shape, middles, seconds)
+          for seconds, (dname, shape, middles) in sorted(options, key=lambda o: o[0])]
