@@ -53,7 +53,7 @@ class Knobs:
   gamma1: int | None = None
   gamma2: int | None = None
   levels: str | None = None
-  step_aside: str | None = None   # BELOW[:ROUNDS[:MEMORY]] (decode/step_aside.py): a drafter under the target
+  step_aside: str | None = None   # BELOW[:ROUNDS[:MEMORY]] (decode/step_aside.py)
 
 
 def method(spec: str = "ar", greedy: bool = True, **options) -> "Method":
@@ -240,8 +240,7 @@ def _retrieval(knobs: Knobs):
 def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Method:
   """`ar`, `sd[/DRAFT[/GAMMA]]`, `tree[/DRAFT[/TREE]]`, `retrieval[/GAMMA]`, `triforce[/DRAFT]`,
   `hitree[/DRAFT[/TREE]]` or `hsd[/LEVELS]`; missing parts come from the flags (`knobs`). sd,
-  tree and hsd with a drafter right under the target take a last part `aside:BELOW[:ROUNDS[:MEMORY]]` (or
-  knobs.step_aside): rows step aside while their drafts do not pay (decode/step_aside.py).
+  tree and hsd take a last part `aside:BELOW[:ROUNDS[:MEMORY]]` (or knobs.step_aside): rows step aside while their drafts do not pay (decode/step_aside.py).
 
   e.g. sd/ngram/4, tree/self:8/kary:2x2, tree/self:4,without_replacement/chain:6,
   sd/drafts/smollm2-draft.gguf/3 (a draft model: any path the loaders read, [,mode]),
@@ -263,8 +262,7 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
   if aside_text is not None:
     from hitree_jax.decode.step_aside import StepAside
     if name not in ("sd", "tree", "hsd"):
-      raise UsageError(f"stepping aside (aside:{aside_text}) applies to sd, tree and hsd, a drafter right "
-                       f"under the target, not to {name}")
+      raise UsageError(f"stepping aside (aside:{aside_text}) applies to sd, tree and hsd, not to {name}")
     step_aside = StepAside.parse(aside_text)
   if name == "hsd":
     if not (rest or knobs.levels):
@@ -273,9 +271,6 @@ def parse_method(spec: str, knobs: Knobs = Knobs(), greedy: bool = True) -> Meth
     parsed = spec_lib.parse(rest or knobs.levels)
   else:
     parsed = _levels_of(name, rest, knobs)
-  if step_aside is not None and parsed.middles:
-    raise UsageError(f"stepping aside (aside:{step_aside}) applies to a drafter right under the target, "
-                     f"not to the hierarchy {str(parsed)!r}")
   shape, mode = parsed.tree, parsed.drafter.mode
   model_named = [level.name for level in parsed.levels if level.kind == "draft"]
   heads = parsed.drafter.source if isinstance(parsed.drafter.source, spec_lib.FeatureDraft) else None

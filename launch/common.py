@@ -263,7 +263,7 @@ def define_speculation_flags():
                       "eagle:drafts/smollm2-eagle), or PATH[,mode]: a separate draft model (e.g. "
                       "drafts/smollm2-draft.gguf).")
   flags.DEFINE_integer("gamma", knobs.gamma, "Draft tokens per round for --method=sd and --method=retrieval.")
-  flags.DEFINE_string("step_aside", knobs.step_aside, "--method=sd, tree, and hsd with one level under the target "
+  flags.DEFINE_string("step_aside", knobs.step_aside, "--method=sd, tree and hsd "
                       "(--method=auto sets it from its plan): BELOW[:ROUNDS[:MEMORY]]. A row whose running "
                       "mean of accepted tokens per round (over MEMORY rounds, default 4) falls below BELOW runs ROUNDS (default 16) "
                       "plain one-token rounds, then tries its drafter again; the output is unchanged.")

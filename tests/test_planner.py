@@ -848,7 +848,7 @@ def test_a_plan_under_the_target_steps_aside_at_its_break_even():
   which its round loses to a resting one: for a draft model (which runs the round's lead alone
   while resting, to keep its cache in step), its round over that forward plus a one-token one; for the target's
   own layers (idle while resting), over `ar`'s step (at least MIN_BELOW). The launchers get it as
-  step_aside; a hierarchy and prompt lookup have none."""
+  step_aside; prompt lookup right under the target has none."""
   from hitree_jax.planner import auto, optimize
   profile = synthetic_profile(512)
   cost = lambda name, w: profile["costs"][name]["1"] * (1 + 0.08 * (w - 1))   # synthetic_profile's curve
@@ -867,8 +867,19 @@ def test_a_plan_under_the_target_steps_aside_at_its_break_even():
   lookup = auto.choose(profile, True, auto.Space(drafters=("ngram:3",), middles=(), chains=(3,), trees=()))
   assert str(lookup.levels) == "ngram:3/chain:3" and lookup.step_aside is None
   assert "step_aside" not in lookup.flags("d.gguf")
-  deep = optimize.Plan(auto.level_named("ngram:3"), "chain:2", ((auto.level_named("draft"), 3),), 0.01)
-  assert auto.step_aside_below(auto.candidates(profile, True), deep, 0.02) is None
+  # A hierarchy: its top round (the buffer's fill and the target's forward over it) over a resting
+  # one, in which the middle level runs a one-token forward and the target another.
+  c = auto.candidates(profile, True)
+  deep = optimize.Plan(auto.level_named("ngram:3"), spec_lib.Chain(2), ((auto.level_named("draft"), 3),), 0.01)
+  top_round = optimize.exact(c, deep).round_seconds
+  assert top_round > cost("target", 4)
+  assert auto.step_aside_below(c, deep, 0.02) == pytest.approx(
+      top_round / (cost("draft", 1) + cost("target", 1) + over["verify"]) - 1)
+  from hitree_jax.methods import Knobs, parse_method
+  below = f"{auto.step_aside_below(c, deep, 0.02):.3g}"
+  method = parse_method("hsd", Knobs(draft="drafts/smollm2-draft.gguf", levels=str(auto.levels_of(deep)),
+                                     step_aside=below), True)
+  assert method.step_aside.below == float(below) and "+" in str(method.levels)   # the launchers take it
   assert auto.choose(dict(profile, ar_seconds=0.001), True).flags("d.gguf") == {"method": "ar"}
 
 

@@ -134,13 +134,61 @@ def test_a_draft_model_keeps_its_cache_up_while_its_rows_rest_without_drafting(p
   assert level["accepted"] == level["proposed"] > 0                        # its cache saw every token
 
 
+def test_a_hierarchy_steps_aside_and_keeps_every_level_below_in_step(params):
+  """A hierarchy whose levels are all the target (a draft model and a middle level on the
+  target's weights as the draft's): every buffer it hands up is `ar`'s. The rule rests after
+  every round, so the rows alternate rests and probes. A resting round fills no buffer: the
+  middle level runs its lead alone and the draft model keeps up, and every probe after a rest
+  accepts all it is offered at each level, which it would not if a cache had missed a token."""
+  n = 40
+  expected = ar(params, PROMPTS, n)
+  rule = StepAside(below=100.0, rounds=3, memory=1)
+  stack = Stack(CountingDraftModel(CONFIG), tree_lib.chain(2), (Verifier("draft", Full(), 3),), step_aside=rule)
+  KEPT_UP.clear()
+  result = engine.generate(params, CONFIG, PROMPTS, stack=stack, draft=DraftWeights(params), max_new_tokens=n)
+  assert result.tokens == expected
+  assert all(entries >= 2 for entries in result.stepped_aside_per_row)      # rested, probed, rested again
+  assert len(KEPT_UP) == result.aside_per_row[0] == max(result.aside_per_row) > 0   # all rows rest together
+  middle, top = result.levels
+  assert middle["accepted"] == middle["proposed"] > 0 and top["accepted"] == top["proposed"] > 0
+  # the middle level verified only in the rounds that speculated: a buffer of at least 3 takes
+  # one round of the chain of 2 (3 tokens)
+  speculative = [rounds - aside for rounds, aside in zip(result.rounds_per_row, result.aside_per_row)]
+  assert middle["forwards"] == max(speculative) < top["forwards"]
+
+
+@pytest.mark.parametrize("tree", [tree_lib.chain(DEPTH), tree_lib.kary(2, 2)], ids=["chain", "tree"])
+def test_a_hierarchy_whose_buffers_do_not_pay_steps_aside(params, tree):
+  """The Oracle under a middle level on another model's weights: the target accepts little of
+  the middle level's buffers, its rows step aside and rest without filling a buffer (fewer of
+  the middle level's rounds than without the rule), and the tokens are `ar`'s."""
+  n = 48
+  expected = ar(params, PROMPTS, n)
+  oracle = Oracle(tuple(tuple(p + t) for p, t in zip(PROMPTS, expected)), bad_from=20, bad_until=45)
+  rule = StepAside(below=1.0, rounds=4)
+  other = CONFIG.replace(num_layers=1)
+  stack = Stack(oracle, tree, (Verifier("draft", Full(), 3),), draft=other, step_aside=rule)
+  DRAFTED.clear()
+  result = engine.generate(params, CONFIG, PROMPTS, stack=stack, draft=DraftWeights(peaked(other, 7)),
+                           max_new_tokens=n)
+  assert result.tokens == expected
+  assert all(entries >= 1 for entries in result.stepped_aside_per_row)
+  assert all(aside >= rule.rounds for aside in result.aside_per_row)
+  plain = engine.generate(params, CONFIG, PROMPTS, stack=dataclasses.replace(stack, step_aside=None),
+                          draft=DraftWeights(peaked(other, 7)), max_new_tokens=n)
+  assert plain.tokens == expected
+  # resting rounds run neither the middle level's rounds nor the drafter: fewer of both
+  assert result.levels[0]["forwards"] < plain.levels[0]["forwards"]
+
+
 def test_stepping_aside_is_refused_where_it_does_not_apply_and_named_when_bad():
-  with pytest.raises(UsageError, match="right under the target"):
+  with pytest.raises(UsageError, match="a stack with a drafter"):
     Stack(step_aside=StepAside(0.5))
-  with pytest.raises(UsageError, match="right under the target"):
-    Stack(NGramDrafter(2), tree_lib.chain(2), (Verifier("target", Full(), 3),), step_aside=StepAside(0.5))
-  with pytest.raises(UsageError, match="not to the hierarchy 'ngram:3/chain:2\\+draft/3'"):
-    methods.method("hsd/ngram:3/chain:2+draft/3/aside:0.5")
+  with pytest.raises(UsageError, match="not to retrieval"):
+    methods.method("retrieval/aside:0.5")
+  assert methods.method("hsd/ngram:3/chain:2+drafts/smollm2-draft.gguf/3/aside:0.5").step_aside == StepAside(0.5)
+  assert Stack(NGramDrafter(2), tree_lib.chain(2), (Verifier("target", Full(), 3),),
+               step_aside=StepAside(0.5)).step_aside == StepAside(0.5)
   assert methods.method("hsd/ngram:3/chain:2/aside:0.5").step_aside == StepAside(0.5)
   for text, message in (("x", "expected BELOW"), ("0", "below=0.0 must be a positive"), ("1:0", "rounds=0"),
                         ("1:4:0", "memory=0")):
@@ -196,6 +244,27 @@ def test_sampling_while_a_draft_model_keeps_its_cache_up_is_exact():
   prompt = [1, 4, 2, 5, 1, 4]
   sampling = SamplingParams.create(1.0, 1.0)
   stack = Stack(CountingDraftModel(draft_config, "iid"), tree_lib.chain(2),
+                step_aside=StepAside(below=100.0, rounds=1, memory=1))
+  KEPT_UP.clear()
+  result = engine.generate(params, SMALL, [prompt] * N_SAMPLES, stack=stack, max_new_tokens=3, sampling=sampling,
+                           seed=11, stop_at_eos=False, draft=DraftWeights(peaked(draft_config, 7)))
+  assert len(KEPT_UP) >= 1                                     # a round in which every row rested
+  assert any(len(t) == 3 and rounds == 2 for t, rounds in zip(result.tokens, result.rounds_per_row))
+  samples = np.array([t[:3] for t in result.tokens])
+  assert chi_square_pvalue(samples, exact_three_token_law(params, prompt, sampling)) > 1e-4
+
+
+@pytest.mark.slow
+def test_sampling_while_a_hierarchy_rests_is_exact():
+  """A hierarchy (a 1-layer self draft under a 1-layer draft model's middle level, drawing iid)
+  under a rule that sends every row aside after each speculative round: the second round runs
+  with every row resting, the middle level and the draft only keeping up, and the first three
+  tokens still follow the target's law."""
+  params = jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x, peaked(SMALL, 2))
+  draft_config = SMALL.replace(num_layers=1)
+  prompt = [1, 4, 2, 5, 1, 4]
+  sampling = SamplingParams.create(1.0, 1.0)
+  stack = Stack(CountingDraftModel(draft_config, "iid"), tree_lib.chain(2), (Verifier("draft", Full(), 2),),
                 step_aside=StepAside(below=100.0, rounds=1, memory=1))
   KEPT_UP.clear()
   result = engine.generate(params, SMALL, [prompt] * N_SAMPLES, stack=stack, max_new_tokens=3, sampling=sampling,

@@ -285,7 +285,7 @@ class Decoder:
         st, prop, mode, length = self._propose(top - 1, st, k_propose)
       else:
         resting = st.resting.left > 0
-        st, prop, mode, length = self._propose_unless_resting(st, k_propose, jnp.all(resting | ~live))
+        st, prop, mode, length = self._propose_unless_resting(st, k_propose, jnp.all(resting | ~live), live)
         offered = None if prop.offered is None else prop.offered > 0
         prop, length, widths = self._rest(prop, length, resting)
       st, emitted, n_acc, _ = self._verify_and_commit(top, st, prop, mode, length, k_verify, live, widths)
@@ -311,39 +311,73 @@ class Decoder:
                                             axis=0).astype(jnp.int32))
     return st.replace(out=out, n_out=n_out, done=done, key=key, stats=stats)
 
-  def _propose_unless_resting(self, st: LoopState, key, all_resting):
-    """The drafter's proposal; when every live row rests, a blank one of the same shapes instead,
-    its tree not drafted. A drafter that keeps nothing between rounds then runs nothing; one with
-    a cache of its own brings it up to the round (Drafter.keep_up: a draft model runs the lead
-    alone, one forward instead of one per depth); one that cannot (EAGLE's cache is written
-    from the features of what it drafts) drafts as in any round, so that its cache sees it."""
-    drafter = self.sizes.stack.drafter
+  def _propose_unless_resting(self, st: LoopState, key, all_resting, live):
+    """The proposal of the level under the target; when every live row rests, a blank one of the
+    same shapes instead, its tree not drafted. A drafter that keeps nothing between rounds then
+    runs nothing; one with a cache of its own brings it up to the round (Drafter.keep_up: a draft
+    model runs the lead alone, one forward instead of one per depth); one that cannot (EAGLE's
+    cache is written from the features of what it drafts) drafts as in any round, so that its
+    cache sees it. In a hierarchy the blank round fills no buffer: each middle level runs its
+    lead alone too (`_keep_up_below`), one forward each instead of its rounds."""
+    sizes = self.sizes
+    top, drafter = sizes.top, sizes.stack.drafter
+    mode = drafter.mode if top == 1 else "iid"   # a middle level's buffer is drawn from its own law
     own_cache = st.caches[0] is not None
     if own_cache and not drafter.keeps_up:
-      return self._propose(0, st, key)
+      return self._propose(top - 1, st, key)
 
     def drafted():
-      _, prop, _, length = self._propose(0, st, key)
-      return prop, length
+      st_drafted, prop, _, length = self._propose(top - 1, st, key)
+      return st_drafted, prop, length
 
-    shapes, length_shape = jax.eval_shape(drafted)
+    _, shapes, length_shape = jax.eval_shape(drafted)
 
     def blank():
       prop = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
       nodes = prop.tokens.shape[1]
       eye = jnp.broadcast_to(jnp.eye(nodes + 1, dtype=bool), shapes.attend.shape)  # the root sees itself
-      cache = drafter.keep_up(key, self._draft_inputs(st)) if own_cache else prop.cache
-      return prop.replace(start=st.end, attend=eye, cache=cache), jnp.zeros(length_shape.shape, length_shape.dtype)
+      prop, kept = prop.replace(start=st.end, attend=eye), st
+      if top == 1:
+        prop = prop.replace(cache=drafter.keep_up(key, self._draft_inputs(st)) if own_cache else prop.cache)
+      else:
+        kept = self._keep_up_below(st, key, live)
+      return kept, prop, jnp.zeros(length_shape.shape, length_shape.dtype)
 
-    prop, length = jax.lax.cond(all_resting, blank, drafted)
-    return st, prop, drafter.mode, length
+    st, prop, length = jax.lax.cond(all_resting, blank, drafted)
+    return st, prop, mode, length
+
+  def _keep_up_below(self, st: LoopState, key, live) -> LoopState:
+    """A hierarchy's levels under the target after a round in which every live row rests: each
+    middle level runs its lead (the root last) alone through its model and keeps it, as a round
+    that accepted nothing would (level 1's features too, for a feature drafter); a drafter with a
+    cache of its own keeps up as under the target (Drafter.keep_up). The target's token then
+    joins every lead of the next round."""
+    sizes = self.sizes
+    batch = st.end.shape[0]
+    nothing = jnp.zeros((batch,), jnp.int32)
+    caches, features = list(st.caches), st.features
+    for j in range(1, sizes.top):
+      cache = caches[j]
+      lead = Lead.of(st.seq, st.end, cache.cached, sizes.levels[j].lead)
+      attend = round_attend(cache.recent.lengths, self.width, round_mask(lead.valid, jnp.ones((1, 1), bool)))
+      _, hidden, recent = self._level_probs(j, lead.tokens, lead.positions, cache, attend, first=lead.size - 1)
+      caches[j] = cache.replace(recent=commit(recent, lead, jnp.zeros((batch, 0), jnp.int32), nothing, live,
+                                              base=cache.recent.lengths))
+      if j == 1 and sizes.reads_features:
+        features = keep_features(features, hidden, lead.positions, lead.valid & live[:, None])
+    if caches[0] is not None:
+      drafter = sizes.stack.drafter
+      inputs = self._draft_inputs(st)
+      caches[0] = drafter.commit(drafter.keep_up(key, inputs), inputs.lead, self._proposal_tree(0),
+                                 jnp.zeros((batch, 1), jnp.int32), nothing, live)
+    return st.replace(caches=tuple(caches), features=features)
 
   def _rest(self, prop: Proposal, length, resting):
     """The proposal with resting rows [B] offering nothing (no children: the target's token
     alone), verified at the width of the whole proposal, or of the root alone when every live
     row rests (or at a drafter's own offer widths). -> (proposal, length, widths)."""
     batch, nodes = prop.tokens.shape
-    tree = self._proposal_tree(0)
+    tree = self._proposal_tree(self.sizes.top - 1)
     children = prop.children
     if children is None:
       children = jnp.broadcast_to(jnp.asarray(tree.children), (batch, *tree.children.shape))

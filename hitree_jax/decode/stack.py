@@ -53,8 +53,7 @@ class Verifier:
 class Stack:
   """drafter: the bottom level (a drafters.Drafter: n-gram, self, model, EAGLE, Medusa) or None
   for `ar`; tree: what it proposes; verifiers: the intermediate levels, bottom-up; step_aside:
-  when a row runs plain rounds because its drafter stops paying (step_aside.py; a drafter
-  right under the target)."""
+  when a row runs plain rounds because its speculation stops paying (step_aside.py)."""
   drafter: "Drafter | None" = None
   tree: tree_lib.TokenTree | tree_lib.DynamicTree | None = None
   verifiers: tuple[Verifier, ...] = ()
@@ -70,9 +69,8 @@ class Stack:
     if any(v.weights == "draft" for v in self.verifiers) and self.draft_config is None:
       raise UsageError("a level with the draft's weights needs the draft's config: "
                        "Stack(draft=config) or a ModelDrafter at the bottom")
-    if self.step_aside is not None and (self.drafter is None or self.verifiers):
-      raise UsageError("stepping aside applies to a drafter right under the target (sd, tree, hsd "
-                       "with one level), not to `ar` or a hierarchy")
+    if self.step_aside is not None and self.drafter is None:
+      raise UsageError("stepping aside applies to a stack with a drafter (sd, tree, hsd), not to `ar`")
     if self.verifiers and isinstance(self.tree, tree_lib.DynamicTree):
       raise UsageError("a dynamic tree is grown right under the target; in a hierarchy use a "
                        "static tree (chain:N, kary:KxD, sequoia:B,D) at the bottom")

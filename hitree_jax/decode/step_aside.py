@@ -16,8 +16,14 @@ A round in which every live row rests runs no draft when the drafter keeps nothi
 rounds (no cache of its own: n-gram, self, Medusa). A draft model runs the round's lead alone
 through its cache (Drafter.keep_up), one forward instead of one per depth of its tree; a
 drafter whose cache is written from what it drafts (EAGLE, DFlash) still drafts, so that its
-cache stays in step, and what is saved is the target's wide forward. It applies to a drafter
-right under the target.
+cache stays in step, and what is saved is the target's wide forward.
+
+In a hierarchy the row's running mean is of the tokens the target accepts from the buffer
+below it. A round in which every live row rests fills no buffer: each middle level runs its
+lead alone through its model (one forward each instead of its rounds), and the drafter keeps up
+as it would under the target. A round in which only some rows rest fills every row's buffer
+(the rows share the middle levels' forwards) and offers the target nothing from the resting
+ones.
 """
 
 from __future__ import annotations

@@ -287,8 +287,8 @@ class Choice:
   """A plan in the launchers' terms: the stack's levels in the profile's names (None: plain
   decoding, `ar`, when no stack is predicted to beat it), and for a Sequoia tree the per-rank
   acceptance it was built from (--acceptance). best_stack: the fastest stack, chosen or not.
-  step_aside: for a drafter right under the target, the accepted tokens per round under which a
-  row's round loses to a plain one (`step_aside_below`): its rows step aside there."""
+  step_aside: the accepted tokens per round under which a row's round loses to a plain one
+  (`step_aside_below`): its rows step aside there."""
   best_stack: optimize.Plan
   levels: spec.Levels | None
   acceptance: tuple[float, ...] | None
@@ -342,24 +342,32 @@ def _drafted_while_resting(level: Level) -> str:
 
 
 def step_aside_below(c: optimize.Candidates, plan: optimize.Plan, ar_seconds: float) -> float | None:
-  """The accepted tokens per round under which a row of `plan` (a drafter right under the target)
-  decodes slower than it would resting: a round offering the drafter's whole tree costs its
-  proposal, the target's forward over it and a verifying round's overheads, and commits one token
-  more than it accepts; a resting round commits one, at `ar`'s step (the drafter idle), or at a
-  one-token forward and what the drafter runs to keep its cache in step (`_drafted_while_resting`:
-  the round's lead alone through a draft model, a whole proposal for EAGLE). None
-  for a hierarchy (its rows do not step aside), and for prompt lookup: a round in which it finds
-  no match is a plain one already, and its hits come in runs that a running mean misses. On 7.5K
-  tokens of Austen its chain of 2 stepped aside three times on one passage and committed 1.45
-  tokens a forward instead of 1.76, 1.07x `ar` instead of 1.11x
-  (docs/results/planner/auto_aside_7680_ab.json; 1.29x against 1.34x at 512 tokens)."""
-  if plan.middles or plan.drafter.kind == "ngram":
+  """The accepted tokens per round under which a row of `plan` decodes slower than it would
+  resting. A round offering the drafter's whole tree costs its proposal, the target's forward
+  over it and a verifying round's overheads (in a hierarchy: the exact model's top round, the
+  buffer's fill included), and commits one token more than it accepts. A resting round commits
+  one, at `ar`'s step (the drafter idle), or at a one-token forward and what the levels below
+  run to keep their caches in step: a middle level's one-token forward each, and the drafter's
+  (`_drafted_while_resting`: the round's lead alone through a draft model, a whole proposal for
+  EAGLE). None for prompt lookup right under the target: a round in which it finds no match is
+  a plain one already, and its hits come in runs that a running mean misses. On 7.5K tokens of
+  Austen its chain of 2 stepped aside three times on one passage and committed 1.45 tokens a
+  forward instead of 1.76, 1.07x `ar` instead of 1.11x
+  (docs/results/planner/auto_aside_7680_ab.json; 1.29x against 1.34x at 512 tokens). None too
+  for a hierarchy over a drafter that drafts while resting: its buffer fills as in any round."""
+  drafted = _drafted_while_resting(plan.drafter)
+  if plan.drafter.kind == "ngram" and not plan.middles or plan.middles and drafted == "tree":
     return None
   drafter = next(d for d in c.drafters if d.name == plan.drafter)
   tree = dict(drafter.trees)[plan.tree]
   proposal = lambda t: latency.tree_draft_seconds(t, drafter.cost) + (c.overheads.propose(t) if drafter.cost else 0.0)
+  if plan.middles:
+    speculating = (plan.exact or optimize.exact(c, plan)).round_seconds
+    middles = dict(c.middles)
+    kept_up = sum(middles[m](1) + c.overheads.middle for m, _ in plan.middles)
+    kept_up += proposal(shapes.chain(1)) if drafted == "lead" else 0.0
+    return max(speculating / (kept_up + c.target(1) + c.overheads.check(None)) - 1.0, MIN_BELOW)
   speculating = proposal(tree) + c.target(tree.size + 1) + c.overheads.check(tree)
-  drafted = _drafted_while_resting(plan.drafter)
   if drafted == "nothing":
     resting = ar_seconds
   else:
