@@ -1,6 +1,8 @@
 """The EAGLE feature draft on tiny random models: greedy equals ar, its rounds read the right
 features, sampling is exact, and a second generation compiles nothing."""
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,20 +130,48 @@ def test_sampling_is_exact(tree, mode, temperature, top_p):
                            SamplingParams.create(temperature, top_p))
 
 
-def assert_sampling_is_exact(make_draft, tree, sampling, num_layers: int = 1):
+def assert_sampling_is_exact(make_draft, tree, sampling, num_layers: int = 1, control: bool = False):
   """The first 3 tokens of many rows of a 1-layer 6-token target, drafted by make_draft(params,
-  config) -> (drafter, weights), follow the exactly enumerated law (chi-square)."""
+  config) -> (drafter, weights), follow the exactly enumerated law (chi-square), and the target
+  accepts some of the drafts. control: the same drafter under a verification that trusts it
+  (`trusting`) must fail the same test, so the test can tell this drafter's law from the target's."""
   config = SMALL.replace(num_layers=num_layers)
   params = with_decode_head(jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x,
                                          init_params(config, jax.random.key(2))), config)
   drafter, weights = make_draft(params, config)
   prompt = [1, 4, 2, 5, 1, 4]
-  result = engine.generate(params, config, [prompt] * N_SAMPLES, tree=tree, drafter=drafter,
-                           draft=weights, max_new_tokens=3, sampling=sampling, seed=11,
-                           stop_at_eos=False)
-  assert result.accepted_per_depth[0] > 0
-  samples = np.array([t[:3] for t in result.tokens])
-  assert chi_square_pvalue(samples, exact_three_token_law(params, prompt, sampling, config)) > 1e-4
+  law = exact_three_token_law(params, prompt, sampling, config)
+
+  def pvalue():
+    result = engine.generate(params, config, [prompt] * N_SAMPLES, tree=tree, drafter=drafter,
+                             draft=weights, max_new_tokens=3, sampling=sampling, seed=11,
+                             stop_at_eos=False, programs=Programs())
+    assert result.accepted_per_depth[0] > 0
+    return chi_square_pvalue(np.array([t[:3] for t in result.tokens]), law)
+
+  assert pvalue() > 1e-4
+  if control:
+    from hitree_jax.decode import loop
+    with mock.patch.object(loop, "verify", trusting(loop.verify)):
+      jax.clear_caches()   # the loop is traced again, with the trusting verification
+      with pytest.raises(AssertionError, match="probability zero|pvalue"):
+        assert pvalue() > 1e-4, "pvalue"   # a sequence the target never draws is caught too
+    jax.clear_caches()
+
+
+def trusting(verify):
+  """`verify` handed a target that agrees with the drafter: at each position with children, a
+  point mass on its first child's token, so that child is accepted; the token after the path is
+  still the target's. Its output follows the drafter's law along the first children."""
+  def trusted(key, tree, draft_tokens, target_probs, draft_probs, mode, children=None):
+    batch, _, vocab = target_probs.shape
+    if children is None:
+      children = jnp.broadcast_to(jnp.asarray(tree.children), (batch, *tree.children.shape))
+    first = children[:, :, 0]                                                      # [B, N+1]
+    token = jnp.take_along_axis(draft_tokens, jnp.maximum(first, 0), axis=1)
+    agreed = jnp.where((first >= 0)[..., None], jax.nn.one_hot(token, vocab, dtype=target_probs.dtype), target_probs)
+    return verify(key, tree, draft_tokens, agreed, draft_probs, mode, children)
+  return trusted
 
 
 # --- EAGLE-3: the target's tapped layers beside its final states ---
@@ -286,7 +316,7 @@ def test_medusa_needs_a_head_per_depth(params):
                          ids=["chain-iid", "binary-det"])
 def test_medusa_sampling_is_exact(tree, mode):
   assert_sampling_is_exact(lambda params, config: medusa_draft(params, config, 2, 1.0, mode), tree,
-                           SamplingParams.create(0.9, 0.95))
+                           SamplingParams.create(0.9, 0.95), control=mode == "iid")
 
 
 def test_a_cut_heads_json_is_refused_in_one_line(tmp_path):
@@ -338,4 +368,4 @@ def eagle3_published_draft(target, config, mode):
                          ids=["chain-iid", "binary-det"])
 def test_published_drafters_sampling_is_exact(make, tree, mode):
   assert_sampling_is_exact(lambda params, config: make(params, config, mode), tree,
-                           SamplingParams.create(0.9, 0.95), num_layers=2)
+                           SamplingParams.create(0.9, 0.95), num_layers=2, control=mode == "iid")

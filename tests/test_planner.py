@@ -868,13 +868,15 @@ def test_a_plan_under_the_target_steps_aside_at_its_break_even():
   assert str(lookup.levels) == "ngram:3/chain:3" and lookup.step_aside is None
   assert "step_aside" not in lookup.flags("d.gguf")
   # A hierarchy: its top round (the buffer's fill and the target's forward over it) over a resting
-  # one, in which the middle level runs a one-token forward and the target another.
+  # one, in which the target runs a one-token forward and the middle level a share of the
+  # forward in which it catches up a chunk of tokens.
+  from hitree_jax.decode.step_aside import CATCH_UP_CHUNK
   c = auto.candidates(profile, True)
   deep = optimize.Plan(auto.level_named("ngram:3"), spec_lib.Chain(2), ((auto.level_named("draft"), 3),), 0.01)
   top_round = optimize.exact(c, deep).round_seconds
   assert top_round > cost("target", 4)
   assert auto.step_aside_below(c, deep, 0.02) == pytest.approx(
-      top_round / (cost("draft", 1) + cost("target", 1) + over["verify"]) - 1)
+      top_round / (cost("draft", CATCH_UP_CHUNK) / CATCH_UP_CHUNK + cost("target", 1) + over["verify"]) - 1)
   from hitree_jax.methods import Knobs, parse_method
   below = f"{auto.step_aside_below(c, deep, 0.02):.3g}"
   method = parse_method("hsd", Knobs(draft="drafts/smollm2-draft.gguf", levels=str(auto.levels_of(deep)),

@@ -39,7 +39,7 @@ from hitree_jax.decode.features import keep_features
 from hitree_jax.decode.levels import Lead, LevelCache, commit, round_mask
 from hitree_jax.decode.sampling import SamplingParams, probabilities, sample
 from hitree_jax.decode.sizes import StackSizes
-from hitree_jax.decode.step_aside import Resting
+from hitree_jax.decode.step_aside import CATCH_UP_CHUNK, Resting
 from hitree_jax.cache.kinds import Retrieval
 from hitree_jax.decode.verify import verify
 from hitree_jax.model.llama import forward
@@ -317,8 +317,8 @@ class Decoder:
     runs nothing; one with a cache of its own brings it up to the round (Drafter.keep_up: a draft
     model runs the lead alone, one forward instead of one per depth); one that cannot (EAGLE's
     cache is written from the features of what it drafts) drafts as in any round, so that its
-    cache sees it. In a hierarchy the blank round fills no buffer: each middle level runs its
-    lead alone too (`_keep_up_below`), one forward each instead of its rounds."""
+    cache sees it. In a hierarchy the levels under the target fall behind while their rows rest
+    and catch up in chunks (`_catch_up`)."""
     sizes = self.sizes
     top, drafter = sizes.top, sizes.stack.drafter
     mode = drafter.mode if top == 1 else "iid"   # a middle level's buffer is drawn from its own law
@@ -327,8 +327,9 @@ class Decoder:
       return self._propose(top - 1, st, key)
 
     def drafted():
-      st_drafted, prop, _, length = self._propose(top - 1, st, key)
-      return st_drafted, prop, length
+      ready = st if top == 1 else self._catch_up(st, live, lambda j: sizes.levels[j].lead)
+      ready, prop, _, length = self._propose(top - 1, ready, key)
+      return ready, prop, length
 
     _, shapes, length_shape = jax.eval_shape(drafted)
 
@@ -339,38 +340,50 @@ class Decoder:
       prop, kept = prop.replace(start=st.end, attend=eye), st
       if top == 1:
         prop = prop.replace(cache=drafter.keep_up(key, self._draft_inputs(st)) if own_cache else prop.cache)
-      else:
-        kept = self._keep_up_below(st, key, live)
+      else:   # behind by b now, b + 1 next round: at most a chunk, or catch up now
+        kept = self._catch_up(st, live, lambda j: self.catch_up_chunk)
       return kept, prop, jnp.zeros(length_shape.shape, length_shape.dtype)
 
     st, prop, length = jax.lax.cond(all_resting, blank, drafted)
     return st, prop, mode, length
 
-  def _keep_up_below(self, st: LoopState, key, live) -> LoopState:
-    """A hierarchy's levels under the target after a round in which every live row rests: each
-    middle level runs its lead (the root last) alone through its model and keeps it, as a round
-    that accepted nothing would (level 1's features too, for a feature drafter); a drafter with a
-    cache of its own keeps up as under the target (Drafter.keep_up). The target's token then
-    joins every lead of the next round."""
+  @property
+  def catch_up_chunk(self) -> int:
+    """The tokens a level under the target runs in one forward when it catches up (`_catch_up`):
+    at most a round's extent, which has_room keeps free past each level's caught-up length."""
+    return min(CATCH_UP_CHUNK, self.sizes.round_extent)
+
+  def _behind(self, st: LoopState, j: int):
+    """[B] the tokens before the root that level j does not hold yet (0 for a level in step)."""
+    return jnp.maximum(st.end - 1 - st.caches[j].cached, 0)
+
+  def _catch_up(self, st: LoopState, live, allowed) -> LoopState:
+    """A hierarchy's levels under the target (each middle level, and a drafter with a cache of
+    its own), where a live row holds more than allowed(j) tokens pending: each runs the tokens it
+    missed before the root, one forward of `catch_up_chunk` slots, and keeps them, as a round
+    that accepted nothing would (level 1's features too, for a feature drafter). Its rows'
+    resting rounds do not run these levels: they fall behind a token a round, and catch up a
+    chunk at a time, or at once before a round that speculates."""
     sizes = self.sizes
-    batch = st.end.shape[0]
-    nothing = jnp.zeros((batch,), jnp.int32)
-    caches, features = list(st.caches), st.features
-    for j in range(1, sizes.top):
-      cache = caches[j]
-      lead = Lead.of(st.seq, st.end, cache.cached, sizes.levels[j].lead)
-      attend = round_attend(cache.recent.lengths, self.width, round_mask(lead.valid, jnp.ones((1, 1), bool)))
-      _, hidden, recent = self._level_probs(j, lead.tokens, lead.positions, cache, attend, first=lead.size - 1)
-      caches[j] = cache.replace(recent=commit(recent, lead, jnp.zeros((batch, 0), jnp.int32), nothing, live,
-                                              base=cache.recent.lengths))
-      if j == 1 and sizes.reads_features:
-        features = keep_features(features, hidden, lead.positions, lead.valid & live[:, None])
-    if caches[0] is not None:
-      drafter = sizes.stack.drafter
-      inputs = self._draft_inputs(st)
-      caches[0] = drafter.commit(drafter.keep_up(key, inputs), inputs.lead, self._proposal_tree(0),
-                                 jnp.zeros((batch, 1), jnp.int32), nothing, live)
-    return st.replace(caches=tuple(caches), features=features)
+    levels = [j for j in range(sizes.top) if st.caches[j] is not None]
+    batch, size = st.end.shape[0], self.catch_up_chunk
+    due = jnp.any(jnp.stack([live & (self._behind(st, j) + 1 > allowed(j)) for j in levels]))
+
+    def run(st):
+      nothing = jnp.zeros((batch,), jnp.int32)
+      caches, features = list(st.caches), st.features
+      for j in levels:
+        cache = caches[j]
+        lead = Lead.of(st.seq, st.end - 1, cache.cached, size)
+        attend = round_attend(cache.recent.lengths, self.width, round_mask(lead.valid, jnp.ones((1, 1), bool)))
+        _, hidden, recent = self._level_probs(j, lead.tokens, lead.positions, cache, attend, first=size - 1)
+        caches[j] = cache.replace(recent=commit(recent, lead, jnp.zeros((batch, 0), jnp.int32), nothing, live,
+                                                base=cache.recent.lengths))
+        if j == 1 and sizes.reads_features:
+          features = keep_features(features, hidden, lead.positions, lead.valid & live[:, None])
+      return st.replace(caches=tuple(caches), features=features)
+
+    return jax.lax.cond(due, run, lambda st: st, st)
 
   def _rest(self, prop: Proposal, length, resting):
     """The proposal with resting rows [B] offering nothing (no children: the target's token
@@ -428,9 +441,12 @@ class Decoder:
   def run(self, st: LoopState) -> LoopState:
     extent, width = self.sizes.round_extent, self.width
 
-    def has_room(st):
-      return jnp.all(jnp.stack([jnp.max(c.recent.lengths) + extent <= width
-                                for c in st.caches if c is not None]))
+    catches_up = self.sizes.stack.step_aside is not None and self.sizes.top > 1
+
+    def has_room(st):   # a level that fell behind (_catch_up) needs room for what it will catch up
+      return jnp.all(jnp.stack([
+          jnp.max(c.recent.lengths + (self._behind(st, j) if catches_up and j < self.sizes.top else 0)) + extent <= width
+          for j, c in enumerate(st.caches) if c is not None]))
 
     def block(st):
       st = jax.lax.while_loop(lambda s: has_room(s) & ~jnp.all(s.done), self.top_round, st)

@@ -19,11 +19,11 @@ drafter whose cache is written from what it drafts (EAGLE, DFlash) still drafts,
 cache stays in step, and what is saved is the target's wide forward.
 
 In a hierarchy the row's running mean is of the tokens the target accepts from the buffer
-below it. A round in which every live row rests fills no buffer: each middle level runs its
-lead alone through its model (one forward each instead of its rounds), and the drafter keeps up
-as it would under the target. A round in which only some rows rest fills every row's buffer
-(the rows share the middle levels' forwards) and offers the target nothing from the resting
-ones.
+below it. A round in which every live row rests fills no buffer and runs no level under the
+target: those levels fall behind by a token a round, and catch up in one forward of up to
+CATCH_UP_CHUNK tokens each, when they are that far behind or before a round that speculates
+(loop.Decoder._catch_up). A round in which only some rows rest fills every row's buffer (the
+rows share the middle levels' forwards) and offers the target nothing from the resting ones.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ import jax.numpy as jnp
 from hitree_jax.errors import UsageError
 
 MAX_DOUBLINGS = 3   # a drafter that keeps failing is probed every 8 x `rounds` rounds at the rarest
+# A hierarchy's levels under the target catch up on the tokens their rows missed resting this
+# many a forward, at most a round's extent (loop.Decoder.catch_up_chunk): one forward of each
+# level per chunk of resting rounds, not one a round.
+CATCH_UP_CHUNK = 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ import numpy as np
 from hitree_jax.data import CHAT  # a profile's text: instructions in the chat template
 from hitree_jax.decode import spec
 from hitree_jax.errors import UsageError
+from hitree_jax.decode.step_aside import CATCH_UP_CHUNK
 from hitree_jax.planner import latency, optimize
 from hitree_jax.planner import profile as profile_lib
 from hitree_jax.tree import shapes
@@ -346,10 +347,10 @@ def step_aside_below(c: optimize.Candidates, plan: optimize.Plan, ar_seconds: fl
   resting. A round offering the drafter's whole tree costs its proposal, the target's forward
   over it and a verifying round's overheads (in a hierarchy: the exact model's top round, the
   buffer's fill included), and commits one token more than it accepts. A resting round commits
-  one, at `ar`'s step (the drafter idle), or at a one-token forward and what the levels below
-  run to keep their caches in step: a middle level's one-token forward each, and the drafter's
-  (`_drafted_while_resting`: the round's lead alone through a draft model, a whole proposal for
-  EAGLE). None for prompt lookup right under the target: a round in which it finds no match is
+  one, at `ar`'s step (the drafter idle), or at a one-token forward and what the drafter runs
+  to keep its cache in step (`_drafted_while_resting`: the round's lead alone through a draft
+  model, a whole proposal for EAGLE); in a hierarchy, at a one-token forward and a share of the
+  forwards in which the levels below catch up, a chunk of tokens each (decode/loop.py). None for prompt lookup right under the target: a round in which it finds no match is
   a plain one already, and its hits come in runs that a running mean misses. On 7.5K tokens of
   Austen its chain of 2 stepped aside three times on one passage and committed 1.45 tokens a
   forward instead of 1.76, 1.07x `ar` instead of 1.11x
@@ -361,12 +362,11 @@ def step_aside_below(c: optimize.Candidates, plan: optimize.Plan, ar_seconds: fl
   drafter = next(d for d in c.drafters if d.name == plan.drafter)
   tree = dict(drafter.trees)[plan.tree]
   proposal = lambda t: latency.tree_draft_seconds(t, drafter.cost) + (c.overheads.propose(t) if drafter.cost else 0.0)
-  if plan.middles:
+  if plan.middles:   # the levels below catch up a chunk of tokens in one forward each
     speculating = (plan.exact or optimize.exact(c, plan)).round_seconds
-    middles = dict(c.middles)
-    kept_up = sum(middles[m](1) + c.overheads.middle for m, _ in plan.middles)
-    kept_up += proposal(shapes.chain(1)) if drafted == "lead" else 0.0
-    return max(speculating / (kept_up + c.target(1) + c.overheads.check(None)) - 1.0, MIN_BELOW)
+    chunk, middles = CATCH_UP_CHUNK, dict(c.middles)
+    caught_up = sum(middles[m](chunk) for m, _ in plan.middles) + (drafter.cost(chunk) if drafted == "lead" else 0.0)
+    return max(speculating / (c.target(1) + c.overheads.check(None) + caught_up / chunk) - 1.0, MIN_BELOW)
   speculating = proposal(tree) + c.target(tree.size + 1) + c.overheads.check(tree)
   if drafted == "nothing":
     resting = ar_seconds
