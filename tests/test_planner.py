@@ -845,8 +845,8 @@ def test_a_new_context_takes_a_rounds_overheads_from_a_stored_profile(tmp_path, 
 
 def test_a_plan_under_the_target_steps_aside_at_its_break_even():
   """A plan whose drafter sits right under the target carries the accepted tokens per round under
-  which its round loses to a resting one: for a draft model (which runs the round's lead alone
-  while resting, to keep its cache in step), its round over that forward plus a one-token one; for the target's
+  which its round loses to a resting one: for a draft model (which catches up a chunk of the
+  tokens it missed resting in one forward), its round over a one-token forward and a share of that one; for the target's
   own layers (idle while resting), over `ar`'s step (at least MIN_BELOW). The launchers get it as
   step_aside; prompt lookup right under the target has none."""
   from hitree_jax.planner import auto, optimize
@@ -855,8 +855,9 @@ def test_a_plan_under_the_target_steps_aside_at_its_break_even():
   over = profile["overheads"]
   draft = auto.choose(profile, True, auto.Space(drafters=("draft",), middles=(), chains=(2,), trees=()))
   assert str(draft.levels) == "draft/chain:2"
-  proposal, lead = 2 * cost("draft", 1) + 2 * over["draft_forward"], cost("draft", 1) + over["draft_forward"]
-  below = (proposal + cost("target", 3) + over["verify"]) / (lead + cost("target", 1) + over["verify"]) - 1
+  from hitree_jax.decode.step_aside import CATCH_UP_CHUNK
+  proposal, caught_up = 2 * cost("draft", 1) + 2 * over["draft_forward"], cost("draft", CATCH_UP_CHUNK) / CATCH_UP_CHUNK
+  below = (proposal + cost("target", 3) + over["verify"]) / (caught_up + cost("target", 1) + over["verify"]) - 1
   assert draft.step_aside == pytest.approx(below) and 0.05 < below < 0.5
   assert draft.flags("d.gguf")["step_aside"] == f"{below:.3g}:16:16"
   own = auto.choose(dict(profile, ar_seconds=0.0295), True,
@@ -870,7 +871,6 @@ def test_a_plan_under_the_target_steps_aside_at_its_break_even():
   # A hierarchy: its top round (the buffer's fill and the target's forward over it) over a resting
   # one, in which the target runs a one-token forward and the middle level a share of the
   # forward in which it catches up a chunk of tokens.
-  from hitree_jax.decode.step_aside import CATCH_UP_CHUNK
   c = auto.candidates(profile, True)
   deep = optimize.Plan(auto.level_named("ngram:3"), spec_lib.Chain(2), ((auto.level_named("draft"), 3),), 0.01)
   top_round = optimize.exact(c, deep).round_seconds

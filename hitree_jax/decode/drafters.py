@@ -46,7 +46,7 @@ from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import forward, hidden_states
 from hitree_jax.model.vocab import mask_other, spread_probs
 from hitree_jax.tree import dynamic as dynamic_tree
-from hitree_jax.tree.shapes import DynamicTree, TokenTree, chain
+from hitree_jax.tree.shapes import DynamicTree, TokenTree
 
 
 @flax.struct.dataclass
@@ -97,7 +97,8 @@ class Drafter(abc.ABC):
   prefills_own_cache = False    # True: prefill_cache builds its long cache from the prompt
   reads_from_above = None  # "cache" or "features": what it reads of the level above, whose
                            # weights must then be the target's
-  keeps_up = False         # True: keep_up brings its own cache up to a round without drafting
+  keeps_up = False         # True: its own cache is a model's, which catches up on tokens it did not
+                           # draft for by running them (loop.Decoder._catch_up): a resting row's
 
   @abc.abstractmethod
   def check(self, tree: TokenTree | DynamicTree, config: ModelConfig) -> None:
@@ -126,12 +127,6 @@ class Drafter(abc.ABC):
     """Its long cache of the prompts (prefills_own_cache): batch, a prefill.PromptBatch; hidden,
     the target's features at every prompt position [B, P, E]."""
     raise NotImplementedError(f"the {self} drafter's cache is built from the levels' caches")
-
-  def keep_up(self, key, inp: DraftInputs) -> LevelCache:
-    """Its own cache after a round in which it offers nothing (every row resting:
-    step_aside.py), as `commit` then keeps it: only the lead is committed, so only the lead need
-    run. For a drafter that `keeps_up`."""
-    raise NotImplementedError(f"the {self} drafter drafts to keep its cache in step")
 
   def abstract_heads(self, config: ModelConfig) -> dict | None:
     """Shapes of the weights it is handed when they are not a draft model's (memory_plan),
@@ -399,11 +394,6 @@ class ModelDrafter(Drafter):
     return DraftWeights(inp.params) if self.weights == "target" else inp.draft
 
   keeps_up = True
-
-  def keep_up(self, key, inp: DraftInputs) -> LevelCache:
-    """The lead alone through the draft: a chain of one node, whose leaf is not run (fill_tree),
-    writes the lead where any round's first forward writes it."""
-    return self.propose(key, chain(1), inp).cache
 
   def propose(self, key, tree: TokenTree, inp: DraftInputs) -> Proposal:
     """One draft forward per depth on the draft's own cache (the leaves are not run), which

@@ -131,11 +131,12 @@ class Decoder:
     return probabilities(logits[:, first:], self.sampling), hidden, recent
 
   def _verify_and_commit(self, j: int, st: LoopState, prop: Proposal, mode: str, length, key, live,
-                         widths: tuple[int, ...] | None = None):
+                         widths: tuple[int, ...] | None = None, resting=None):
     """Level j verifies `prop` with one forward; commits its cache (and a drafter's below);
     writes the emitted tokens after prop.start; rolls the levels below back. With prop.offered,
     the forward is the narrowest of `widths` (default offer_widths) that holds every live row's
-    offer.
+    offer. resting [B]: rows that offered nothing, stepping aside, whose drafter's cache is left
+    as it was (it catches up later: `_catch_up`).
 
     Returns (state, emitted [B, D+1], n_accepted [B], probs [B, D+1, V] each emitted token's law).
     """
@@ -165,7 +166,8 @@ class Decoder:
                                             base=cache.recent.lengths))
     if prop.cache is not None:   # the drafter's own (only its proposals carry one): it keeps what it keeps
       below_lead = Lead.of(st.seq, prop.start, prop.cache.cached, sizes.levels[j - 1].lead)
-      caches[j - 1] = sizes.drafter.commit(prop.cache, below_lead, tree, verdict.path, n_acc, live)
+      drafted = live if resting is None else live & ~resting   # a resting row's falls behind (_catch_up)
+      caches[j - 1] = sizes.drafter.commit(prop.cache, below_lead, tree, verdict.path, n_acc, drafted)
     keep = prop.start + n_acc
     for i in range(j):
       if caches[i] is not None:
@@ -288,7 +290,8 @@ class Decoder:
         st, prop, mode, length = self._propose_unless_resting(st, k_propose, jnp.all(resting | ~live), live)
         offered = None if prop.offered is None else prop.offered > 0
         prop, length, widths = self._rest(prop, length, resting)
-      st, emitted, n_acc, _ = self._verify_and_commit(top, st, prop, mode, length, k_verify, live, widths)
+      st, emitted, n_acc, _ = self._verify_and_commit(top, st, prop, mode, length, k_verify, live, widths,
+                                                      None if st.resting is None else resting)
       if st.resting is not None:
         resting, entered = st.resting.after(sizes.stack.step_aside, n_acc, live, offered)
         stats = st.stats.replace(aside=st.stats.aside + (live & (st.resting.left > 0)).astype(jnp.int32),
@@ -313,12 +316,10 @@ class Decoder:
 
   def _propose_unless_resting(self, st: LoopState, key, all_resting, live):
     """The proposal of the level under the target; when every live row rests, a blank one of the
-    same shapes instead, its tree not drafted. A drafter that keeps nothing between rounds then
-    runs nothing; one with a cache of its own brings it up to the round (Drafter.keep_up: a draft
-    model runs the lead alone, one forward instead of one per depth); one that cannot (EAGLE's
-    cache is written from the features of what it drafts) drafts as in any round, so that its
-    cache sees it. In a hierarchy the levels under the target fall behind while their rows rest
-    and catch up in chunks (`_catch_up`)."""
+    same shapes instead, its tree not drafted and no level under the target run. A level with a
+    cache of its own (a middle level, a draft model) then falls behind, and catches up a chunk of
+    tokens at a time (`_catch_up`). A drafter whose cache is written from the features of what it
+    drafts (EAGLE, DFlash) cannot: it drafts as in any round, so that its cache sees it."""
     sizes = self.sizes
     top, drafter = sizes.top, sizes.stack.drafter
     mode = drafter.mode if top == 1 else "iid"   # a middle level's buffer is drawn from its own law
@@ -326,8 +327,8 @@ class Decoder:
     if own_cache and not drafter.keeps_up:
       return self._propose(top - 1, st, key)
 
-    def drafted():
-      ready = st if top == 1 else self._catch_up(st, live, lambda j: sizes.levels[j].lead)
+    def drafted():   # each level's round needs at most its lead pending
+      ready = self._catch_up(st, live, lambda j: sizes.levels[j].lead)
       ready, prop, _, length = self._propose(top - 1, ready, key)
       return ready, prop, length
 
@@ -337,11 +338,11 @@ class Decoder:
       prop = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
       nodes = prop.tokens.shape[1]
       eye = jnp.broadcast_to(jnp.eye(nodes + 1, dtype=bool), shapes.attend.shape)  # the root sees itself
-      prop, kept = prop.replace(start=st.end, attend=eye), st
-      if top == 1:
-        prop = prop.replace(cache=drafter.keep_up(key, self._draft_inputs(st)) if own_cache else prop.cache)
-      else:   # behind by b now, b + 1 next round: at most a chunk, or catch up now
-        kept = self._catch_up(st, live, lambda j: self.catch_up_chunk)
+      prop = prop.replace(start=st.end, attend=eye)
+      # behind by b now, b + 1 next round: at most a chunk, or catch up now
+      kept = self._catch_up(st, live, lambda j: self.catch_up_chunk)
+      if own_cache and top == 1:   # the round's commit leaves it as caught up (resting rows)
+        prop = prop.replace(cache=kept.caches[0])
       return kept, prop, jnp.zeros(length_shape.shape, length_shape.dtype)
 
     st, prop, length = jax.lax.cond(all_resting, blank, drafted)
@@ -358,14 +359,16 @@ class Decoder:
     return jnp.maximum(st.end - 1 - st.caches[j].cached, 0)
 
   def _catch_up(self, st: LoopState, live, allowed) -> LoopState:
-    """A hierarchy's levels under the target (each middle level, and a drafter with a cache of
-    its own), where a live row holds more than allowed(j) tokens pending: each runs the tokens it
+    """The levels under the target with caches of their own (each middle level, and a draft
+    model), where a live row holds more than allowed(j) tokens pending: each runs the tokens it
     missed before the root, one forward of `catch_up_chunk` slots, and keeps them, as a round
     that accepted nothing would (level 1's features too, for a feature drafter). Its rows'
     resting rounds do not run these levels: they fall behind a token a round, and catch up a
     chunk at a time, or at once before a round that speculates."""
     sizes = self.sizes
     levels = [j for j in range(sizes.top) if st.caches[j] is not None]
+    if not levels:
+      return st
     batch, size = st.end.shape[0], self.catch_up_chunk
     due = jnp.any(jnp.stack([live & (self._behind(st, j) + 1 > allowed(j)) for j in levels]))
 
@@ -441,7 +444,7 @@ class Decoder:
   def run(self, st: LoopState) -> LoopState:
     extent, width = self.sizes.round_extent, self.width
 
-    catches_up = self.sizes.stack.step_aside is not None and self.sizes.top > 1
+    catches_up = self.sizes.stack.step_aside is not None
 
     def has_room(st):   # a level that fell behind (_catch_up) needs room for what it will catch up
       return jnp.all(jnp.stack([

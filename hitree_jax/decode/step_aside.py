@@ -12,18 +12,16 @@ row's token is the target's, as in any round: the output is unchanged. Afterward
 offers again, a probe, with its mean set to `below`: a probe that accepts nothing sends it
 aside at once, one that accepts more keeps it speculating.
 
-A round in which every live row rests runs no draft when the drafter keeps nothing between
-rounds (no cache of its own: n-gram, self, Medusa). A draft model runs the round's lead alone
-through its cache (Drafter.keep_up), one forward instead of one per depth of its tree; a
-drafter whose cache is written from what it drafts (EAGLE, DFlash) still drafts, so that its
-cache stays in step, and what is saved is the target's wide forward.
+A round in which every live row rests runs no level under the target. One that keeps nothing
+between rounds (n-gram, self, Medusa) needs nothing. One with a cache of its own (a draft
+model; in a hierarchy, each middle level) falls behind by a token a round, and catches up in
+one forward of up to CATCH_UP_CHUNK tokens, when it is that far behind or before a round that
+speculates (loop.Decoder._catch_up). A drafter whose cache is written from what it drafts
+(EAGLE, DFlash) cannot: it still drafts, and what is saved is the target's wide forward.
 
 In a hierarchy the row's running mean is of the tokens the target accepts from the buffer
-below it. A round in which every live row rests fills no buffer and runs no level under the
-target: those levels fall behind by a token a round, and catch up in one forward of up to
-CATCH_UP_CHUNK tokens each, when they are that far behind or before a round that speculates
-(loop.Decoder._catch_up). A round in which only some rows rest fills every row's buffer (the
-rows share the middle levels' forwards) and offers the target nothing from the resting ones.
+below it. A round in which only some rows rest fills every row's buffer (the rows share the
+middle levels' forwards) and offers the target nothing from the resting ones.
 """
 
 from __future__ import annotations

@@ -335,7 +335,7 @@ STEP_ASIDE_ROUNDS, STEP_ASIDE_MEMORY = 16, 16
 def _drafted_while_resting(level: Level) -> str:
   """What the drafter runs in a round its rows rest (step_aside.py): "nothing" (prompt lookup,
   the target's own layers, Medusa keep nothing between rounds), "lead" (a model with a cache
-  of its own runs the round's lead alone through it: Drafter.keep_up) or "tree" (EAGLE's and
+  of its own falls behind and catches up a chunk of tokens a forward) or "tree" (EAGLE's and
   DFlash's caches are written from what they draft: they draft as in any round)."""
   if level.kind in ("ngram", "self", "medusa"):
     return "nothing"
@@ -347,12 +347,13 @@ def step_aside_below(c: optimize.Candidates, plan: optimize.Plan, ar_seconds: fl
   resting. A round offering the drafter's whole tree costs its proposal, the target's forward
   over it and a verifying round's overheads (in a hierarchy: the exact model's top round, the
   buffer's fill included), and commits one token more than it accepts. A resting round commits
-  one, at `ar`'s step (the drafter idle), or at a one-token forward and what the drafter runs
-  to keep its cache in step (`_drafted_while_resting`: the round's lead alone through a draft
-  model, a whole proposal for EAGLE); in a hierarchy, at a one-token forward and a share of the
-  forwards in which the levels below catch up, a chunk of tokens each (decode/loop.py). None for prompt lookup right under the target: a round in which it finds no match is
-  a plain one already, and its hits come in runs that a running mean misses. On 7.5K tokens of
-  Austen its chain of 2 stepped aside three times on one passage and committed 1.45 tokens a
+  one, at `ar`'s step where nothing under the target runs, or at a one-token forward and the
+  share of a forward in which each level with a cache of its own (a draft model, a middle level)
+  catches up a chunk of tokens (`_drafted_while_resting`; the chunk is CATCH_UP_CHUNK or, under
+  a shallow tree, the round's extent: decode/loop.py), or, for EAGLE and DFlash, a whole
+  proposal. None for prompt lookup right under the target: a round in which it finds no match
+  is a plain one already, and its hits come in runs that a running mean misses. On 7.5K tokens
+  of Austen its chain of 2 stepped aside three times on one passage and committed 1.45 tokens a
   forward instead of 1.76, 1.07x `ar` instead of 1.11x
   (docs/results/planner/auto_aside_7680_ab.json; 1.29x against 1.34x at 512 tokens). None too
   for a hierarchy over a drafter that drafts while resting: its buffer fills as in any round."""
@@ -362,16 +363,18 @@ def step_aside_below(c: optimize.Candidates, plan: optimize.Plan, ar_seconds: fl
   drafter = next(d for d in c.drafters if d.name == plan.drafter)
   tree = dict(drafter.trees)[plan.tree]
   proposal = lambda t: latency.tree_draft_seconds(t, drafter.cost) + (c.overheads.propose(t) if drafter.cost else 0.0)
-  if plan.middles:   # the levels below catch up a chunk of tokens in one forward each
+  chunk, middles = CATCH_UP_CHUNK, dict(c.middles)
+  caught_up = sum(middles[m](chunk) for m, _ in plan.middles) + (drafter.cost(chunk) if drafted == "lead" else 0.0)
+  if plan.middles:
     speculating = (plan.exact or optimize.exact(c, plan)).round_seconds
-    chunk, middles = CATCH_UP_CHUNK, dict(c.middles)
-    caught_up = sum(middles[m](chunk) for m, _ in plan.middles) + (drafter.cost(chunk) if drafted == "lead" else 0.0)
-    return max(speculating / (c.target(1) + c.overheads.check(None) + caught_up / chunk) - 1.0, MIN_BELOW)
-  speculating = proposal(tree) + c.target(tree.size + 1) + c.overheads.check(tree)
-  if drafted == "nothing":
-    resting = ar_seconds
   else:
-    resting = proposal(tree if drafted == "tree" else shapes.chain(1)) + c.target(1) + c.overheads.check(None)
+    speculating = proposal(tree) + c.target(tree.size + 1) + c.overheads.check(tree)
+  if drafted == "tree":
+    resting = proposal(tree) + c.target(1) + c.overheads.check(None)
+  elif caught_up:
+    resting = c.target(1) + c.overheads.check(None) + caught_up / chunk
+  else:
+    resting = ar_seconds
   return max(speculating / resting - 1.0, MIN_BELOW)
 
 
