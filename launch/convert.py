@@ -1,11 +1,12 @@
 """Convert weights (GGUF or HF safetensors) to an orbax checkpoint, or to a GGUF for llama.cpp;
-or published Medusa heads from their pickle to safetensors.
+or a model, Medusa heads or an EAGLE-3 draft from a pickle to safetensors.
 
   python -m launch.convert --model=smollm2 --out=checkpoints/smollm2
   python -m launch.generate --model=checkpoints/smollm2 --prompt="..."
   python -m launch.convert --model=smollm2 --out=smollm2_f32.gguf   # llama.cpp at F32
   python -m launch.convert --medusa=medusa-vicuna-7b-v1.3           # writes medusa_lm_head.safetensors
   python -m launch.convert --eagle3=EAGLE3-LLaMA3.1-Instruct-8B        # writes model.safetensors
+  python -m launch.convert --pickled=path/to/model                     # pytorch_model.bin -> model.safetensors
 
 An --out ending in .gguf writes a llama.cpp GGUF: float32 matrices by default
 (--gguf_type=q8_0 for llama.cpp's 8-bit blocks), with the source's tokenizer (a
@@ -37,11 +38,18 @@ flags.DEFINE_string("medusa", None, "A folder of FasterDecoding's Medusa heads w
 flags.DEFINE_string("eagle3", None, "A folder of an EAGLE-3 draft whose weights are the pickle "
                     "pytorch_model.bin: write them as model.safetensors, which --draft=eagle3:PATH "
                     "reads (as --medusa).")
+flags.DEFINE_string("pickled", None, "An HF model folder whose weights are the pickle "
+                    "pytorch_model.bin (or its shards): write them as model.safetensors, which "
+                    "--model=PATH reads (as --medusa; --out: another folder, the others copied).")
 FLAGS = flags.FLAGS
 
 
 def main(argv):
   del argv
+  if FLAGS.pickled:
+    from hitree_jax.loading.hf import rewrite_pickled
+    logging.info("wrote %s", rewrite_pickled(FLAGS.pickled, FLAGS.out or FLAGS.pickled))
+    return
   from hitree_jax.heads import eagle3, medusa_format
   for flag, format_module in (("medusa", medusa_format), ("eagle3", eagle3)):
     if getattr(FLAGS, flag):

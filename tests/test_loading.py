@@ -47,6 +47,32 @@ def test_safetensors_folder_matches_transformers(tmp_path, tied, shard):
   np.testing.assert_allclose(our_logits(model, tokens), expected, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_pickled_model_is_refused_until_convert_rewrites_it(tmp_path, tied):
+  """An HF folder of the older kind, its weights a pickle (pytorch_model.bin): never opened at
+  load time, refused naming the command that rewrites it; that command, as a user runs it,
+  writes model.safetensors, which loads to transformers' logits."""
+  import subprocess
+  import sys
+  from hitree_jax.errors import UsageError
+  hf = tiny_hf(tied)
+  folder = tmp_path / "pickled"
+  hf.config.save_pretrained(folder)
+  torch.save(hf.state_dict(), folder / "pytorch_model.bin")
+  with pytest.raises(UsageError, match=r"pytorch_model.bin is a pickle, which is never opened here.*"
+                                       rf"python -m launch.convert --pickled={folder}"):
+    load_model(str(folder))
+  proc = subprocess.run([sys.executable, "-m", "launch.convert", f"--pickled={folder}", f"--out={tmp_path / 'out'}"],
+                        cwd=pathlib.Path(__file__).resolve().parent.parent, capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  model = load_model(str(tmp_path / "out"))
+  assert model.config.tie_word_embeddings == tied
+  tokens = list(np.random.default_rng(0).integers(0, 67, 20))
+  with torch.no_grad():
+    expected = hf(torch.tensor([tokens])).logits.numpy()[0]
+  np.testing.assert_allclose(our_logits(model, tokens), expected, atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_orbax_round_trip_is_exact(tmp_path, tied):
   hf = tiny_hf(tied)

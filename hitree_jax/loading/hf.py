@@ -157,9 +157,49 @@ def load_safetensors_dir(path: str | pathlib.Path, dtype: str = "float32", place
   folder = pathlib.Path(path)
   config = read_config(folder, dtype)
   files = sorted(folder.glob("*.safetensors"))
+  if not files and pickled_weights(folder):
+    raise UsageError(f"{pickled_weights(folder)[0]} is a pickle, which is never opened here (loading one runs "
+                     f"its code): `python -m launch.convert --pickled={folder}` writes model.safetensors "
+                     "(it needs torch)")
   if not files:
     raise NotFound(f"{folder}: no *.safetensors files")
   state = {}
   for f in files:
     state.update(read_safetensors(f))
   return config, params_from_state_dict(state, config, source=str(folder), dtype=dtype, place=place)
+
+
+def pickled_weights(folder: pathlib.Path) -> list[pathlib.Path]:
+  """An HF folder's weights saved as pickles: pytorch_model.bin, or its shards."""
+  return sorted(pathlib.Path(folder).glob("pytorch_model*.bin"))
+
+
+def rewrite_pickled(folder: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
+  """An HF folder whose weights are pickles (`pickled_weights`) rewritten as out/model.safetensors,
+  its other files (config, tokenizer) copied beside it; returns that file. It needs torch, the only
+  reader of a pickle, with weights_only=True (which runs none of its code), and runs from
+  launch.convert, never at load time."""
+  import shutil
+  folder, out = pathlib.Path(folder), pathlib.Path(out)
+  pickles = pickled_weights(folder)
+  if not (folder / "config.json").is_file() or not pickles:
+    raise UsageError(f"--pickled={folder}: expected a model's folder with a config.json and "
+                     "pytorch_model.bin (or its shards)")
+  try:
+    import torch
+    from safetensors.torch import save_file
+  except ImportError:
+    raise UsageError("--pickled needs torch to read the pickle: pip install torch "
+                     "(./setup.sh --test installs it)") from None
+  state = {}
+  for pickle in pickles:
+    state.update(torch.load(pickle, map_location="cpu", weights_only=True))
+  out.mkdir(parents=True, exist_ok=True)
+  if out.resolve() != folder.resolve():
+    for kept in folder.iterdir():
+      if kept.is_file() and kept not in pickles and kept.name != "pytorch_model.bin.index.json":
+        shutil.copyfile(kept, out / kept.name)
+  # A tied head shares its storage with the embedding, which safetensors refuses: each its own.
+  save_file({name: tensor.detach().clone().contiguous() for name, tensor in state.items()},
+            str(out / "model.safetensors"))
+  return out / "model.safetensors"
