@@ -67,6 +67,12 @@ def test_a_pickled_model_is_refused_until_convert_rewrites_it(tmp_path, tied):
   assert proc.returncode == 0, proc.stderr[-2000:]
   model = load_model(str(tmp_path / "out"))
   assert model.config.tie_word_embeddings == tied
+  # where torch is not installed, the command says how to get it, in one line
+  from hitree_jax.loading.hf import rewrite_pickled
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setitem(sys.modules, "torch", None)
+    with pytest.raises(UsageError, match=r"^--pickled needs torch to read the pickle: pip install torch"):
+      rewrite_pickled(folder, tmp_path / "again")
   tokens = list(np.random.default_rng(0).integers(0, 67, 20))
   with torch.no_grad():
     expected = hf(torch.tensor([tokens])).logits.numpy()[0]
