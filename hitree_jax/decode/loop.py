@@ -446,10 +446,13 @@ class Decoder:
 
     catches_up = self.sizes.stack.step_aside is not None
 
-    def has_room(st):   # a level that fell behind (_catch_up) needs room for what it will catch up
-      return jnp.all(jnp.stack([
-          jnp.max(c.recent.lengths + (self._behind(st, j) if catches_up and j < self.sizes.top else 0)) + extent <= width
-          for j, c in enumerate(st.caches) if c is not None]))
+    def caught_up(st, j):   # a level that fell behind (_catch_up) needs room for what it will catch up
+      behind = self._behind(st, j) if catches_up and j < self.sizes.top else 0
+      return st.caches[j].recent.lengths + behind
+
+    def has_room(st):
+      return jnp.all(jnp.stack([jnp.max(caught_up(st, j)) + extent <= width
+                                for j, c in enumerate(st.caches) if c is not None]))
 
     def block(st):
       st = jax.lax.while_loop(lambda s: has_room(s) & ~jnp.all(s.done), self.top_round, st)
