@@ -282,7 +282,7 @@ class Decoder:
     if top == 0:  # ar: one token from the target's distribution
       st, emitted, n_acc = self._ar_step(st, k_verify, live)
     else:
-      widths = None
+      widths, resting = None, None
       if st.resting is None:
         st, prop, mode, length = self._propose(top - 1, st, k_propose)
       else:
@@ -291,7 +291,7 @@ class Decoder:
         offered = None if prop.offered is None else prop.offered > 0
         prop, length, widths = self._rest(prop, length, resting)
       st, emitted, n_acc, _ = self._verify_and_commit(top, st, prop, mode, length, k_verify, live, widths,
-                                                      None if st.resting is None else resting)
+                                                      resting)
       if st.resting is not None:
         resting, entered = st.resting.after(sizes.stack.step_aside, n_acc, live, offered)
         stats = st.stats.replace(aside=st.stats.aside + (live & (st.resting.left > 0)).astype(jnp.int32),

@@ -13,6 +13,7 @@ import numpy as np
 import safetensors
 
 from hitree_jax.errors import UsageError
+from hitree_jax.loading.hf import pickle_refused, pickles_to_safetensors
 from hitree_jax.model.config import ModelConfig
 
 _PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
@@ -29,9 +30,7 @@ def weights_file(folder: pathlib.Path, weights: str, config: str, pickles: tuple
   if not path.is_file():
     pickle = next((folder / name for name in pickles if (folder / name).is_file()), None)
     if pickle is not None:
-      raise UsageError(f"{pickle} is a pickle, which is never opened here (loading one runs its "
-                       f"code): `python -m launch.convert --{flag}={folder}` writes {weights} "
-                       "(it needs torch)")
+      raise pickle_refused(pickle, flag, folder, weights)
     raise UsageError(f"{folder}: no {weights} beside its {config}")
   return path
 
@@ -47,20 +46,10 @@ def rewrite_pickle(folder: pathlib.Path, out: pathlib.Path, *, kind: str, weight
   if shipped.published_kind(folder) != kind or pickle is None:
     raise UsageError(f"--{kind}={folder}: expected a folder with a {config} naming {marks} "
                      f"and {' or '.join(pickles)}")
-  try:
-    import torch
-    from safetensors.torch import save_file
-  except ImportError:
-    raise UsageError(f"--{kind} needs torch to read the pickle: pip install torch "
-                     "(./setup.sh --test installs it)") from None
-  state = torch.load(pickle, map_location="cpu", weights_only=True)
   out.mkdir(parents=True, exist_ok=True)
   if out.resolve() != folder.resolve():
     shutil.copyfile(folder / config, out / config)
-  # Medusa applies one block object L times: its copies share storage, which safetensors refuses.
-  save_file({name: tensor.detach().clone().contiguous() for name, tensor in state.items()},
-            str(out / weights))
-  return out / weights
+  return pickles_to_safetensors([pickle], out / weights, kind)
 
 
 class Tensors:

@@ -157,10 +157,9 @@ def load_safetensors_dir(path: str | pathlib.Path, dtype: str = "float32", place
   folder = pathlib.Path(path)
   config = read_config(folder, dtype)
   files = sorted(folder.glob("*.safetensors"))
-  if not files and pickled_weights(folder):
-    raise UsageError(f"{pickled_weights(folder)[0]} is a pickle, which is never opened here (loading one runs "
-                     f"its code): `python -m launch.convert --pickled={folder}` writes model.safetensors "
-                     "(it needs torch)")
+  pickles = [] if files else pickled_weights(folder)
+  if pickles:
+    raise pickle_refused(pickles[0], "pickled", folder, "model.safetensors")
   if not files:
     raise NotFound(f"{folder}: no *.safetensors files")
   state = {}
@@ -174,6 +173,32 @@ def pickled_weights(folder: pathlib.Path) -> list[pathlib.Path]:
   return sorted(pathlib.Path(folder).glob("pytorch_model*.bin"))
 
 
+def pickle_refused(pickle: pathlib.Path, flag: str, folder: pathlib.Path, weights: str) -> UsageError:
+  """The one-line refusal of a pickle at load time, naming the launch.convert --flag that
+  rewrites it as `weights` (unpickling runs code, so it is never opened at run time)."""
+  return UsageError(f"{pickle} is a pickle, which is never opened here (loading one runs its code): "
+                    f"`python -m launch.convert --{flag}={folder}` writes {weights} (it needs torch)")
+
+
+def pickles_to_safetensors(pickles, out: pathlib.Path, flag: str) -> pathlib.Path:
+  """The state dicts of `pickles` written as the safetensors file `out`, for launch.convert
+  --flag: torch, the only reader of a pickle, reads them with weights_only=True (which runs none
+  of their code); without torch, one line says how to get it."""
+  try:
+    import torch
+    from safetensors.torch import save_file
+  except ImportError:
+    raise UsageError(f"--{flag} needs torch to read the pickle: pip install torch "
+                     "(./setup.sh --test installs it)") from None
+  state = {}
+  for pickle in pickles:
+    state.update(torch.load(pickle, map_location="cpu", weights_only=True))
+  # Tensors that share storage (a tied head and its embedding; Medusa's one block applied L
+  # times), which safetensors refuses: each its own.
+  save_file({name: tensor.detach().clone().contiguous() for name, tensor in state.items()}, str(out))
+  return out
+
+
 def rewrite_pickled(folder: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
   """An HF folder whose weights are pickles (`pickled_weights`) rewritten as out/model.safetensors,
   its other files (config, tokenizer) copied beside it; returns that file. It needs torch, the only
@@ -185,21 +210,9 @@ def rewrite_pickled(folder: str | pathlib.Path, out: str | pathlib.Path) -> path
   if not (folder / "config.json").is_file() or not pickles:
     raise UsageError(f"--pickled={folder}: expected a model's folder with a config.json and "
                      "pytorch_model.bin (or its shards)")
-  try:
-    import torch
-    from safetensors.torch import save_file
-  except ImportError:
-    raise UsageError("--pickled needs torch to read the pickle: pip install torch "
-                     "(./setup.sh --test installs it)") from None
-  state = {}
-  for pickle in pickles:
-    state.update(torch.load(pickle, map_location="cpu", weights_only=True))
   out.mkdir(parents=True, exist_ok=True)
   if out.resolve() != folder.resolve():
     for kept in folder.iterdir():
       if kept.is_file() and kept not in pickles and kept.name != "pytorch_model.bin.index.json":
         shutil.copyfile(kept, out / kept.name)
-  # A tied head shares its storage with the embedding, which safetensors refuses: each its own.
-  save_file({name: tensor.detach().clone().contiguous() for name, tensor in state.items()},
-            str(out / "model.safetensors"))
-  return out / "model.safetensors"
+  return pickles_to_safetensors(pickles, out / "model.safetensors", "pickled")
