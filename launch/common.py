@@ -139,7 +139,8 @@ def _quiet_orbax(record) -> bool:
 def run(main, config_sets_flags: bool = True) -> None:
   """app.run(main) with --config applied (unless the launcher reads its config itself), the
   compilation cache on, and one-line usage errors. On Linux it first restarts the process once
-  so that its weights and caches can sit in 2 MB pages (hitree_jax/huge_pages.py)."""
+  so that its weights and caches can sit in 2 MB pages (hitree_jax/huge_pages.py), unless
+  launch/__init__.py already has."""
   from hitree_jax import huge_pages, topology
   huge_pages.reexec_if_needed()
   topology.skip_absent_tpu()

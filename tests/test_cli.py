@@ -1,5 +1,6 @@
 """A new user's first hour: the README, config files, clean errors, the compilation cache, packaging."""
 
+import functools
 import json
 import os
 import pathlib
@@ -61,6 +62,7 @@ def test_launcher_flags_in_the_docs_exist(doc):
           assert names <= known[module], (module, names - known[module])
 
 
+@functools.cache   # each launcher's flags once for both documents (a process each, about 3 s)
 def _flag_names(module: str) -> set[str]:
   proc = launch(module, "--helpfull", timeout=120)
   return set(re.findall(r"^\s+--(?:\[no\])?([\w]+)", proc.stdout, re.M))

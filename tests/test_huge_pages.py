@@ -63,3 +63,32 @@ def test_a_launcher_restarts_with_the_tunable_and_keeps_its_arguments():
   else:
     assert lines == ["TUNABLES="], proc.stdout[-2000:]
   assert "USAGE: launch.plan_memory" in proc.stdout and "--mesh" in proc.stdout  # it still saw --help
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["python", "-m", "launch.generate", "--model=smollm2"], True),
+    (["python", "-X", "importtime", "-m", "hitree_jax.launch.plan"], True),
+    (["python", "-mlaunch.benchmark"], True),
+    ([".venv/bin/python", ".venv/bin/hitree-generate", "--prompt=Hi"], True),
+    (["python", "-m", "pytest", "-n", "2", "tests"], False),
+    (["python", "-c", "import launch.common"], False),
+    (["python", "examples/my_script.py", "-m", "launch.generate"], False),
+    (["python"], False),
+])
+def test_a_launcher_is_known_by_how_python_was_started(argv, expected):
+  import launch
+  assert launch.started_as_a_launcher(argv) is expected
+
+
+def test_a_launcher_restarts_before_its_own_imports():
+  """`python -m launch.NAME` restarts when its package is imported, so jax is imported once (by
+  the restarted process), not once before the restart and again after it."""
+  environ = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "HITREE_HUGE_PAGES")}
+  restarts = huge_pages.launcher_environ(environ) is not environ   # where the THP mode asks for it
+  proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "launch.plan_memory", "--help"], cwd=REPO,
+                        env=environ, capture_output=True, text=True, timeout=300)
+  assert "Per-device memory" in proc.stdout and "--topology" in proc.stdout, proc.stderr[-2000:]  # --help exits 1
+  # -X importtime writes a line per module imported: "import time: SELF | CUMULATIVE |   name"
+  names = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+  assert names.count("hitree_jax.huge_pages") == (2 if restarts else 1)   # each process imports it
+  assert names.count("jax") == 1

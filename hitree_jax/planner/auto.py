@@ -349,14 +349,16 @@ def step_aside_below(c: optimize.Candidates, plan: optimize.Plan, ar_seconds: fl
   buffer's fill included), and commits one token more than it accepts. A resting round commits
   one, at `ar`'s step where nothing under the target runs, or at a one-token forward and the
   share of a forward in which each level with a cache of its own (a draft model, a middle level)
-  catches up a chunk of tokens (`_drafted_while_resting`; the chunk is CATCH_UP_CHUNK or, under
-  a shallow tree, the round's extent: decode/loop.py), or, for EAGLE and DFlash, a whole
-  proposal. None for prompt lookup right under the target: a round in which it finds no match
-  is a plain one already, and its hits come in runs that a running mean misses. On 7.5K tokens
-  of Austen its chain of 2 stepped aside three times on one passage and committed 1.45 tokens a
-  forward instead of 1.76, 1.07x `ar` instead of 1.11x
-  (docs/results/planner/auto_aside_7680_ab.json; 1.29x against 1.34x at 512 tokens). None too
-  for a hierarchy over a drafter that drafts while resting: its buffer fills as in any round."""
+  catches up a chunk of tokens (`_drafted_while_resting`), or, for EAGLE and DFlash, a whole
+  proposal. The chunk is priced at CATCH_UP_CHUNK tokens; under a shallow stack the engine's is
+  the round's extent (decode/loop.py: 8 for a chain of 2), so a rest there costs a little more
+  than priced (a few percent of the break-even; the extent comes from StackSizes, which needs
+  model configs that a profile's candidates do not carry). None for prompt lookup right under
+  the target: a round in which it finds no match is a plain one already, and its hits come in
+  runs that a running mean misses. On 7.5K tokens of Austen its chain of 2 stepped aside three
+  times on one passage and committed 1.45 tokens a forward instead of 1.76, 1.07x `ar` instead of
+  1.11x (docs/results/planner/auto_aside_7680_ab.json; 1.29x against 1.34x at 512 tokens). None
+  too for a hierarchy over a drafter that drafts while resting: its buffer fills as in any round."""
   drafted = _drafted_while_resting(plan.drafter)
   if plan.drafter.kind == "ngram" and not plan.middles or plan.middles and drafted == "tree":
     return None
