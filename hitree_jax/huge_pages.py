@@ -11,9 +11,10 @@ Linux backs anonymous memory with transparent huge pages only where it is
 asked to (the kernel's usual THP mode, `madvise`), and jaxlib's CPU buffers
 come from glibc's malloc, which asks when $GLIBC_TUNABLES holds
 `glibc.malloc.hugetlb=1`. glibc reads that once, when the process starts, so a
-launcher re-executes itself once with it set (`reexec_if_needed`: from launch/__init__.py
-before its imports, or launch.common.run). In a notebook or a program of your own, start Python with
-it set. `HITREE_HUGE_PAGES=0` turns the re-execution off.
+launcher re-executes itself once with it set (`reexec_if_needed`: from
+launch/__init__.py before its imports, or launch.common.run). In a notebook or a
+program of your own, start Python with it set. `HITREE_HUGE_PAGES=0` turns the
+re-execution off.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ def started_as_a_launcher(argv: list[str]) -> bool:
   hitree_jax.launch.NAME), or an installed `hitree-NAME` command."""
   args = iter(argv[1:])
   for arg in args:
-    if arg == "-m" or arg.startswith("-m") and not arg.startswith("--"):
+    if arg.startswith("-m"):   # -m NAME or -mNAME
       module = arg[2:] or next(args, "")
       return module.startswith(("launch.", "hitree_jax.launch."))
     if arg.startswith("-c"):

@@ -62,7 +62,7 @@ def test_launcher_flags_in_the_docs_exist(doc):
           assert names <= known[module], (module, names - known[module])
 
 
-@functools.cache   # each launcher's flags once for both documents (a process each, about 3 s)
+@functools.cache   # each launcher's flags once for both documents (a launcher process each, about 1 s)
 def _flag_names(module: str) -> set[str]:
   proc = launch(module, "--helpfull", timeout=120)
   return set(re.findall(r"^\s+--(?:\[no\])?([\w]+)", proc.stdout, re.M))
