@@ -141,54 +141,79 @@ def test_fill_counts_rounds_and_overshoot():
   assert got.rounds == pytest.approx(sum(p * n for (_, n), p in paths.items()))
   for length in range(got.length.size):
     assert got.length[length] == pytest.approx(sum(p for (h, _), p in paths.items() if h == length))
+  # A batch of two rows fills until both hold 4: the larger of two rows' rounds; each row's length
+  # is its own.
+  rounds = {}
+  for (_, n), p in paths.items():
+    rounds[n] = rounds.get(n, 0.0) + p
+  pair = latency.fill(4, np.array([0.0, 0.5, 0.0, 0.5]), rows=2)
+  assert pair.rounds == pytest.approx(sum(p * q * max(n, m) for n, p in rounds.items() for m, q in rounds.items()))
+  assert pair.rounds > got.rounds
+  np.testing.assert_allclose(pair.length, got.length)
 
 
-def simulate(rng, draft_length, draft_seconds, levels, top_rounds=20000):
-  """The engine's rounds with i.i.d. acceptance. levels: bottom-up (cost, acceptance, gamma), the
-  last (the target) with gamma None. Returns (seconds per token, tokens per target forward)."""
+def simulate(rng, draft_length, draft_seconds, levels, rows=1, top_rounds=20000):
+  """The engine's rounds with i.i.d. acceptance over a batch of `rows` rows: every forward runs at
+  its static width (its lead, K - j + 1 at level j of K, and the most it may verify: the drafter's
+  chain, or a buffer of gamma - 1 and the most a round below yields), and a level fills its buffer
+  until every row holds gamma tokens (a row already full commits nothing). levels: bottom-up
+  (cost, acceptance, gamma), the last (the target) with gamma None. Returns (seconds per token of
+  a row, tokens per target forward of a row)."""
+  top = len(levels)
+  most = [draft_length]
+  for _, _, gamma in levels[:-1]:
+    most.append(gamma - 1 + most[-1] + 1)
+  widths = [top - j + 1 + most[j - 1] for j in range(1, top + 1)]
+
+  def accepted(lengths, a):
+    hits = np.cumprod(rng.random((rows, int(lengths.max()) + 1)) < a, axis=1).sum(axis=1)
+    return np.minimum(hits, lengths)
 
   def propose(j):
     if j == 0:
-      return draft_seconds, draft_length
+      return draft_seconds, np.full(rows, draft_length)
     cost, a, gamma = levels[j - 1]
-    seconds = held = 0
-    while held < gamma:
-      below, length = propose(j - 1)
-      accepted = 0
-      while accepted < length and rng.random() < a:
-        accepted += 1
-      seconds += below + cost(length + 1)
-      held += accepted + 1
+    seconds, held = 0.0, np.zeros(rows, int)
+    while (held < gamma).any():
+      below, lengths = propose(j - 1)
+      live = held < gamma
+      held[live] += accepted(lengths, a)[live] + 1
+      seconds += below + cost(widths[j - 1])
     return seconds, held
 
   seconds = tokens = 0.0
   top_cost, top_a, _ = levels[-1]
   for _ in range(top_rounds):
-    below, length = propose(len(levels) - 1)
-    accepted = 0
-    while accepted < length and rng.random() < top_a:
-      accepted += 1
-    seconds += below + top_cost(length + 1)
-    tokens += accepted + 1
+    below, lengths = propose(top - 1)
+    tokens += float(np.sum(accepted(lengths, top_a) + 1)) / rows
+    seconds += below + top_cost(widths[-1])
   return seconds / tokens, tokens / top_rounds
 
 
+@pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("levels", [
     [(affine(0.004, 0.0005), 0.6, 5), (affine(0.030, 0.001), 0.8, None)],                      # triforce-like
     [(affine(0.002, 0.0002), 0.5, 3), (affine(0.006, 0.0005), 0.7, 6),
      (affine(0.030, 0.001), 0.85, None)],                                                       # 4 levels
 ])
-def test_the_model_matches_a_simulation_of_the_rounds(levels):
+def test_the_model_matches_a_simulation_of_the_rounds(levels, rows):
+  """latency.predict against the engine's rounds simulated: static widths, and a batch's fill
+  lasting until its last row holds gamma (4 rows: more rounds per fill than one row's)."""
   draft_length, draft_seconds = 2, 0.001
-  simulated, per_forward = simulate(np.random.default_rng(0), draft_length, draft_seconds, levels)
+  simulated, per_forward = simulate(np.random.default_rng(0), draft_length, draft_seconds, levels, rows,
+                                    top_rounds=20000 // rows)
   model = latency.StackModel(shapes.chain(draft_length), draft_seconds, tuple(c for c, _, _ in levels),
                              ([levels[0][1]], *(a for _, a, _ in levels[1:])),
-                             tuple(g for _, _, g in levels[:-1]))
+                             tuple(g for _, _, g in levels[:-1]), rows=rows)
   got = latency.predict(model)
   assert got.seconds_per_token == pytest.approx(simulated, rel=0.02)
   assert got.tokens_per_target_forward == pytest.approx(per_forward, rel=0.02)
   # Fixed buffers (the search objective) are an approximation of it, not the same number.
   assert latency.predict(model, fixed_buffers=True).seconds_per_token != pytest.approx(simulated, rel=1e-3)
+  if rows > 1:   # the batch's fills take more rounds than a row's alone, and cost more per token
+    alone = latency.predict(dataclasses.replace(model, rows=1))
+    assert got.rounds_per_level[0] > alone.rounds_per_level[0] * 1.1
+    assert got.seconds_per_token > alone.seconds_per_token * 1.05
 
 
 def random_candidates(rng, n_middles):
@@ -856,7 +881,9 @@ def test_a_plan_under_the_target_steps_aside_at_its_break_even():
   draft = auto.choose(profile, True, auto.Space(drafters=("draft",), middles=(), chains=(2,), trees=()))
   assert str(draft.levels) == "draft/chain:2"
   from hitree_jax.decode.step_aside import CATCH_UP_CHUNK
-  proposal, caught_up = 2 * cost("draft", 1) + 2 * over["draft_forward"], cost("draft", CATCH_UP_CHUNK) / CATCH_UP_CHUNK
+  # the draft's first forward runs its lead: the root and a slot for a leaf the target accepted
+  proposal = cost("draft", 2) + cost("draft", 1) + 2 * over["draft_forward"]
+  caught_up = cost("draft", CATCH_UP_CHUNK) / CATCH_UP_CHUNK
   below = (proposal + cost("target", 3) + over["verify"]) / (caught_up + cost("target", 1) + over["verify"]) - 1
   assert draft.step_aside == pytest.approx(below) and 0.05 < below < 0.5
   assert draft.flags("d.gguf")["step_aside"] == f"{below:.3g}:16:16"

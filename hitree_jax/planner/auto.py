@@ -276,7 +276,8 @@ def candidates(profile: dict, greedy: bool, space: Space = Space()) -> optimize.
     if level.kind != "ngram" and reference is not None and reference[0] > 0:
       tree_specs += list(space.trees)
     trees = tuple((tree, _tree(tree, reference)) for tree in tree_specs)
-    drafters.append(optimize.Drafter(level, trees, curve.get(level)))
+    drafters.append(optimize.Drafter(level, trees, curve.get(level), own_cache=level.kind != "self",
+                                     keeps_tree=level != EAGLE))
   middles = tuple((m, curve[m]) for m in space.middles)
   return optimize.Candidates(tuple(drafters), middles, curve[TARGET], space.gammas, per_rank,
                              latency.Overheads(**profile["overheads"]), per_token, deeper, offers,
@@ -344,9 +345,9 @@ def _drafted_while_resting(level: Level) -> str:
 
 def step_aside_below(c: optimize.Candidates, plan: optimize.Plan, ar_seconds: float) -> float | None:
   """The accepted tokens per round under which a row of `plan` decodes slower than it would
-  resting. A round offering the drafter's whole tree costs its proposal, the target's forward
-  over it and a verifying round's overheads (in a hierarchy: the exact model's top round, the
-  buffer's fill included), and commits one token more than it accepts. A resting round commits
+  resting. A round offering the drafter's whole tree costs the exact model's top round (its
+  proposal, the target's forward over it and a verifying round's overheads; in a hierarchy, the
+  buffer's fill too), and commits one token more than it accepts. A resting round commits
   one, at `ar`'s step where nothing under the target runs, or at a one-token forward and the
   share of a forward in which each level with a cache of its own (a draft model, a middle level)
   catches up a chunk of tokens (`_drafted_while_resting`), or, for EAGLE and DFlash, a whole
@@ -367,10 +368,7 @@ def step_aside_below(c: optimize.Candidates, plan: optimize.Plan, ar_seconds: fl
   proposal = lambda t: latency.tree_draft_seconds(t, drafter.cost) + (c.overheads.propose(t) if drafter.cost else 0.0)
   chunk, middles = CATCH_UP_CHUNK, dict(c.middles)
   caught_up = sum(middles[m](chunk) for m, _ in plan.middles) + (drafter.cost(chunk) if drafted == "lead" else 0.0)
-  if plan.middles:
-    speculating = (plan.exact or optimize.exact(c, plan)).round_seconds
-  else:
-    speculating = proposal(tree) + c.target(tree.size + 1) + c.overheads.check(tree)
+  speculating = (plan.exact or optimize.exact(c, plan)).round_seconds
   if drafted == "tree":
     resting = proposal(tree) + c.target(1) + c.overheads.check(None)
   elif caught_up:

@@ -36,7 +36,7 @@ Derivation.
    sum_c q(c) P(Y = B_j - c) (`fill`).
 
 3. A round of level j costs cost_j(B_{j-1} + 1) (the proposal and its root;
-   the pending tokens in front of it are a few slots, left out) plus the time
+   as the engine runs it, a static width: 8. below) plus the time
    level j-1 took to fill that proposal, T_{j-1}. N_j is a stopping time
    whose event {N_j >= i} depends only on rounds before i, so by Wald's
    identity E[T_j] = E[N_j] (E[cost_j(B_{j-1} + 1)] + E[T_{j-1}]), with
@@ -74,9 +74,21 @@ repeats itself more than another), so the batch takes more rounds than its
 mean row: `slowest_of` reads that from the spread of the rounds each profiled
 continuation needs (auto.for_the_batch).
 
-One thing the engine does that the model leaves out: each level's forward
-also carries its pending tokens (the root, and after a full acceptance a few
-more).
+8. A forward's width is static (decode/sizes.py): a level verifies a buffer at
+its largest size, gamma_j - 1 plus the depth of the proposal below it plus
+one, not at the length it holds; and each level's forward carries slots for
+its pending tokens, its `lead`: K - j + 1 at level j of K, and a drafter with
+a cache of its own runs its lead (K + 1, or K + depth for one that keeps none
+of its tree) in its first forward. At 16 rows of 7.5K tokens the target's
+forward costs 0.12 s more per token of width, and a stack of two retrieval
+levels was predicted 63% too fast without these and item 9
+(docs/results/planner/batch_grid_7680_16.md). The search's objective
+(`fixed_buffers`) leaves them out: a level's lead depends on the levels
+above it, which the bottom-up search has not chosen yet.
+
+9. A middle level fills its buffer for the whole batch: its rounds go on
+until every row holds gamma_j tokens, so a batch's fill takes the largest of
+its rows' round counts (`fill`, rows), each row's buffer length its own.
 """
 
 from __future__ import annotations
@@ -126,17 +138,24 @@ class Fill:
   length: np.ndarray
 
 
-def fill(gamma: int, yield_law: np.ndarray) -> Fill:
-  """Rounds of i.i.d. yields (yield_law[y] = P(Y = y), y >= 1) until >= gamma tokens are held."""
+def fill(gamma: int, yield_law: np.ndarray, rows: int = 1) -> Fill:
+  """Rounds of i.i.d. yields (yield_law[y] = P(Y = y), y >= 1) until >= gamma tokens are held.
+  rows: a batch's fill runs until each of its rows, independent, holds gamma (docstring, 9.): its
+  rounds are the expected largest of `rows` rows' counts N, sum over n of P(max N > n)."""
   if gamma < 1:
     raise UsageError(f"gamma={gamma} must be >= 1")
-  visit = np.zeros(gamma)                                     # q(c), c = 0 .. gamma - 1
-  visit[0] = 1.0
+  held = np.zeros(gamma)                                      # P(holding c < gamma after n rounds)
+  held[0] = 1.0
   final = np.zeros(gamma + yield_law.size)
-  for c in range(gamma):
-    for y in np.nonzero(yield_law)[0]:
-      (visit if c + y < gamma else final)[c + y] += visit[c] * yield_law[y]
-  return Fill(rounds=float(visit.sum()), length=final)
+  rounds = 0.0
+  while held.sum() > 1e-12:                                   # at most gamma rounds: a yield is >= 1
+    rounds += 1.0 - (1.0 - held.sum()) ** rows                # P(max N > n)
+    after = np.zeros(gamma)
+    for c in np.nonzero(held)[0]:
+      for y in np.nonzero(yield_law)[0]:
+        (after if c + y < gamma else final)[c + y] += held[c] * yield_law[y]
+    held = after
+  return Fill(rounds=rounds, length=final)
 
 
 def round_yield(proposal: np.ndarray, acceptance: float) -> np.ndarray:
@@ -185,6 +204,8 @@ class StackModel:
   offer: float | tuple[float, ...] | Replayed = 1.0  # how often the drafter offers its tree, or the law
                                           # of how much of its chain (first_round; docstring, 6.)
   rows: int = 1                           # the batch: a round runs at its widest row's offer
+  draft_pending: float = 0.0              # seconds its first forward spends on its lead past the root
+                                          # (`drafter_lead`; docstring, 8.), left out by fixed_buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,26 +219,31 @@ class Prediction:
 def predict(stack: StackModel, fixed_buffers: bool = False) -> Prediction:
   """The model of the module docstring: seconds per emitted token of `stack`. fixed_buffers:
   every buffer holds exactly gamma tokens (HSD's buffer targets; planner/optimize.py's search
-  objective) instead of its law of overshoot."""
+  objective) instead of its law of overshoot, and is verified at that length and its root, the
+  drafter's first forward at the root alone (docstring, 8.: the forwards' static widths are left
+  out)."""
   if len(stack.costs) != len(stack.gammas) + 1 or len(stack.acceptance) != len(stack.costs):
     raise UsageError("a stack of K verifying levels needs K costs, K acceptances and K - 1 gammas")
-  tree, over = stack.tree, stack.overheads
+  tree, over, levels = stack.tree, stack.overheads, len(stack.costs)
+  lead = (lambda j: 1) if fixed_buffers else (lambda j: levels - j + 1)   # level j's pending slots
   # Level 1 verifies the drafter's tree: a fixed proposal, when it offers one.
   yield_law, proposal_cost = first_round(stack.costs[0], tree, stack.acceptance[0], over, stack.deeper,
-                                         stack.offer, stack.rows)
-  levels = len(stack.costs)
+                                         stack.offer, stack.rows, lead(1))
   proposal_cost += over.middle if levels > 1 else 0.0      # level 1 is a middle level
-  below_seconds = stack.draft_seconds + (over.propose(tree) if stack.model_drafter else 0.0)
-  rounds = [1.0]
-  for j in range(1, len(stack.costs)):                       # level j fills, level j + 1 verifies
-    buffer = fill(stack.gammas[j - 1], yield_law)
+  below_seconds = (stack.draft_seconds + (over.propose(tree) if stack.model_drafter else 0.0)
+                   + (0.0 if fixed_buffers else stack.draft_pending))
+  rounds, widths = [1.0], static_widths(tree, stack.gammas)
+  for j in range(1, levels):                                 # level j fills, level j + 1 verifies
+    gamma = stack.gammas[j - 1]
+    buffer = fill(gamma, yield_law, stack.rows)
     if fixed_buffers:
-      buffer = Fill(buffer.rounds, np.eye(stack.gammas[j - 1] + 1)[-1])
+      buffer = Fill(buffer.rounds, np.eye(gamma + 1)[-1])
     level_seconds = buffer.rounds * (proposal_cost + below_seconds)
     rounds = [r * buffer.rounds for r in rounds] + [1.0]
     yield_law = round_yield(buffer.length, stack.acceptance[j])
-    proposal_cost = (expected(buffer.length, lambda b, c=stack.costs[j]: c(b + 1)) + over.check(None)
-                     + (over.middle if j < levels - 1 else 0.0))
+    cost = stack.costs[j]
+    verified = expected(buffer.length, lambda b: cost(b + 1)) if fixed_buffers else cost(widths[j])
+    proposal_cost = verified + over.check(None) + (over.middle if j < levels - 1 else 0.0)
     below_seconds = level_seconds
   round_seconds = proposal_cost + below_seconds
   tokens = expected(yield_law, float)
@@ -241,7 +267,7 @@ class Replayed:
 
 def first_round(cost: Cost, tree: TokenTree, profile: Sequence[float], overheads: Overheads,
                 deeper: float = 1.0, offer: float | Sequence[float] | Replayed = 1.0,
-                rows: int = 1) -> tuple[np.ndarray, float]:
+                rows: int = 1, lead: int = 1) -> tuple[np.ndarray, float]:
   """(the law of the yield, the expected seconds) of a level verifying a drafter's `tree`
   (profile: its acceptance where offered). `offer`: the probability that the drafter offers the
   whole tree; or, for a chain, the law of how many of its first tokens it offers (index m: the
@@ -251,7 +277,8 @@ def first_round(cost: Cost, tree: TokenTree, profile: Sequence[float], overheads
   forward of the root alone, yielding one token. In a batch of `rows` rows, each row yields by its
   own law, but the round runs at the width its widest offer needs (`widest`): at 512 tokens and 16
   rows, prompt lookup's chain of 6 ran 0.58x `ar` where its rows' own widths predicted 1.12x
-  (docs/results/planner/batch_grid_512_replay.md)."""
+  (docs/results/planner/batch_grid_512_replay.md). lead: the level's pending slots, the root last
+  (docstring, 8.), in front of what the round verifies."""
   size, length = tree.size, tree.max_depth + 2
   replayed = None
   if isinstance(offer, Replayed):
@@ -260,7 +287,7 @@ def first_round(cost: Cost, tree: TokenTree, profile: Sequence[float], overheads
     shares = {m: float(row.sum()) for m, row in enumerate(replayed) if row.sum() > 0}
   elif isinstance(offer, (int, float)):
     if offer >= 1.0:
-      return tree_yield(tree, profile, deeper), cost(size + 1) + overheads.check(tree)
+      return tree_yield(tree, profile, deeper), cost(size + lead) + overheads.check(tree)
     shares = {0: 1.0 - offer, size: offer}
   else:
     shares = {}
@@ -279,8 +306,8 @@ def first_round(cost: Cost, tree: TokenTree, profile: Sequence[float], overheads
 
   def round_seconds(m: int) -> float:
     if m == 0:
-      return cost(1) + overheads.check(None)
-    return cost(min(w for w in offer_widths(size) if w >= m) + 1) + overheads.check(offered(m))
+      return cost(lead) + overheads.check(None)
+    return cost(min(w for w in offer_widths(size) if w >= m) + lead) + overheads.check(offered(m))
 
   return law, sum(share * round_seconds(m) for m, share in widest(shares, rows).items())
 
@@ -293,6 +320,31 @@ def widest(shares: Mapping[int, float], rows: int) -> dict[int, float]:
     out[m] = at_most ** rows - below ** rows
     below = at_most
   return out
+
+
+def static_widths(tree: TokenTree, gammas: Sequence[int]) -> tuple[int, ...]:
+  """The width of each verifying level's forward, 1 .. K (docstring, 8.): its lead, K - j + 1, and
+  the most it may verify: the drafter's tree, then each buffer (gamma_j - 1 and the most a round
+  of the level below yields, the depth of its proposal and one)."""
+  levels, most, depth = len(gammas) + 1, [tree.size], tree.max_depth
+  for gamma in gammas:
+    depth += gamma
+    most.append(depth)
+  return tuple(levels - j + 1 + size for j, size in enumerate(most, 1))
+
+
+def drafter_lead(levels: int, tree: TokenTree, own_cache: bool = True, keeps_tree: bool = True) -> int:
+  """The slots a model drafter's first forward runs under `levels` verifying levels (decode/sizes.py's
+  StackSizes._lead): level 1's without a cache of its own (the target's first layers), one more with
+  one (an accepted leaf waits for it), its tree's depth more when it keeps none of its tree (EAGLE)."""
+  if not own_cache:
+    return levels
+  return levels + (1 if keeps_tree else tree.max_depth)
+
+
+def draft_pending(tree: TokenTree, cost: Cost | None, lead: int) -> float:
+  """StackModel.draft_pending: a model drafter's first forward over `lead` slots, past the root's."""
+  return 0.0 if cost is None else cost(lead) - cost(1)
 
 
 def tree_draft_seconds(tree: TokenTree, cost: Cost | None) -> float:

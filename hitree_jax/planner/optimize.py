@@ -49,6 +49,8 @@ class Drafter:
   name: Name
   trees: tuple[tuple[spec.TreeSpec, TokenTree], ...]   # (its spec, the tree) it may propose
   cost: latency.Cost | None = None          # its forward's cost curve; None: free (n-gram)
+  own_cache: bool = True                    # a cache of its own (not the target's first layers')
+  keeps_tree: bool = True                   # False: it keeps none of its tree (EAGLE: latency.drafter_lead)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +109,9 @@ def stack_model(c: Candidates, drafter: Drafter, tree: TokenTree,
   acceptance = [c.profile(names[1], names[0]), *(c.of_buffer(v, p) for p, v in zip(names[1:], names[2:]))]
   if any(a is None for a in acceptance):
     return None
+  lead = latency.drafter_lead(len(middles) + 1, tree, drafter.own_cache, drafter.keeps_tree)
   return latency.StackModel(tree=tree, draft_seconds=latency.tree_draft_seconds(tree, drafter.cost),
+                            draft_pending=latency.draft_pending(tree, drafter.cost, lead),
                             costs=tuple(cost_of[n] for n in names[1:]),
                             acceptance=(tuple(acceptance[0]), *acceptance[1:]),
                             gammas=tuple(g for _, g in middles), overheads=c.overheads,
@@ -179,7 +183,7 @@ def finalists(c: Candidates) -> list[Plan]:
         if checked is None:
           continue
         law, seconds = checked   # a middle level's round: its overheads' `middle` too
-        options.append((latency.fill(gamma, law).rounds * (seconds + over.middle + state[3]), state[4]))
+        options.append((latency.fill(gamma, law, c.rows).rounds * (seconds + over.middle + state[3]), state[4]))
       if options:
         seconds, (dname, shape, middles) = min(options, key=lambda o: o[0])
         found.append((name, None, gamma, seconds, (dname, shape, middles + ((name, gamma),))))

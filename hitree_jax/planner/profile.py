@@ -308,8 +308,8 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
     draft/chain:1, draft/chain:4, draft/kary:2x2, draft@streaming:16x234/chain:1+retrieval:BUDGET/6,
     ngram:3/chain:2+draft/3, ngram:3/chain:4
 
-  In each, the decode seconds less its forwards' (level_costs at each level's mean width; an
-  n-gram's verifier at its mean offer) are the model drafter's forwards x draft_forward +
+  In each, the decode seconds less its forwards' (level_costs at the widths the engine runs,
+  latency.static_widths and the drafter's lead; an n-gram's verifier at its mean offer) are the model drafter's forwards x draft_forward +
   verifying rounds x verify + rounds verifying a tree x tree + a middle level's rounds x middle:
   six equations, four unknowns, least squares. The two hierarchies pin `middle`: at 16 rows
   their rounds left 23-29 ms each beside their forwards, a single level's 5-19 ms, and fitted
@@ -327,7 +327,7 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
   measured at this prompt and batch (the forwards it needs are timed only where missing); rows:
   the batch, `rows` copies of the prompt, every round's forwards and overheads paid once for all."""
   from hitree_jax.decode.drafters import DraftWeights
-  from hitree_jax.planner.latency import affine, tree_draft_seconds
+  from hitree_jax.planner.latency import affine, draft_pending, drafter_lead, static_widths, tree_draft_seconds
 
   t, d = target, draft
   weights = DraftWeights.create(d.params, d.vocab)
@@ -336,30 +336,33 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
   references = [spec.Levels(model, spec.Chain(1)), spec.Levels(model, spec.Chain(4)),
                 spec.Levels(model, spec.Kary(2, 2)), spec.Levels(streaming, spec.Chain(1), ((retrieval, 6),)),
                 spec.Levels(ngram, spec.Chain(2), ((model, 3),)), spec.Levels(ngram, spec.Chain(4))]
-  measured = [([*levels.levels, TARGET], stacks.build(levels, t.config, d.config, d.vocab))
-              for levels in references]
+  measured = [([*levels.levels, TARGET], [gamma for _, gamma in levels.middles],
+               stacks.build(levels, t.config, d.config, d.vocab)) for levels in references]
   costs = dict(costs or {})
   missing = [level for level in (TARGET, retrieval, model, streaming) if str(level) not in costs]
   if missing:
     costs.update(level_costs(t, d, missing, prompt, [1, 2, 4, 8], rows=rows))
   curve = {name: affine(points) for name, points in costs.items()}   # by the levels' names
   programs, equations, rest = Programs(), [], []
-  for levels, stack in measured:
+  for levels, gammas, stack in measured:
     names = list(map(str, levels))
     runs = [engine.generate(t.params, t.config, [list(prompt)] * rows, max_new_tokens=max_new_tokens, stack=stack,
                             sampling=sampling, stop_at_eos=False, draft=weights, programs=programs)
             for _ in range(2)]
     run = min(runs, key=lambda r: r.decode_s)
-    proposals = run.levels[0]["forwards"]
-    seconds = run.decode_s - proposals * tree_draft_seconds(stack.tree, curve.get(names[0]))
+    proposals, drafter = run.levels[0]["forwards"], curve.get(names[0])
+    widths = static_widths(stack.tree, gammas)   # the forwards' widths as the engine runs them
+    seconds = run.decode_s - proposals * (tree_draft_seconds(stack.tree, drafter) + draft_pending(
+        stack.tree, drafter, drafter_lead(len(gammas) + 1, stack.tree)))
     is_tree = stack.tree.max_branching > 1
     middle_rounds = sum(level["forwards"] for level in run.levels[:-1])   # the levels under the target
     equation = [proposals * stack.tree.max_depth * (names[0] in curve), 0.0, proposals * is_tree, middle_rounds]
     offers = _is_ngram(levels[0])   # its verifier runs the narrowest width holding the offer
-    for level in run.levels:  # level 1 verifies the whole tree; above, the buffers' mean length (a row's)
-      whole = level["level"] == 1 and not offers
-      width = stack.tree.size + 1 if whole else level["proposed"] / level["forwards"] / rows + 1
-      seconds -= level["forwards"] * curve[names[level["level"]]](width)
+    for level in run.levels:  # at their static widths; prompt lookup's verifier at its mean offer (a row's)
+      j = level["level"]
+      offered = j == 1 and offers
+      width = level["proposed"] / level["forwards"] / rows + len(gammas) + 1 if offered else widths[j - 1]
+      seconds -= level["forwards"] * curve[names[j]](width)
       equation[1] += level["forwards"]
     equations.append(equation)
     rest.append(seconds)
@@ -681,7 +684,9 @@ def _deeper(p, accept, hits, q_deep) -> dict:
 # 10: prompt lookup's rounds replayed over the continuation (pair_acceptance's `rounds`).
 # 11: each continuation's acceptance kept beside the mean (auto.for_the_batch's slowest row), and
 # a middle level's rounds fitted an overhead of their own (round_overheads' `middle`).
-PROFILE_VERSION = 11
+# 12: the overheads fitted with the forwards at the widths the engine runs them (latency.static_widths
+# and the drafter's lead), not at the mean length they verify: the rest was charged to `middle`.
+PROFILE_VERSION = 12
 
 
 def profile_key(model: str, draft: str | None) -> dict:
