@@ -342,7 +342,7 @@ def drafter_lead(levels: int, tree: TokenTree, own_cache: bool = True, keeps_tre
   return levels + (1 if keeps_tree else tree.max_depth)
 
 
-def draft_pending(tree: TokenTree, cost: Cost | None, lead: int) -> float:
+def draft_pending(cost: Cost | None, lead: int) -> float:
   """StackModel.draft_pending: a model drafter's first forward over `lead` slots, past the root's."""
   return 0.0 if cost is None else cost(lead) - cost(1)
 

@@ -111,7 +111,7 @@ def stack_model(c: Candidates, drafter: Drafter, tree: TokenTree,
     return None
   lead = latency.drafter_lead(len(middles) + 1, tree, drafter.own_cache, drafter.keeps_tree)
   return latency.StackModel(tree=tree, draft_seconds=latency.tree_draft_seconds(tree, drafter.cost),
-                            draft_pending=latency.draft_pending(tree, drafter.cost, lead),
+                            draft_pending=latency.draft_pending(drafter.cost, lead),
                             costs=tuple(cost_of[n] for n in names[1:]),
                             acceptance=(tuple(acceptance[0]), *acceptance[1:]),
                             gammas=tuple(g for _, g in middles), overheads=c.overheads,

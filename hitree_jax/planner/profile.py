@@ -353,7 +353,7 @@ def round_overheads(target, draft, prompt: Sequence[int], sampling, budget: int 
     proposals, drafter = run.levels[0]["forwards"], curve.get(names[0])
     widths = static_widths(stack.tree, gammas)   # the forwards' widths as the engine runs them
     seconds = run.decode_s - proposals * (tree_draft_seconds(stack.tree, drafter) + draft_pending(
-        stack.tree, drafter, drafter_lead(len(gammas) + 1, stack.tree)))
+        drafter, drafter_lead(len(gammas) + 1, stack.tree)))
     is_tree = stack.tree.max_branching > 1
     middle_rounds = sum(level["forwards"] for level in run.levels[:-1])   # the levels under the target
     equation = [proposals * stack.tree.max_depth * (names[0] in curve), 0.0, proposals * is_tree, middle_rounds]
