@@ -225,10 +225,9 @@ def predict(stack: StackModel, fixed_buffers: bool = False) -> Prediction:
   if len(stack.costs) != len(stack.gammas) + 1 or len(stack.acceptance) != len(stack.costs):
     raise UsageError("a stack of K verifying levels needs K costs, K acceptances and K - 1 gammas")
   tree, over, levels = stack.tree, stack.overheads, len(stack.costs)
-  lead = (lambda j: 1) if fixed_buffers else (lambda j: levels - j + 1)   # level j's pending slots
-  # Level 1 verifies the drafter's tree: a fixed proposal, when it offers one.
+  # Level 1 verifies the drafter's tree: a fixed proposal, when it offers one, behind its lead.
   yield_law, proposal_cost = first_round(stack.costs[0], tree, stack.acceptance[0], over, stack.deeper,
-                                         stack.offer, stack.rows, lead(1))
+                                         stack.offer, stack.rows, lead=1 if fixed_buffers else levels)
   proposal_cost += over.middle if levels > 1 else 0.0      # level 1 is a middle level
   below_seconds = (stack.draft_seconds + (over.propose(tree) if stack.model_drafter else 0.0)
                    + (0.0 if fixed_buffers else stack.draft_pending))
