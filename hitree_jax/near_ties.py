@@ -18,15 +18,20 @@ Spec-Bench alike).
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hitree_jax.cache.full import KVCache, causal_attend
+from hitree_jax.decode.prefill import round_up
 from hitree_jax.model.config import ModelConfig
 from hitree_jax.model.llama import forward
 
 
 TIE_MARGINS = {"float32": 0.05, "bfloat16": 0.5}
+MARGIN_BUCKET = 256   # answers are padded to this: one program per bucket, not one per length
 
 
 def tie_margin(config: ModelConfig) -> float:
@@ -45,12 +50,20 @@ def top2_margins(params, config: ModelConfig, prompt: list[int], answer: list[in
   if not prompt or n > config.max_position_embeddings:
     raise ValueError(f"top2_margins: {len(prompt)} prompt + {len(answer)} answer tokens do not fit "
                      f"1..{config.max_position_embeddings} positions")
-  cache = KVCache.init(config, 1, n)
-  logits, _, _ = forward(params, config, jnp.asarray([tokens]), jnp.arange(n)[None], cache,
-                         causal_attend(cache.lengths, n, n))
-  rows = np.asarray(logits[0, len(prompt) - 1:], np.float32)          # [len(answer) + 1, V]
-  best_two = np.partition(rows, -2, axis=-1)[:, -2:]                 # the two largest, unordered
-  return best_two.max(-1) - best_two.min(-1)
+  padded = np.zeros((1, min(round_up(n, MARGIN_BUCKET), config.max_position_embeddings)), np.int32)
+  padded[0, :n] = tokens   # the padding comes after: a causal forward's rows up to n never see it
+  return np.asarray(_margins(params, config, jnp.asarray(padded)))[len(prompt) - 1:n]
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _margins(params, config: ModelConfig, tokens):
+  """[P] float32: top-1 minus top-2 logit at each row of one causal forward over tokens [1, P]."""
+  width = tokens.shape[1]
+  cache = KVCache.init(config, 1, width)
+  logits, _, _ = forward(params, config, tokens, jnp.arange(width)[None], cache,
+                         causal_attend(cache.lengths, width, width))
+  best_two = jax.lax.top_k(logits[0].astype(jnp.float32), 2)[0]     # [P, 2], largest first
+  return best_two[:, 0] - best_two[:, 1]
 
 
 def parting(margins: np.ndarray, at: int, tie: float | None = None) -> dict:

@@ -53,11 +53,14 @@ def batches(questions: Sequence[spec_bench.Question], batch_size: int) -> list[l
 def mismatches(runs: list[dict], ar_runs: list[dict], margins_of=None, tie: float | None = None) -> list[dict]:
   """The turns whose tokens differ from `ar`'s: {question_id, turn, at} (near_ties.compare), with
   margins_of (near_ties.top2_margins over `ar`'s answer) also how close to a tie the target was
-  there (margin, smaller_in_answer, median_margin; with `tie`, near_tie)."""
+  there (margin, smaller_in_answer, median_margin; with `tie`, near_tie). A question's turns after
+  its first parting are not compared: their prompts hold the run's own earlier answer, not `ar`'s."""
   from hitree_jax import near_ties
   out = []
   for run, ar in zip(runs, ar_runs):
     for t, (mine, theirs) in enumerate(zip(run["turns"], ar["turns"])):
+      if mine["prompt"] != theirs["prompt"]:
+        break
       parted = near_ties.compare(theirs["prompt"], mine["tokens"], theirs["tokens"], margins_of, tie)
       if parted is not None:
         out.append({"question_id": run["question_id"], "turn": t + 1, **parted})

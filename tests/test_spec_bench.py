@@ -195,6 +195,22 @@ def test_a_biased_method_is_caught_with_the_targets_margin_where_it_parts():
   assert [r["differs_from_ar"] for r in plain if r["method"] == "biased"] == [[{"question_id": 7, "turn": 1, "at": 11}]]
 
 
+def test_a_turn_after_a_parting_is_not_compared_with_ars():
+  """A second turn asked after a first that parted from `ar` has another prompt (the run's own
+  first answer): its tokens are not `ar`'s to match, so only the first turn is named."""
+  from launch import spec_bench_run
+  def question(first, second):
+    turn = lambda prompt, tokens: {"prompt": prompt, "tokens": tokens, "new_tokens": len(tokens), "decode_s": 1.0,
+                                   "rows": 1, "prefill_s": 0.1, "target_forwards": len(tokens), "compiles": 0}
+    return [{"question_id": 81, "task": "mt_bench", "category": "writing",
+             "turns": [turn(PROMPT, first), turn(PROMPT + first + [5], second)]}]
+  by_run = {("ar", 1): question([1, 2, 3], [4, 5]), ("sd", 1): question([1, 2, 9], [7, 7]),
+            ("tree", 1): question([1, 2, 3], [4, 6])}
+  results = {r["method"]: r for r in spec_bench_run.rows(by_run, True)}
+  assert results["sd"]["differs_from_ar"] == [{"question_id": 81, "turn": 1, "at": 2}]
+  assert results["tree"]["differs_from_ar"] == [{"question_id": 81, "turn": 2, "at": 1}]
+
+
 def test_a_batchs_seconds_count_once_and_its_speedup_is_over_ar_at_that_size():
   """Two questions decoded together in 2 s: 20 tokens over 2 s, not over 4; the speedup is over
   `ar` at batch 2; a row's latency is its batch's time; rows are compared with `ar` alone."""
