@@ -72,6 +72,7 @@ common.define_config_flag()
 common.define_model_flags()
 common.define_sampling_flags()
 common.define_mesh_flags()
+common.define_cache_sizing_flag()
 common.define_speculation_flags()
 flags.DEFINE_list("methods", ["ar"], "Configurations to compare: ar, sd[/DRAFT[/GAMMA]], "
                   "tree[/DRAFT[/TREE]], retrieval[/GAMMA], triforce[/DRAFT], hitree[/DRAFT[/TREE]], "
@@ -113,7 +114,8 @@ def run_one(model, method, group, sampling, programs, mesh=None, seed=None):
   """One timed generation of a group of prompts (one, or a batch), EOS ignored."""
   return method.generate(model.params, model.config, group, max_new_tokens=FLAGS.max_new_tokens,
                          sampling=sampling, seed=FLAGS.seed if seed is None else seed, stop_at_eos=False,
-                         programs=programs, time_levels=FLAGS.time_levels, mesh=mesh)
+                         programs=programs, time_levels=FLAGS.time_levels, mesh=mesh,
+                         size_caches_for=FLAGS.size_caches_for)
 
 
 def check_flags() -> list[int]:
@@ -221,7 +223,8 @@ def run_questions(chosen, methods, sampling, mesh) -> None:
     programs = Programs()
     jax.clear_caches()
     gc.collect()
-    ask = lambda qs: spec_bench_run.answer(model, tokenizer, method, qs, sampling, programs, mesh, max_new, FLAGS.seed)
+    ask = lambda qs: spec_bench_run.answer(model, tokenizer, method, qs, sampling, programs, mesh, max_new, FLAGS.seed,
+                                           FLAGS.size_caches_for)
     groups = spec_bench_run.batches(chosen, size)
     ask(groups[0])   # warm-up: compiles; not counted
     at = f" x{size}" if size != 1 else ""

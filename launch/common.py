@@ -194,6 +194,14 @@ def model_dtype() -> str:
   return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
+def define_cache_sizing_flag():
+  flags.DEFINE_integer("size_caches_for", 0, "Size every generation's caches for prompts of up to this "
+                       "many tokens (a longer batch is sized for itself): one compiled decode program then "
+                       "serves them all. Worth it where compiling is slow and a step costs about the same "
+                       "over more slots (a GPU or TPU at short contexts); on a CPU a step reads every slot. "
+                       "0: each batch's own prompts, rounded up to 256 slots.")
+
+
 def define_mesh_flags():
   flags.DEFINE_string("mesh", "", "Devices to shard over, AXIS:N[,AXIS:N...]: data (prompts), "
                       "sequence (the full caches' slots), model (the target's heads, MLP and "

@@ -33,6 +33,7 @@ common.define_config_flag()
 common.define_model_flags()
 common.define_sampling_flags()
 common.define_mesh_flags()
+common.define_cache_sizing_flag()
 common.define_speculation_flags()
 flags.DEFINE_string("prompt", None, "Prompt text.")
 flags.DEFINE_string("prompt_file", None, "File holding the prompt text.")
@@ -202,7 +203,8 @@ def main(argv):
     batch = prompts[first:first + FLAGS.batch_size]
     model_ids = batch if model.vocab is None else [model.vocab.to_draft(ids).tolist() for ids in batch]  # a draft alone
     result = method.generate(params, model.config, model_ids, max_new_tokens=FLAGS.max_new_tokens,
-                             sampling=sampling, seed=FLAGS.seed, stop_at_eos=not FLAGS.ignore_eos, mesh=mesh)
+                             sampling=sampling, seed=FLAGS.seed, stop_at_eos=not FLAGS.ignore_eos, mesh=mesh,
+                             size_caches_for=FLAGS.size_caches_for)
     for ids, out in zip(batch, result.tokens):
       tokens = out if model.vocab is None else model.vocab.to_target(out).tolist()
       rows.append({"prompt_ids": ids, "tokens": tokens, "text": tokenizer.decode(tokens, skip_special_tokens=True)})

@@ -22,7 +22,7 @@ from .tables import differs_cell, name
 
 
 def answer(model, tokenizer, method, questions: Sequence[spec_bench.Question], sampling, programs,
-           mesh, max_new_tokens: int, seed: int) -> list[list[dict]]:
+           mesh, max_new_tokens: int, seed: int, size_caches_for: int = 0) -> list[list[dict]]:
   """Questions asked together, one batch per turn: turn t of every question that has one, each
   after the model's own earlier answers. Per question, per turn: {prompt_tokens, new_tokens,
   decode_s, rows, prefill_s, target_forwards, compiles, tokens, prompt}, where decode_s is the
@@ -34,7 +34,8 @@ def answer(model, tokenizer, method, questions: Sequence[spec_bench.Question], s
     asked = [i for i, q in enumerate(questions) if t < len(q.turns)]
     prompts = [conversation_prompt(tokenizer, questions[i].turns[:t + 1], answers[i]) for i in asked]
     r = method.generate(model.params, model.config, prompts, max_new_tokens=max_new_tokens,
-                        sampling=sampling, seed=seed, stop_at_eos=True, programs=programs, mesh=mesh)
+                        sampling=sampling, seed=seed, stop_at_eos=True, programs=programs, mesh=mesh,
+                        size_caches_for=size_caches_for)
     for row, (i, ids) in enumerate(zip(asked, prompts)):
       tokens = r.tokens[row]
       answers[i].append(tokenizer.decode(tokens, skip_special_tokens=True))

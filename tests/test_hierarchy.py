@@ -99,6 +99,26 @@ def test_each_row_of_a_ragged_batch_is_what_its_prompt_gives_alone(params, draft
     assert together.target_forwards == max(forwards) and min(forwards) < max(forwards)
 
 
+@pytest.mark.parametrize("name", ["ar", "chain", "hierarchy"])
+def test_caches_sized_for_longer_prompts_give_the_same_tokens_from_one_program(params, draft, name):
+  """size_caches_for: two batches whose own sizes fall in different cache buckets (a 300-token
+  prompt, 5-token ones), both sized for 400-token prompts, decode what they decode sized for
+  themselves, and the second compiles nothing; sized for themselves, it compiles."""
+  from hitree_jax.errors import UsageError
+  config = CONFIG.replace(max_position_embeddings=1024)
+  long_prompt = list(np.random.default_rng(0).integers(1, config.vocab_size, 300))
+  batches = ([PROMPTS[2], PROMPTS[2][::-1]], [long_prompt, PROMPTS[2]])
+  run = lambda prompts, programs, **sized: engine.generate(params, config, prompts, stack=ALONE_STACKS[name],
+                                                           draft=draft, max_new_tokens=30, programs=programs, **sized)
+  own, sized = Programs(), Programs()
+  for prompts in batches:
+    mine, shared = run(prompts, own), run(prompts, sized, size_caches_for=400)
+    assert shared.tokens == mine.tokens
+  assert shared.compiles + shared.cache_loads == 0 < mine.compiles + mine.cache_loads
+  with pytest.raises(UsageError, match="caches sized for 1000-token prompts: with max_new_tokens=30"):
+    run(batches[0], sized, size_caches_for=1000)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["triforce", "self-under-retrieval", "4-level"])
 def test_bfloat16_keys_keep_every_level_exact(params, draft, name):

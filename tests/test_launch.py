@@ -245,7 +245,7 @@ def test_auto_without_a_draft_takes_the_models_shipped_one_and_names_what_anothe
 def test_generate_decodes_a_file_of_prompts_in_batches_each_row_as_alone(tiny_model, tmp_path):
   """--prompts_file: three chat prompts of different lengths, decoded two at a time with prompt
   lookup; each row's tokens are those of its prompt generated alone (greedy), and each stops at
-  its own EOS or length."""
+  its own EOS or length; so are they with the caches sized for longer prompts (--size_caches_for)."""
   prompts = ["Name a colour.", "Write two sentences about the sea, then repeat them.", "Say hello\nin two lines."]
   jsonl = tmp_path / "prompts.jsonl"
   jsonl.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
@@ -268,6 +268,12 @@ def test_generate_decodes_a_file_of_prompts_in_batches_each_row_as_alone(tiny_mo
   proc = launch("generate", f"--prompts_file={text}", *common)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert [b["rows"] for b in json.loads(proc.stdout.strip().splitlines()[-1])["batches"]] == [2]
+  # Sized for longer prompts (one program for every batch up to them): the same rows.
+  proc = launch("generate", f"--prompts_file={jsonl}", "--batch_size=2", "--size_caches_for=200", *common)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads(proc.stdout.strip().splitlines()[-1])["rows"] == record["rows"]
+  proc = launch("generate", f"--prompts_file={jsonl}", "--size_caches_for=100000", *common)
+  assert proc.returncode == 2 and "caches sized for 100000-token prompts" in proc.stderr
 
 
 @pytest.fixture(scope="module")

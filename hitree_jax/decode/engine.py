@@ -59,9 +59,9 @@ def check_stack(stack: Stack, config: ModelConfig) -> None:
 def prefill(params, config: ModelConfig, prompts, max_new_tokens: int, stack: Stack,
             sampling: SamplingParams | None = None, seed: int = 0, stop_at_eos: bool = True,
             draft: DraftWeights | None = None, programs: programs_lib.Programs | None = None,
-            mesh: Mesh | None = None) -> tuple[Prefilled, float]:
+            mesh: Mesh | None = None, size_caches_for: int = 0) -> tuple[Prefilled, float]:
   """Checks the stack and prefills every level's long cache from the prompts: (the generation
-  ready for `decode`, prefill seconds, compilation included)."""
+  ready for `decode`, prefill seconds, compilation included). size_caches_for: generate's."""
   programs = programs or programs_lib.shared()
   sampling = sampling or SamplingParams.create()
   check_stack(stack, config)
@@ -74,7 +74,7 @@ def prefill(params, config: ModelConfig, prompts, max_new_tokens: int, stack: St
                      f"{stack.draft_config.vocab_size} tokens, the target's {config.vocab_size}")
   if not stack.uses_draft_weights:
     draft = None
-  batch = prefill_lib.make_batch(prompts, config, max_new_tokens)
+  batch = prefill_lib.make_batch(prompts, config, max_new_tokens, size_caches_for)
   shapes = decode_shapes(stack, config, batch.tokens.shape[1], max_new_tokens, batch.batch, mesh)
   sizes = shapes.sizes
   weights = Weights(sharding.place_params(params, mesh), sharding.place_draft(draft, sizes.draft_weights_config, mesh))
@@ -111,7 +111,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
              sampling: SamplingParams | None = None, seed: int = 0, stop_at_eos: bool = True,
              draft: DraftWeights | None = None, programs: programs_lib.Programs | None = None,
              time_levels: bool = False, mesh: Mesh | None = None,
-             keep_long_caches: bool = False) -> GenerationResult:
+             keep_long_caches: bool = False, size_caches_for: int = 0) -> GenerationResult:
   """Generation with any stack (stack.py): by default `ar`; `tree` + `drafter` is shorthand for
   the two-level Stack(drafter, tree). draft: a draft model's weights, for a stack that has one.
   programs: the memo of compiled programs to use and fill (default: programs.shared()).
@@ -120,14 +120,18 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, m
   mesh: the devices to run on (sharding.make_mesh): the target tensor-parallel over `model`, rows
   over `data`, the full caches' slots over `sequence`; the tokens are the same as on one device.
   keep_long_caches: also return every level's long cache as decoding left it (its slots up to
-  the prompt's length as prefill wrote them: the planner's profile reads the prompt's again)."""
+  the prompt's length as prefill wrote them: the planner's profile reads the prompt's again).
+  size_caches_for: size the caches and programs for prompts of up to this many tokens (a longer
+  batch is sized for itself), so that one decode program serves every batch up to it. Where
+  compiling is slow and a step costs about the same over more slots (a GPU at short contexts:
+  docs/accelerators.md) that saves a program per prompt bucket; on a CPU a step reads every slot."""
   if stack is None:
     stack = Stack(drafter, tree)
   programs = programs or programs_lib.shared()
   counts_before = programs.counts()
   with sharding.use(mesh):  # traced under the mesh: attention over a cache split by slot reads it per shard
     ready, prefill_s = prefill(params, config, prompts, max_new_tokens, stack, sampling, seed,
-                               stop_at_eos, draft, programs, mesh)
+                               stop_at_eos, draft, programs, mesh, size_caches_for)
     sizes = ready.sizes
     prefill_s -= programs.compile_s - counts_before[0]
     round_s = timing.time_levels(programs, ready) if time_levels and sizes.top > 0 else None

@@ -39,8 +39,9 @@ class PromptBatch:
 
 
 def make_batch(prompts: Sequence[Sequence[int]], config: ModelConfig,
-               max_new_tokens: int) -> PromptBatch:
-  """Validates prompts (lists of token ids, lengths may differ) and pads them."""
+               max_new_tokens: int, width: int = 0) -> PromptBatch:
+  """Validates prompts (lists of token ids, lengths may differ) and pads them to the longest, or
+  to `width` tokens where that is more (the caches and programs are sized from the padded width)."""
   if isinstance(prompts, np.ndarray) and prompts.ndim != 2:
     raise UsageError(f"prompts array must be [batch, length]; got shape {prompts.shape}")
   if len(prompts) == 0:
@@ -67,7 +68,10 @@ def make_batch(prompts: Sequence[Sequence[int]], config: ModelConfig,
           f"{total} > the model's context of {config.max_position_embeddings}")
     rows.append(p.astype(np.int32))
   lengths = np.array([r.size for r in rows], np.int32)
-  tokens = np.zeros((len(rows), lengths.max()), np.int32)
+  if width < 0 or width + max_new_tokens > config.max_position_embeddings:
+    raise UsageError(f"caches sized for {width}-token prompts: with max_new_tokens={max_new_tokens} that "
+                     f"is outside the model's context of {config.max_position_embeddings}")
+  tokens = np.zeros((len(rows), max(int(lengths.max()), width)), np.int32)
   for i, r in enumerate(rows):
     tokens[i, :r.size] = r
   return PromptBatch(tokens, lengths)
@@ -116,7 +120,7 @@ def _last_logits(params, config: ModelConfig, last_hidden):
 
 def chunked_tokens(batch: PromptBatch) -> tuple[np.ndarray, int]:
   """(the prompts padded to a whole number of chunks [B, P'], the chunk size)."""
-  chunk = prefill_chunk_size(int(batch.lengths.max()))
+  chunk = prefill_chunk_size(batch.tokens.shape[1])
   padded = round_up(batch.tokens.shape[1], chunk)
   tokens = np.zeros((batch.batch, padded), np.int32)
   tokens[:, :batch.tokens.shape[1]] = batch.tokens

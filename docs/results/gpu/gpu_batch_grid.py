@@ -9,7 +9,9 @@ prompt lengths spread over several cache buckets and prefill chunks: the first t
 minutes compiling and wrote nothing. So here
 - every run uses one cache size (SLOTS) and one prefill chunk (CHUNK): a method compiles one
   decode program per batch shape, not one per bucket. On this GPU a SmolLM2 step costs about the
-  same over 2K or 8K slots (gpu_level_cost_smollm2_h100.md), so the larger cache costs little;
+  same over 2K or 8K slots (gpu_level_cost_smollm2_h100.md), so the larger cache costs little.
+  (The launchers' --size_caches_for does this now; the script sets the sizes itself, as it did
+  for its record, gpu_batch_grid_h200.md);
 - first, one process per batch size compiles at once (16 cores), each asking just enough
   questions to build every program its timed run needs, into the persistent compilation cache;
 - then one process per batch size in turn times all 64 questions, its programs read from there.
