@@ -50,15 +50,17 @@ def peaked(config, seed: int) -> dict:
 
 
 def tiny_model_gguf(path: pathlib.Path, max_positions: int = 1024, num_layers: int = 1,
-                    width: int = 32) -> pathlib.Path:
+                    width: int = 32, heads: tuple[int, int] = (2, 1)) -> pathlib.Path:
   """A random model of `num_layers` layers with SmolLM2's tokenizer and chat template, written to
   `path`: for launcher tests of what does not depend on the model's size (it compiles in seconds,
-  SmolLM2's 30 layers in a minute). width: its hidden size (MLP twice that, two heads)."""
+  SmolLM2's 30 layers in a minute). width: its hidden size (MLP twice that); heads: its query and
+  KV heads, each width / query heads wide."""
   from hitree_jax.loading import resolve
   from hitree_jax.loading.gguf import save_gguf
   from hitree_jax.model.config import ModelConfig
   config = ModelConfig(vocab_size=49152, hidden_size=width, intermediate_size=2 * width, num_layers=num_layers,
-                       num_heads=2, num_kv_heads=1, head_dim=width // 2, max_position_embeddings=max_positions)
+                       num_heads=heads[0], num_kv_heads=heads[1], head_dim=width // heads[0],
+                       max_position_embeddings=max_positions)
   return save_gguf(path, config, peaked(config, 0), quantize=False, tokenizer_from=resolve("smollm2"))
 
 

@@ -62,6 +62,39 @@ def test_distillation_split_holds_out_whole_books_of_every_corpus():
       assert middle in held_out[name] and middle not in train[name], (name, book)
 
 
+def test_the_books_token_ids_are_encoded_once_and_kept(tmp_path, monkeypatch):
+  """corpus.split_ids: each corpus's split is what the tokenizer makes of its text; the ids are
+  kept under <assets>/token_ids/ and a later process (here: its memo emptied) reads them without
+  encoding; a book that changes is encoded again, under a new key."""
+  from hitree_jax.loading import smollm2_gguf_path
+  from hitree_jax.tokenizer import load_tokenizer
+  from hitree_jax.train import corpus
+  tokenizer = load_tokenizer(smollm2_gguf_path())
+  monkeypatch.setenv("HITREE_ASSETS", str(tmp_path))
+  monkeypatch.setattr(corpus, "_KEPT", {})
+  for name in data.CORPORA:
+    (tmp_path / "books" / name).mkdir(parents=True)
+    (tmp_path / "books" / name / "aaa_trained_on.txt").write_text(f"A {name} book to train on.\n")
+    for book in corpus.HELD_OUT_BOOKS[name]:
+      (tmp_path / "books" / name / f"{book}.txt").write_text(f"\n{book.title()}, held out of {name}'s training.\n")
+  encoded = lambda: {name: tokenizer.encode(text, add_special_tokens=False)
+                     for name, text in corpus.split_texts("eval").items()}
+  expected = encoded()
+  assert len(expected["shakespeare"]) > len(expected["milton"]) > 3   # two held-out books against one
+  assert {name: ids.tolist() for name, ids in corpus.split_ids(tokenizer, "eval").items()} == expected
+  (kept,) = (tmp_path / "token_ids").glob("eval-*.npz")
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("encoded again")
+  monkeypatch.setattr(corpus, "_KEPT", {})
+  monkeypatch.setattr(tokenizer, "encode", refuse)
+  assert {name: ids.tolist() for name, ids in corpus.split_ids(tokenizer, "eval").items()} == expected
+  monkeypatch.delattr(tokenizer, "encode")
+  (tmp_path / "books" / "austen" / "persuasion.txt").write_text("Persuasion, rewritten.\n")
+  assert corpus.split_ids(tokenizer, "eval")["austen"].tolist() == encoded()["austen"] != expected["austen"]
+  assert len(list((tmp_path / "token_ids").glob("eval-*.npz"))) == 2 and kept.is_file()
+
+
 @pytest.mark.parametrize("corpus", data.CORPORA)
 def test_book_text(corpus):
   text = data.book_text(corpus)

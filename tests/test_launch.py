@@ -256,10 +256,15 @@ def test_generate_decodes_a_file_of_prompts_in_batches_each_row_as_alone(tiny_mo
   record = json.loads(proc.stdout.strip().splitlines()[-1])
   assert [b["rows"] for b in record["batches"]] == [2, 1] and len(record["rows"]) == 3
   assert all(f"--- {i} ---" in proc.stdout for i in range(1, 4))
-  for prompt, row in zip(prompts, record["rows"]):
-    alone = launch("generate", f"--prompt={prompt}", *common)
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    single = json.loads(alone.stdout.strip().splitlines()[-1])
+  # Alone: a batch of one row each, and the first also from --prompt.
+  alone = launch("generate", f"--prompts_file={jsonl}", "--batch_size=1", *common)
+  assert alone.returncode == 0, alone.stderr[-3000:]
+  singles = json.loads(alone.stdout.strip().splitlines()[-1])
+  assert [b["rows"] for b in singles["batches"]] == [1, 1, 1]
+  first = launch("generate", f"--prompt={prompts[0]}", *common)
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert singles["rows"][0]["tokens"] == json.loads(first.stdout.strip().splitlines()[-1])["tokens"]
+  for row, single in zip(record["rows"], singles["rows"], strict=True):
     assert (row["prompt_ids"], row["tokens"]) == (single["prompt_ids"], single["tokens"])
   assert len({len(row["prompt_ids"]) for row in record["rows"]}) > 1
   # A plain text file: one prompt per line.

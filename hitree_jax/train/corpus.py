@@ -7,6 +7,13 @@ are spread over every book of a corpus; see the note in launch/distill.py).
 
 from __future__ import annotations
 
+import hashlib
+import os
+import pathlib
+import uuid
+import warnings
+import zipfile
+
 import numpy as np
 
 from hitree_jax.data import CORPORA, assets_dir
@@ -18,18 +25,82 @@ HELD_OUT_BOOKS = {"austen": ("persuasion",), "shakespeare": ("hamlet", "tempest"
 CORPUS_WEIGHTS = {"austen": 0.5, "shakespeare": 0.35, "milton": 0.15}
 
 
-def split_texts(split: str) -> dict[str, str]:
-  """{corpus: text} of the 'train' or 'eval' books of every corpus, in sorted file order."""
+def split_files(split: str) -> dict[str, list[pathlib.Path]]:
+  """{corpus: book files} of the 'train' or 'eval' split of every corpus, in sorted order."""
   if split not in ("train", "eval"):
     raise UsageError(f"split={split!r}: expected 'train' or 'eval'")
-  texts = {}
+  chosen = {}
   for corpus in CORPORA:
     files = sorted((assets_dir() / "books" / corpus).glob("*.txt"))
     if not files:
       raise NotFound(f"no books for {corpus!r}: run `python -m launch.fetch_assets`")
-    chosen = [f for f in files if (f.stem in HELD_OUT_BOOKS[corpus]) == (split == "eval")]
-    texts[corpus] = "\n\n".join(f.read_text(encoding="utf-8").strip("\n") for f in chosen)
-  return texts
+    chosen[corpus] = [f for f in files if (f.stem in HELD_OUT_BOOKS[corpus]) == (split == "eval")]
+  return chosen
+
+
+def split_texts(split: str) -> dict[str, str]:
+  """{corpus: text} of the 'train' or 'eval' books of every corpus, in sorted file order."""
+  return {corpus: "\n\n".join(f.read_text(encoding="utf-8").strip("\n") for f in files)
+          for corpus, files in split_files(split).items()}
+
+
+def split_ids(tokenizer, split: str) -> dict[str, np.ndarray]:
+  """{corpus: int32 token ids} of the split's text (split_texts), each corpus encoded whole.
+
+  Encoding the training books takes about 8 s on 2 cores (2.7M tokens), and a distillation
+  run needed them twice (its vocabulary's counts, then its windows); so the ids are kept under
+  <assets>/token_ids/, keyed by a digest of the tokenizer's definition and of the books' names,
+  sizes and modification times, and reused by every later run (and within a process)."""
+  files = split_files(split)
+  try:
+    definition = tokenizer.backend_tokenizer.to_str()
+  except AttributeError:   # not a fast (Rust) tokenizer: nothing to key a kept copy by
+    return {corpus: _encode(tokenizer, text) for corpus, text in split_texts(split).items()}
+  digest = hashlib.sha256(definition.encode())
+  for corpus, chosen in files.items():
+    for f in chosen:
+      stat = f.stat()
+      digest.update(f"{corpus}/{f.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+  key = f"{split}-{digest.hexdigest()[:16]}"
+  if key not in _KEPT:
+    _KEPT[key] = _kept_ids(tokenizer, split, assets_dir() / "token_ids" / f"{key}.npz")
+  return _KEPT[key]
+
+
+_KEPT: dict[str, dict[str, np.ndarray]] = {}   # split_ids' entries read in this process
+
+
+def _encode(tokenizer, text: str) -> np.ndarray:
+  return np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
+
+
+def _kept_ids(tokenizer, split: str, path: pathlib.Path) -> dict[str, np.ndarray]:
+  """The split's ids read from `path`, else encoded and written there (under a temporary name,
+  then renamed: a concurrent reader sees all of it or none). Read-only: they are shared."""
+  ids = None
+  if path.is_file():
+    try:
+      with np.load(path) as kept:
+        ids = {corpus: kept[corpus] for corpus in kept.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+      warnings.warn(f"token ids {path} unreadable ({e}): the books are encoded again")
+  if ids is None or list(ids) != list(CORPORA):
+    ids = {corpus: _encode(tokenizer, text) for corpus, text in split_texts(split).items()}
+    _write(path, ids)
+  for array in ids.values():
+    array.setflags(write=False)
+  return ids
+
+
+def _write(path: pathlib.Path, ids: dict[str, np.ndarray]) -> None:
+  tmp = path.parent / f".tmp-{path.stem}-{os.getpid()}-{uuid.uuid4().hex[:8]}.npz"
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(tmp, **ids)
+    os.replace(tmp, path)
+  except OSError as e:
+    warnings.warn(f"token ids {path} not written ({e}); the books are encoded again next time")
+    tmp.unlink(missing_ok=True)
 
 
 def evenly_spaced_windows(ids: np.ndarray, window: int, n: int) -> np.ndarray:
@@ -42,21 +113,15 @@ def evenly_spaced_windows(ids: np.ndarray, window: int, n: int) -> np.ndarray:
 
 def token_windows(tokenizer, split: str, window: int, n_windows: int) -> np.ndarray:
   """[n_windows, window] token ids from the split's books, shared out by CORPUS_WEIGHTS."""
-  texts = split_texts(split)
   counts = {c: int(round(n_windows * w)) for c, w in CORPUS_WEIGHTS.items()}
   counts["austen"] += n_windows - sum(counts.values())
-  parts = []
-  for corpus, text in texts.items():
-    if counts[corpus]:
-      ids = np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
-      parts.append(evenly_spaced_windows(ids, window, counts[corpus]))
-  return np.concatenate(parts)
+  return np.concatenate([evenly_spaced_windows(ids, window, counts[corpus])
+                         for corpus, ids in split_ids(tokenizer, split).items() if counts[corpus]])
 
 
 def token_counts(tokenizer, vocab_size: int) -> np.ndarray:
   """[vocab_size] occurrences of each token in the training books (to choose a draft vocabulary)."""
   counts = np.zeros(vocab_size, np.int64)
-  for text in split_texts("train").values():
-    ids = np.asarray(tokenizer.encode(text, add_special_tokens=False))
+  for ids in split_ids(tokenizer, "train").values():
     counts += np.bincount(ids, minlength=vocab_size)
   return counts
