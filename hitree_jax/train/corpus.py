@@ -55,7 +55,7 @@ def split_ids(tokenizer, split: str) -> dict[str, np.ndarray]:
   try:
     definition = tokenizer.backend_tokenizer.to_str()
   except AttributeError:   # not a fast (Rust) tokenizer: nothing to key a kept copy by
-    return {corpus: _encode(tokenizer, text) for corpus, text in split_texts(split).items()}
+    return _encoded(tokenizer, split)
   digest = hashlib.sha256(definition.encode())
   for corpus, chosen in files.items():
     for f in chosen:
@@ -70,8 +70,9 @@ def split_ids(tokenizer, split: str) -> dict[str, np.ndarray]:
 _KEPT: dict[str, dict[str, np.ndarray]] = {}   # split_ids' entries read in this process
 
 
-def _encode(tokenizer, text: str) -> np.ndarray:
-  return np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
+def _encoded(tokenizer, split: str) -> dict[str, np.ndarray]:
+  return {corpus: np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
+          for corpus, text in split_texts(split).items()}
 
 
 def _kept_ids(tokenizer, split: str, path: pathlib.Path) -> dict[str, np.ndarray]:
@@ -85,7 +86,7 @@ def _kept_ids(tokenizer, split: str, path: pathlib.Path) -> dict[str, np.ndarray
     except (OSError, ValueError, zipfile.BadZipFile) as e:
       warnings.warn(f"token ids {path} unreadable ({e}): the books are encoded again")
   if ids is None or list(ids) != list(CORPORA):
-    ids = {corpus: _encode(tokenizer, text) for corpus, text in split_texts(split).items()}
+    ids = _encoded(tokenizer, split)
     _write(path, ids)
   for array in ids.values():
     array.setflags(write=False)
